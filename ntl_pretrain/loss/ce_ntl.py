@@ -1,0 +1,107 @@
+"""`ce_ntl_loss`: the training objective CE + λ·NTL on logits, dense or sharded by vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype, make_targets
+from ntl_pretrain.numbers import NumberShard, NumberVocab
+
+KINDS = ("was", "mse", "mae", "huber")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """ce + weight * ntl."""
+    ce: torch.Tensor
+    """Cross-entropy: mean over non-ignored positions, their sum, or per position (0 where ignored)."""
+    ntl: torch.Tensor
+    """Number Token Loss: mean over number-label positions, their sum, or per position (0 elsewhere)."""
+    num_tokens: torch.Tensor
+    """int64 scalar: positions whose label is not ignore_index."""
+    num_number_tokens: torch.Tensor
+    """int64 scalar: positions whose label is a number token (0 when kind is None)."""
+
+
+def ce_ntl_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    nv: NumberVocab | None,
+    kind: str | None = "was",
+    weight: float = 0.3,
+    reweigh: bool = False,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    group: torch.distributed.ProcessGroup | None = None,
+    vocab_start: int = 0,
+) -> LossOutput:
+    """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber, or None for CE only).
+
+    `logits` [..., V] (fp32/bf16/fp16; math runs in fp32, fp64 stays fp64) and `labels` [...] are aligned
+    position by position: shift them before calling for next-token prediction. With `group`, `logits` holds the
+    columns [vocab_start, vocab_start + V) of the vocabulary `nv` describes and every rank of the group gets the
+    loss of the full vocabulary; each rank's gradient covers its own columns. "mean" divides by this call's
+    counts (a batch without number labels has ntl = 0); to normalise over a global batch, take "sum" and divide
+    by the counts summed over it.
+    """
+    _check_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start)
+    num_columns = logits.shape[-1]
+    logits_NV = logits.reshape(-1, num_columns)
+    shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else _no_numbers(logits.device)
+    targets = make_targets(
+        labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns, compute_dtype(logits)
+    )
+    ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group)
+    num_tokens, num_number_tokens = targets.valid.sum(), targets.is_number.sum()
+    if reduction == "none":
+        ce, ntl = ce_N.view(labels.shape), ntl_N.view(labels.shape)
+    elif reduction == "sum":
+        ce, ntl = ce_N.sum(), ntl_N.sum()
+    else:
+        ce, ntl = ce_N.sum() / num_tokens.clamp_min(1), ntl_N.sum() / num_number_tokens.clamp_min(1)
+    return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_number_tokens)
+
+
+def _no_numbers(device: torch.device) -> NumberShard:
+    empty = torch.zeros(0, device=device)
+    return NumberShard(vocab=None, local_ids=empty.long(), values=empty, classes=empty.long(), class_spread=empty)
+
+
+def _check_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start) -> None:
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not torch.is_floating_point(logits):
+        raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be int64 (or int32) token ids, got {labels.dtype}")
+    if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
+        raise ValueError(f"labels must have the leading shape of logits [..., V]: logits {tuple(logits.shape)} "
+                         f"needs labels {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+    if kind is not None:
+        if nv is None:
+            raise ValueError(f"kind={kind!r} needs a NumberVocab (nv); pass kind=None for cross-entropy only")
+        nv.require_numbers()
+    vocab_size = nv.vocab_size if nv is not None else None
+    if group is None:
+        if vocab_start != 0:
+            raise ValueError("vocab_start is only meaningful with a vocabulary-parallel group")
+        if vocab_size is not None and logits.shape[-1] != vocab_size:
+            raise ValueError(f"logits have {logits.shape[-1]} columns but the NumberVocab describes {vocab_size} "
+                             f"tokens; build it with NumberVocab.from_tokenizer(tok, vocab_size={logits.shape[-1]})")
+    elif vocab_size is not None and not 0 <= vocab_start < vocab_start + logits.shape[-1] <= vocab_size:
+        raise ValueError(f"shard [{vocab_start}, {vocab_start + logits.shape[-1]}) is outside the {vocab_size}-token "
+                         f"vocabulary of the NumberVocab")
+    # A sharded rank knows the full vocabulary size only through nv; without nv it can check the lower bound.
+    upper = vocab_size if vocab_size is not None else (None if group is not None else logits.shape[-1])
+    in_range = labels >= 0 if upper is None else (labels >= 0) & (labels < upper)
+    # An async assert: no host sync on accelerators (torch.compile-friendly); on CPU it raises at once.
+    torch._assert_async(
+        (in_range | (labels == ignore_index)).all(),
+        f"labels must be token ids in [0, {upper}) or ignore_index={ignore_index}",
+    )

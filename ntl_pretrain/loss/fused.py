@@ -1,0 +1,262 @@
+"""Fused cross-entropy + Number Token Loss with a closed-form backward, dense or vocabulary-parallel.
+
+Legend: N positions, V columns of the logits this rank holds (the whole vocabulary, or a shard of it),
+K number-token columns among them, R rows of one chunk.
+
+Per position with logits z and label t (design.md, "The objective, exactly"):
+  CE   = logsumexp(z) - z_t
+  q_j  = softmax of z over C(t), the number tokens of t's class;  y = value(t);  s = scale(t)
+  WAS  = sum_j q_j |v_j - y| / s;   MSE/MAE/Huber = f((sum_j q_j v_j - y) / s)
+  reweigh: L * m + c * (1 - m), m = full-softmax mass on C(t), c = 1.01 * the largest L of the class.
+
+Everything is a per-position sum over columns, so a sharded vocabulary needs one MAX all-reduce of the local
+log-sum-exps (whole row and class) and one SUM all-reduce of five rescaled partial sums; backward needs none,
+because every column's gradient depends only on its own logit and those per-row totals. Math runs in fp32 on
+row chunks, so at most one [N, V] buffer (the gradient) exists besides the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain.numbers import NumberShard
+
+# Rows per chunk are chosen so a chunk holds about this many fp32 logits (16 MiB): large enough to amortise
+# the per-chunk kernel launches, small enough that the fp32 temporaries stay out of the peak.
+CHUNK_ELEMENTS = 1 << 22
+# Reweighing charges mass outside the class slightly more than the worst in-class prediction (as ntloss does).
+REWEIGH_MARGIN = 1.01
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Per-position label facts, all [N]."""
+
+    valid: torch.Tensor  # bool: label is not ignore_index
+    is_number: torch.Tensor  # bool: label is a number token (and NTL is on)
+    column: torch.Tensor  # int64: label's column in this shard (0 when not owned)
+    owned: torch.Tensor  # bool: this shard holds the label's column
+    number_class: torch.Tensor  # int64: label's class, -1 when not a number
+    value: torch.Tensor  # float32: label's value y (0 when not a number)
+    scale: torch.Tensor  # float32: label's scale s (1 when not a number)
+    cap: torch.Tensor  # float32: reweigh constant c of the label's class (0 when not a number)
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Per-position totals over the whole vocabulary, all [N] fp32; what backward needs besides the logits."""
+
+    lse: torch.Tensor  # logsumexp over the vocabulary
+    class_lse: torch.Tensor  # logsumexp over C(t) (0 where not a number)
+    ntl_raw: torch.Tensor  # NTL before reweighing
+    expected: torch.Tensor  # sum_j q_j v_j
+    class_mass: torch.Tensor  # m, full-softmax mass on C(t)
+
+
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 logits (bf16 cannot represent most values in 0..999); fp64 stays fp64."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def make_targets(
+    labels_N: torch.Tensor,
+    shard: NumberShard,
+    kind: str | None,
+    ignore_index: int,
+    vocab_start: int,
+    num_columns: int,
+    dtype: torch.dtype,
+) -> Targets:
+    valid = labels_N != ignore_index
+    label = torch.where(valid, labels_N, 0)
+    column = label - vocab_start
+    owned = valid & (column >= 0) & (column < num_columns)
+    zeros = torch.zeros(labels_N.shape, dtype=dtype, device=labels_N.device)
+    if kind is None:
+        number_class, value, scale, cap = torch.full_like(label, -1), zeros, zeros + 1, zeros
+    else:
+        vocab = shard.vocab
+        number_class = torch.where(valid, vocab.classes[label], -1)
+        is_number = number_class >= 0
+        value = torch.where(is_number, vocab.values[label].to(dtype), zeros)
+        scale = torch.where(is_number, vocab.scales[label].to(dtype), zeros + 1)
+        spread = shard.class_spread.to(dtype)[number_class.clamp_min(0)]
+        cap = torch.where(is_number, REWEIGH_MARGIN * _loss_of_error(spread, kind), zeros)
+    return Targets(
+        valid=valid,
+        is_number=number_class >= 0,
+        column=torch.where(owned, column, 0),
+        owned=owned,
+        number_class=number_class,
+        value=value,
+        scale=scale,
+        cap=cap,
+    )
+
+
+def _loss_of_error(error: torch.Tensor, kind: str) -> torch.Tensor:
+    """NTL of a prediction `error` scale units away from the label (WAS and MAE: |e|)."""
+    if kind == "mse":
+        return error.square()
+    if kind == "huber":
+        return torch.where(error.abs() < 1, 0.5 * error.square(), error.abs() - 0.5)
+    return error.abs()
+
+
+def _error_slope(error: torch.Tensor, kind: str) -> torch.Tensor:
+    """d(_loss_of_error)/d(error)."""
+    if kind == "mse":
+        return 2 * error
+    if kind == "huber":
+        return error.clamp(-1, 1)
+    return error.sign()
+
+
+def _row_chunks(num_rows: int, num_columns: int) -> list[slice]:
+    rows = max(1, CHUNK_ELEMENTS // max(1, num_columns))
+    return [slice(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
+
+
+def _class_logits(z_RV: torch.Tensor, shard: NumberShard, number_class_R: torch.Tensor):
+    """Logits of the local number tokens and whether each is in the row's label class: [R, K] each."""
+    z_RK = z_RV.index_select(1, shard.local_ids)
+    in_class_RK = shard.classes[None, :] == number_class_R[:, None]
+    return z_RK, in_class_RK
+
+
+def _local_partials(z_RV: torch.Tensor, shard: NumberShard, t: Targets, rows: slice) -> tuple[torch.Tensor, ...]:
+    """This shard's per-row partials: (lse, class lse, z_t, sum q|v-y|/s, sum q v) with local normalisers."""
+    lse = torch.logsumexp(z_RV, dim=1)
+    z_target = torch.where(t.owned[rows], z_RV.gather(1, t.column[rows, None]).squeeze(1), 0.0)
+    z_RK, in_class_RK = _class_logits(z_RV, shard, t.number_class[rows])
+    z_RK = z_RK.masked_fill(~in_class_RK, -math.inf)
+    class_lse = torch.logsumexp(z_RK, dim=1)
+    q_RK = torch.exp(z_RK - _finite_or_zero(class_lse)[:, None])
+    distance_RK = (shard.values[None, :] - t.value[rows, None]).abs() / t.scale[rows, None]
+    return lse, class_lse, z_target, (q_RK * distance_RK).sum(1), (q_RK * shard.values[None, :]).sum(1)
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _combine(partials: tuple[torch.Tensor, ...], group) -> tuple[torch.Tensor, ...]:
+    """Exact global per-row totals from every shard's partials: one MAX and one SUM all-reduce."""
+    lse, class_lse, z_target, distance_sum, value_sum = partials
+    maxima = _all_reduce(torch.stack([lse, class_lse], dim=1), dist.ReduceOp.MAX, group)
+    shift, class_shift = maxima[:, 0], _finite_or_zero(maxima[:, 1])
+    class_weight = torch.exp(class_lse - class_shift)  # 0 on shards without members of the class
+    sums = torch.stack(
+        [torch.exp(lse - shift), z_target, class_weight, class_weight * distance_sum, class_weight * value_sum], dim=1
+    )
+    sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
+    total_lse = shift + sums[:, 0].log()
+    class_total = sums[:, 2]
+    safe_total = torch.where(class_total > 0, class_total, 1.0)
+    return total_lse, class_shift + safe_total.log(), sums[:, 1], sums[:, 3] / safe_total, sums[:, 4] / safe_total
+
+
+def forward_rows(
+    logits_NV: torch.Tensor, t: Targets, shard: NumberShard, kind: str | None, reweigh: bool, group
+) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
+    """Per-position CE [N] and NTL [N] (zero where they do not apply) and the stats backward needs."""
+    dtype = compute_dtype(logits_NV)
+    parts = [_local_partials(logits_NV[rows].to(dtype), shard, t, rows) for rows in _row_chunks(*logits_NV.shape)]
+    partials = tuple(torch.cat(column) for column in zip(*parts)) if parts else _empty_partials(logits_NV)
+    lse, class_lse, z_target, expected_distance, expected = _combine(partials, group)
+    ce = torch.where(t.valid, lse - z_target, 0.0)
+    if kind == "was":
+        ntl_raw = expected_distance
+    else:
+        ntl_raw = _loss_of_error((expected - t.value) / t.scale, kind) if kind else torch.zeros_like(lse)
+    class_mass = torch.exp(class_lse - lse)
+    ntl = ntl_raw * class_mass + t.cap * (1 - class_mass) if reweigh else ntl_raw
+    ntl = torch.where(t.is_number, ntl, 0.0)
+    class_lse = torch.where(t.is_number, class_lse, 0.0)
+    return ce, ntl, RowStats(lse, class_lse, ntl_raw, expected, class_mass)
+
+
+def _empty_partials(logits_NV: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    empty = logits_NV.new_zeros(0, dtype=compute_dtype(logits_NV))
+    return (empty,) * 5
+
+
+def logits_grad_rows(
+    z_RV: torch.Tensor,
+    out_RV: torch.Tensor,
+    t: Targets,
+    stats: RowStats,
+    rows: slice,
+    grad_ce_R: torch.Tensor,
+    grad_ntl_R: torch.Tensor,
+    shard: NumberShard,
+    kind: str | None,
+    reweigh: bool,
+) -> None:
+    """Write d(sum_i grad_ce_i CE_i + grad_ntl_i NTL_i)/dz for the chunk `rows` into `out_RV` (any float dtype)."""
+    g_ce = torch.where(t.valid[rows], grad_ce_R, 0.0)
+    g_ntl = torch.where(t.is_number[rows], grad_ntl_R, 0.0)
+    lse, class_lse = stats.lse[rows], stats.class_lse[rows]
+    ntl_raw, mass, cap = stats.ntl_raw[rows], stats.class_mass[rows], t.cap[rows]
+    # Full-vocabulary part: softmax times the CE weight, minus reweighing's d m / d z_j = -p_j m on every column.
+    row_weight = g_ce - g_ntl * (ntl_raw - cap) * mass if reweigh else g_ce
+    work = out_RV if out_RV.dtype == z_RV.dtype else torch.empty_like(z_RV)
+    torch.sub(z_RV, lse[:, None], out=work)
+    work.exp_().mul_(row_weight[:, None])
+    work.scatter_add_(1, t.column[rows, None], -(g_ce * t.owned[rows])[:, None])
+    if kind is not None and shard.local_ids.numel() > 0:
+        work.index_add_(1, shard.local_ids, _class_grad(z_RV, t, stats, rows, g_ntl, shard, kind, reweigh))
+    if work is not out_RV:
+        out_RV.copy_(work)
+
+
+def _class_grad(z_RV, t: Targets, stats: RowStats, rows: slice, g_ntl, shard: NumberShard, kind: str, reweigh: bool):
+    """[R, K] gradient on the number-token columns: NTL's own term plus reweighing's +p_j on the class."""
+    z_RK, in_class_RK = _class_logits(z_RV, shard, t.number_class[rows])
+    q_RK = torch.where(in_class_RK, torch.exp(z_RK - stats.class_lse[rows, None]), 0.0)
+    value, scale, ntl_raw = t.value[rows, None], t.scale[rows, None], stats.ntl_raw[rows, None]
+    if kind == "was":
+        slope_RK = (shard.values[None, :] - value).abs() / scale - ntl_raw
+    else:
+        expected = stats.expected[rows, None]
+        slope_RK = _error_slope((expected - value) / scale, kind) / scale * (shard.values[None, :] - expected)
+    grad_RK = q_RK * slope_RK
+    if reweigh:
+        mass, cap = stats.class_mass[rows, None], t.cap[rows, None]
+        p_RK = torch.where(in_class_RK, torch.exp(z_RK - stats.lse[rows, None]), 0.0)
+        grad_RK = mass * grad_RK + (ntl_raw - cap) * p_RK
+    return g_ntl[:, None] * grad_RK
+
+
+class FusedCeNtl(torch.autograd.Function):
+    """(logits [N, V], targets) -> (CE [N], NTL [N]); backward recomputes softmax from the saved logits."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group):
+        ce, ntl, stats = forward_rows(logits_NV, t, shard, kind, reweigh, group)
+        ctx.save_for_backward(logits_NV)
+        ctx.extras = (t, stats, shard, kind, reweigh)
+        return ce, ntl
+
+    @staticmethod
+    def backward(ctx, grad_ce_N, grad_ntl_N):
+        (logits_NV,) = ctx.saved_tensors
+        t, stats, shard, kind, reweigh = ctx.extras
+        dtype = compute_dtype(logits_NV)
+        grad_NV = torch.empty_like(logits_NV)
+        for rows in _row_chunks(*logits_NV.shape):
+            logits_grad_rows(
+                logits_NV[rows].to(dtype), grad_NV[rows], t, stats, rows, grad_ce_N[rows].to(dtype),
+                grad_ntl_N[rows].to(dtype), shard, kind, reweigh,
+            )
+        return grad_NV, None, None, None, None, None

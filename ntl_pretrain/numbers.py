@@ -1,0 +1,167 @@
+"""Which tokens are numbers, what they are worth, and which class they belong to, for any tokenizer.
+
+A number token is one whose surface text, after removing one leading marker (byte-level `Ġ`, SentencePiece `▁`,
+a plain space, or WordPiece `##`), is one or more ASCII digits. Its class is (marker, digit count): NTL compares a
+label only with tokens of its own class, so a 3-digit chunk competes with 3-digit chunks, and ` 7` with ` 7`-like
+tokens, never across. For a single-digit tokenizer all ten digits form one class, which is the paper's NTL.
+Its scale `s = 10**(digits-1)` keeps multi-digit losses on the digit scale so that λ carries over between
+tokenizers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+SPACE_MARKERS = ("Ġ", "▁", " ")
+WORDPIECE_MARKER = "##"
+MARKER_NAMES = ("none", "space", "wordpiece")
+DIGITS = re.compile(r"[0-9]+")
+
+
+@dataclass(frozen=True)
+class NumberClass:
+    marker: str
+    """One of MARKER_NAMES."""
+    digits: int
+    """Digit count of every token in the class."""
+
+
+def parse_number_token(surface: str) -> tuple[str, int, int] | None:
+    """(marker, digit count, value) of a token's surface text, or None when it is not a number token."""
+    marker = "none"
+    if surface.startswith(WORDPIECE_MARKER):
+        marker, surface = "wordpiece", surface[len(WORDPIECE_MARKER) :]
+    elif surface[:1] in SPACE_MARKERS:
+        marker, surface = "space", surface[1:]
+    if not DIGITS.fullmatch(surface):
+        return None
+    return marker, len(surface), int(surface)
+
+
+@dataclass(frozen=True)
+class NumberShard:
+    """The number-token columns of one vocabulary shard (the whole vocabulary when not sharded), on one device."""
+
+    vocab: NumberVocab
+    """The full vocabulary's tables on the same device (labels are global ids)."""
+    local_ids: torch.Tensor
+    """int64 [K]: column of each number token within the shard."""
+    values: torch.Tensor
+    """float32 [K]: their values."""
+    classes: torch.Tensor
+    """int64 [K]: their class ids."""
+    class_spread: torch.Tensor
+    """float32 [C]: see NumberVocab.class_spread."""
+
+
+@dataclass
+class NumberVocab:
+    """Per-token number facts over a vocabulary of `vocab_size` ids (tensors live on CPU; see `to`)."""
+
+    values: torch.Tensor
+    """float32 [V]: numeric value of each number token, NaN elsewhere."""
+    classes: torch.Tensor
+    """int64 [V]: index into `class_info` of each number token, -1 elsewhere."""
+    scales: torch.Tensor
+    """float32 [V]: per-token scale s = 10**(digits-1), NaN elsewhere."""
+    class_info: tuple[NumberClass, ...]
+    """What each class id means."""
+    _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.values.numel()
+
+    @property
+    def number_ids(self) -> torch.Tensor:
+        """int64 [K]: ids of the number tokens, ascending."""
+        return torch.nonzero(self.classes >= 0).flatten()
+
+    @property
+    def num_number_tokens(self) -> int:
+        return int((self.classes >= 0).sum())
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int | None = None) -> NumberVocab:
+        """Read the number tokens of an HF tokenizer (never modifies it). `vocab_size` is the model's output
+        size when it pads past the tokenizer; padded ids are not numbers."""
+        surfaces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return cls.from_surfaces(surfaces, vocab_size)
+
+    @classmethod
+    def from_surfaces(cls, surfaces: list[str | None], vocab_size: int | None = None) -> NumberVocab:
+        """Like `from_tokenizer`, from the surface text of ids 0..len(surfaces)-1."""
+        size = len(surfaces) if vocab_size is None else vocab_size
+        if size < len(surfaces):
+            raise ValueError(f"vocab_size={size} is smaller than the tokenizer's {len(surfaces)} tokens")
+        parsed = {i: p for i, s in enumerate(surfaces) if s and (p := parse_number_token(s)) is not None}
+        class_info = tuple(sorted({NumberClass(marker, digits) for marker, digits, _ in parsed.values()},
+                                  key=lambda c: (MARKER_NAMES.index(c.marker), c.digits)))
+        class_index = {c: i for i, c in enumerate(class_info)}
+        values = torch.full((size,), float("nan"), dtype=torch.float32)
+        scales = torch.full((size,), float("nan"), dtype=torch.float32)
+        classes = torch.full((size,), -1, dtype=torch.int64)
+        for token_id, (marker, digits, value) in parsed.items():
+            values[token_id] = value
+            scales[token_id] = 10.0 ** (digits - 1)
+            classes[token_id] = class_index[NumberClass(marker, digits)]
+        return cls(values=values, classes=classes, scales=scales, class_info=class_info)
+
+    @property
+    def class_spread(self) -> torch.Tensor:
+        """float32 [C]: (largest - smallest value) / scale per class, the largest distance NTL-WAS can see."""
+        spread = torch.zeros(len(self.class_info), dtype=torch.float32)
+        for i in range(len(self.class_info)):
+            members = self.classes == i
+            spread[i] = (self.values[members].max() - self.values[members].min()) / self.scales[members][0]
+        return spread
+
+    def shard(self, vocab_start: int, vocab_end: int, device: torch.device | str) -> NumberShard:
+        """The number tokens among columns [vocab_start, vocab_end), with ids local to that shard, on `device`;
+        built once per (range, device) and reused."""
+        if not 0 <= vocab_start < vocab_end <= self.vocab_size:
+            raise ValueError(f"vocabulary shard [{vocab_start}, {vocab_end}) is outside the {self.vocab_size}-token "
+                             f"vocabulary this NumberVocab describes")
+        key = (vocab_start, vocab_end, torch.device(device))
+        if key not in self._device_copies:
+            ids = self.number_ids
+            ids = ids[(ids >= vocab_start) & (ids < vocab_end)]
+            on = self.to(device)
+            self._device_copies[key] = NumberShard(
+                vocab=on,
+                local_ids=(ids - vocab_start).to(device),
+                values=self.values[ids].to(device),
+                classes=self.classes[ids].to(device),
+                class_spread=self.class_spread.to(device),
+            )
+        return self._device_copies[key]
+
+    def require_numbers(self) -> None:
+        """Raise when NTL is asked for but the vocabulary has no number token."""
+        if not self.class_info:
+            raise ValueError("NTL needs number tokens, but this tokenizer has none (no token whose text is ASCII "
+                             "digits, optionally after a Ġ/▁/space/## marker); use loss.ntl.kind: null")
+
+    def to(self, device: torch.device | str) -> NumberVocab:
+        """This vocabulary with tensors on `device`; copies are made once per device and reused."""
+        device = torch.device(device)
+        if self.values.device == device:
+            return self
+        if device not in self._device_copies:
+            self._device_copies[device] = NumberVocab(
+                values=self.values.to(device), classes=self.classes.to(device), scales=self.scales.to(device),
+                class_info=self.class_info,
+            )
+        return self._device_copies[device]
+
+    def describe(self) -> str:
+        """One line per class: marker, digits, count, value range."""
+        lines = []
+        for i, c in enumerate(self.class_info):
+            members = self.values[self.classes == i]
+            lines.append(f"class {i}: marker={c.marker} digits={c.digits} tokens={members.numel()} "
+                         f"values={int(members.min())}..{int(members.max())}")
+        return "\n".join(lines)
