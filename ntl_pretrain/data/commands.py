@@ -1,0 +1,96 @@
+"""`ntl-pretrain data ...`: corpus generation, tokenizer training and a preview of packed samples."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+CORPUS = Path(__file__).resolve().parent.parent / "corpus"
+ARITHMETIC_SIZES = {"train": 15000, "validation": 1000, "interpolation": 1000, "extrapolation": 1000}
+WORD_PROBLEM_SIZES = {"train": 5000, "validation": 500, "interpolation": 500, "extrapolation": 500}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    data = subparsers.add_parser("data", help="corpus tools: generate, train the tiny tokenizer, preview")
+    commands = data.add_subparsers(dest="data_command", required=True)
+    _add_make_arithmetic(commands)
+    _add_import_prose(commands)
+    _add_train_tokenizer(commands)
+    _add_preview(commands)
+
+
+def _add_make_arithmetic(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "make-arithmetic",
+        help="write arithmetic and word-problem Q/A jsonl: train, validation, interpolation, extrapolation",
+    )
+    parser.add_argument("--out", type=Path, default=CORPUS, help="folder for <set>/<split>.jsonl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every split size")
+    parser.set_defaults(func=run_make_arithmetic)
+
+
+def run_make_arithmetic(args: argparse.Namespace) -> None:
+    from ntl_pretrain.data.arithmetic import make_arithmetic
+
+    def scaled(sizes: dict[str, int]) -> dict[str, int]:
+        return {split: max(1, round(size * args.scale)) for split, size in sizes.items()}
+
+    sizes = {"arithmetic": scaled(ARITHMETIC_SIZES), "word_problems": scaled(WORD_PROBLEM_SIZES)}
+    for path in make_arithmetic(args.out, sizes, args.seed):
+        print(path)
+
+
+def _add_import_prose(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "import-prose", help="cut a Project Gutenberg book into train/validation jsonl documents"
+    )
+    parser.add_argument("book", type=Path, help="plain-text Gutenberg book, e.g. sentencepiece's botchan.txt")
+    parser.add_argument("--out", type=Path, default=CORPUS / "prose")
+    parser.add_argument("--lines-per-document", type=int, default=20)
+    parser.set_defaults(func=run_import_prose)
+
+
+def run_import_prose(args: argparse.Namespace) -> None:
+    from ntl_pretrain.data.prose import import_book
+
+    for path in import_book(args.book, args.out, args.lines_per_document):
+        print(path)
+
+
+def _add_train_tokenizer(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "train-tokenizer", help="train the tiny byte-level BPE tokenizer (single digits) on the corpus"
+    )
+    parser.add_argument("--corpus", type=Path, default=CORPUS, help="folder holding */train.jsonl")
+    parser.add_argument("--out", type=Path, default=CORPUS / "tiny-tokenizer")
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.set_defaults(func=run_train_tokenizer)
+
+
+def run_train_tokenizer(args: argparse.Namespace) -> None:
+    from ntl_pretrain.data.tiny_tokenizer import train_and_save
+
+    files = sorted(args.corpus.glob("*/train.jsonl"))
+    if not files:
+        raise SystemExit(f"no */train.jsonl under {args.corpus}")
+    tokenizer = train_and_save(files, args.out, args.vocab_size)
+    print(f"{args.out}: vocab {len(tokenizer)} trained on {', '.join(str(f) for f in files)}")
+
+
+def _add_preview(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "preview", help="print the first packed samples of a recipe with number tokens highlighted"
+    )
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. data.seq_len=256")
+    parser.add_argument("--samples", type=int, default=2, help="packed sequences to print")
+    parser.add_argument("--batches", type=int, default=8, help="batches over which to count number labels")
+    parser.add_argument("--split", default="train", choices=["train", "validation"])
+    parser.set_defaults(func=run_preview)
+
+
+def run_preview(args: argparse.Namespace) -> None:
+    from ntl_pretrain.data.preview import preview_recipe
+
+    preview_recipe(args.recipe, args.overrides, args.samples, args.batches, args.split)
