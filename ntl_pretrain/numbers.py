@@ -98,8 +98,12 @@ class NumberVocab:
         if size < len(surfaces):
             raise ValueError(f"vocab_size={size} is smaller than the tokenizer's {len(surfaces)} tokens")
         parsed = {i: p for i, s in enumerate(surfaces) if s and (p := parse_number_token(s)) is not None}
-        class_info = tuple(sorted({NumberClass(marker, digits) for marker, digits, _ in parsed.values()},
-                                  key=lambda c: (MARKER_NAMES.index(c.marker), c.digits)))
+        class_info = tuple(
+            sorted(
+                {NumberClass(marker, digits) for marker, digits, _ in parsed.values()},
+                key=lambda c: (MARKER_NAMES.index(c.marker), c.digits),
+            )
+        )
         class_index = {c: i for i, c in enumerate(class_info)}
         values = torch.full((size,), float("nan"), dtype=torch.float32)
         scales = torch.full((size,), float("nan"), dtype=torch.float32)
@@ -123,8 +127,10 @@ class NumberVocab:
         """The number tokens among columns [vocab_start, vocab_end), with ids local to that shard, on `device`;
         built once per (range, device) and reused."""
         if not 0 <= vocab_start < vocab_end <= self.vocab_size:
-            raise ValueError(f"vocabulary shard [{vocab_start}, {vocab_end}) is outside the {self.vocab_size}-token "
-                             f"vocabulary this NumberVocab describes")
+            raise ValueError(
+                f"vocabulary shard [{vocab_start}, {vocab_end}) is outside the {self.vocab_size}-token "
+                f"vocabulary this NumberVocab describes"
+            )
         key = (vocab_start, vocab_end, torch.device(device))
         if key not in self._device_copies:
             ids = self.number_ids
@@ -142,8 +148,10 @@ class NumberVocab:
     def require_numbers(self) -> None:
         """Raise when NTL is asked for but the vocabulary has no number token."""
         if not self.class_info:
-            raise ValueError("NTL needs number tokens, but this tokenizer has none (no token whose text is ASCII "
-                             "digits, optionally after a Ġ/▁/space/## marker); use loss.ntl.kind: null")
+            raise ValueError(
+                "NTL needs number tokens, but this tokenizer has none (no token whose text is ASCII "
+                "digits, optionally after a Ġ/▁/space/## marker); use loss.ntl.kind: null"
+            )
 
     def to(self, device: torch.device | str) -> NumberVocab:
         """This vocabulary with tensors on `device`; copies are made once per device and reused."""
@@ -152,7 +160,9 @@ class NumberVocab:
             return self
         if device not in self._device_copies:
             self._device_copies[device] = NumberVocab(
-                values=self.values.to(device), classes=self.classes.to(device), scales=self.scales.to(device),
+                values=self.values.to(device),
+                classes=self.classes.to(device),
+                scales=self.scales.to(device),
                 class_info=self.class_info,
             )
         return self._device_copies[device]
@@ -162,6 +172,8 @@ class NumberVocab:
         lines = []
         for i, c in enumerate(self.class_info):
             members = self.values[self.classes == i]
-            lines.append(f"class {i}: marker={c.marker} digits={c.digits} tokens={members.numel()} "
-                         f"values={int(members.min())}..{int(members.max())}")
+            lines.append(
+                f"class {i}: marker={c.marker} digits={c.digits} tokens={members.numel()} "
+                f"values={int(members.min())}..{int(members.max())}"
+            )
         return "\n".join(lines)

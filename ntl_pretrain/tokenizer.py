@@ -139,8 +139,10 @@ def _tiktoken_family(path: Path) -> tuple[str, list[str]]:
     for prefix, family in TIKTOKEN_FAMILIES.items():
         if path.name.startswith(prefix):
             return family
-    raise ValueError(f"{path}: unknown tiktoken vocabulary; its name must start with one of "
-                     f"{sorted(TIKTOKEN_FAMILIES)} so the pre-tokenizer pattern is known")
+    raise ValueError(
+        f"{path}: unknown tiktoken vocabulary; its name must start with one of "
+        f"{sorted(TIKTOKEN_FAMILIES)} so the pre-tokenizer pattern is known"
+    )
 
 
 def _convert_quicktok(path: Path) -> PreTrainedTokenizerBase:

@@ -81,8 +81,10 @@ def _check_arguments(logits, labels, nv, kind, reduction, ignore_index, group, v
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"labels must be int64 (or int32) token ids, got {labels.dtype}")
     if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
-        raise ValueError(f"labels must have the leading shape of logits [..., V]: logits {tuple(logits.shape)} "
-                         f"needs labels {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must have the leading shape of logits [..., V]: logits {tuple(logits.shape)} "
+            f"needs labels {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}"
+        )
     if kind is not None:
         if nv is None:
             raise ValueError(f"kind={kind!r} needs a NumberVocab (nv); pass kind=None for cross-entropy only")
@@ -92,11 +94,15 @@ def _check_arguments(logits, labels, nv, kind, reduction, ignore_index, group, v
         if vocab_start != 0:
             raise ValueError("vocab_start is only meaningful with a vocabulary-parallel group")
         if vocab_size is not None and logits.shape[-1] != vocab_size:
-            raise ValueError(f"logits have {logits.shape[-1]} columns but the NumberVocab describes {vocab_size} "
-                             f"tokens; build it with NumberVocab.from_tokenizer(tok, vocab_size={logits.shape[-1]})")
+            raise ValueError(
+                f"logits have {logits.shape[-1]} columns but the NumberVocab describes {vocab_size} "
+                f"tokens; build it with NumberVocab.from_tokenizer(tok, vocab_size={logits.shape[-1]})"
+            )
     elif vocab_size is not None and not 0 <= vocab_start < vocab_start + logits.shape[-1] <= vocab_size:
-        raise ValueError(f"shard [{vocab_start}, {vocab_start + logits.shape[-1]}) is outside the {vocab_size}-token "
-                         f"vocabulary of the NumberVocab")
+        raise ValueError(
+            f"shard [{vocab_start}, {vocab_start + logits.shape[-1]}) is outside the {vocab_size}-token "
+            f"vocabulary of the NumberVocab"
+        )
     # A sharded rank knows the full vocabulary size only through nv; without nv it can check the lower bound.
     upper = vocab_size if vocab_size is not None else (None if group is not None else logits.shape[-1])
     in_range = labels >= 0 if upper is None else (labels >= 0) & (labels < upper)

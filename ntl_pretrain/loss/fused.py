@@ -172,7 +172,7 @@ def forward_rows(
     """Per-position CE [N] and NTL [N] (zero where they do not apply) and the stats backward needs."""
     dtype = compute_dtype(logits_NV)
     parts = [_local_partials(logits_NV[rows].to(dtype), shard, t, rows) for rows in _row_chunks(*logits_NV.shape)]
-    partials = tuple(torch.cat(column) for column in zip(*parts)) if parts else _empty_partials(logits_NV)
+    partials = tuple(torch.cat(column) for column in zip(*parts, strict=True)) if parts else _empty_partials(logits_NV)
     lse, class_lse, z_target, expected_distance, expected = _combine(partials, group)
     ce = torch.where(t.valid, lse - z_target, 0.0)
     if kind == "was":
@@ -206,7 +206,7 @@ def logits_grad_rows(
     """Write d(sum_i grad_ce_i CE_i + grad_ntl_i NTL_i)/dz for the chunk `rows` into `out_RV` (any float dtype)."""
     g_ce = torch.where(t.valid[rows], grad_ce_R, 0.0)
     g_ntl = torch.where(t.is_number[rows], grad_ntl_R, 0.0)
-    lse, class_lse = stats.lse[rows], stats.class_lse[rows]
+    lse = stats.lse[rows]
     ntl_raw, mass, cap = stats.ntl_raw[rows], stats.class_mass[rows], t.cap[rows]
     # Full-vocabulary part: softmax times the CE weight, minus reweighing's d m / d z_j = -p_j m on every column.
     row_weight = g_ce - g_ntl * (ntl_raw - cap) * mass if reweigh else g_ce
@@ -256,7 +256,15 @@ class FusedCeNtl(torch.autograd.Function):
         grad_NV = torch.empty_like(logits_NV)
         for rows in _row_chunks(*logits_NV.shape):
             logits_grad_rows(
-                logits_NV[rows].to(dtype), grad_NV[rows], t, stats, rows, grad_ce_N[rows].to(dtype),
-                grad_ntl_N[rows].to(dtype), shard, kind, reweigh,
+                logits_NV[rows].to(dtype),
+                grad_NV[rows],
+                t,
+                stats,
+                rows,
+                grad_ce_N[rows].to(dtype),
+                grad_ntl_N[rows].to(dtype),
+                shard,
+                kind,
+                reweigh,
             )
         return grad_NV, None, None, None, None, None
