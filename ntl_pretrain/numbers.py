@@ -54,7 +54,7 @@ class NumberShard:
     classes: torch.Tensor
     """int64 [K]: their class ids."""
     class_spread: torch.Tensor
-    """float32 [C]: see NumberVocab.class_spread."""
+    """float64 [C]: see NumberVocab.class_spread."""
 
 
 @dataclass
@@ -116,11 +116,12 @@ class NumberVocab:
 
     @property
     def class_spread(self) -> torch.Tensor:
-        """float32 [C]: (largest - smallest value) / scale per class, the largest distance NTL-WAS can see."""
-        spread = torch.zeros(len(self.class_info), dtype=torch.float32)
+        """float64 [C]: (largest - smallest value) / scale per class, the largest distance NTL-WAS can see
+        (float64 so that fp64 losses get it exactly; fp32 losses round it once)."""
+        spread = torch.zeros(len(self.class_info), dtype=torch.float64)
         for i in range(len(self.class_info)):
-            members = self.classes == i
-            spread[i] = (self.values[members].max() - self.values[members].min()) / self.scales[members][0]
+            members = self.values[self.classes == i].double()
+            spread[i] = (members.max() - members.min()) / 10.0 ** (self.class_info[i].digits - 1)
         return spread
 
     def shard(self, vocab_start: int, vocab_end: int, device: torch.device | str) -> NumberShard:
