@@ -1,0 +1,413 @@
+"""The recipe: one typed schema for a training run, loaded from YAML.
+
+A recipe file may extend another with `base: <path>` (relative to the file); mappings merge key by
+key, everything else replaces. Dot-list overrides (`loss.ntl.weight=0.5`, values parsed as YAML)
+apply last. Unknown keys, wrong types and contradictions raise `RecipeError` naming the key and the
+file (or command-line override) that set it, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from ntl_pretrain.data.config import DataConfig
+
+HfConfigValue = int | float | str | bool | list[int] | list[float] | list[str] | None
+OVERRIDE_ORIGIN = "command-line override"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the file and the key."""
+
+
+@dataclass
+class ModelConfig:
+    model_type: str | None = None
+    """HF `model_type` to build from scratch (e.g. `llama`, `gpt2`, `qwen2`); null with `init_from`."""
+    config: dict[str, HfConfigValue] = field(default_factory=dict)
+    """HF config keys: the architecture from scratch, or overrides on top of `init_from`'s config."""
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention backend; `auto` picks flash_attention_2 when importable and on CUDA, else sdpa."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    pad_vocab_to_multiple_of: int = 1
+    """From scratch: embedding rows = tokenizer length rounded up to this multiple (64 helps GPUs)."""
+
+    def check(self) -> None:
+        if self.pad_vocab_to_multiple_of < 1:
+            raise ValueError("pad_vocab_to_multiple_of: must be >= 1")
+
+
+@dataclass
+class TokenizerConfig:
+    path: str | None = None
+    """Tokenizer spec for `ntl_pretrain.tokenizer.load_tokenizer` (`pkg:` paths allowed); null = `init_from`."""
+    trust_remote_code: bool = False
+    """Allow tokenizer code shipped with an HF folder to run."""
+
+
+@dataclass
+class NtlConfig:
+    kind: Literal["was", "mse", "mae", "huber"] | None = "was"
+    """NTL variant; null trains with plain cross-entropy through the same code path."""
+    weight: float = 0.3
+    """λ in `CE + λ·NTL`."""
+    reweigh: bool = False
+    """Weight NTL by the probability mass on the label's number class (off in the paper)."""
+
+    def check(self) -> None:
+        if self.weight < 0:
+            raise ValueError("weight: must be >= 0")
+
+
+@dataclass
+class LossConfig:
+    ntl: NtlConfig = field(default_factory=NtlConfig)
+    """The Number Token Loss term."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms, biases or embeddings."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def check(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: need two values in [0, 1), got {self.betas}")
+        if self.lr <= 0:
+            raise ValueError("lr: must be > 0")
+        if self.grad_clip < 0:
+            raise ValueError("grad_clip: must be >= 0")
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Learning-rate shape after warmup: cosine decay, warmup-stable-decay, or constant."""
+    warmup_steps: int = 0
+    """Linear warmup from `warmup_start_ratio * lr` to lr (re-warms a pretrained model)."""
+    warmup_start_ratio: float = 0.0
+    """Learning rate at step 0 as a fraction of the peak."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine and wsd)."""
+    decay_fraction: float = 0.2
+    """wsd: fraction of `train.max_steps` spent in the final linear decay."""
+
+    def check(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError("warmup_steps: must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("min_lr_ratio: must be in [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError("decay_fraction: must be in (0, 1]")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/default"
+    """Run directory: resolved recipe, metrics.jsonl, checkpoints/."""
+    max_steps: int = 1000
+    """Optimizer steps to train (also the length of the learning-rate schedule)."""
+    micro_batch_size: int = 1
+    """Sequences per rank per forward pass."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks; gradient accumulation is derived from it."""
+    global_batch_tokens: int | None = None
+    """Tokens per optimizer step (a multiple of `data.seq_len`); alternative to global_batch_size."""
+    precision: Literal["bf16", "fp32"] = "bf16"
+    """Parameter/activation dtype under DeepSpeed; the loss is always computed in fp32."""
+    resume: str | None = None
+    """`auto` (latest checkpoint in output_dir, if any), a checkpoint folder, or null."""
+    eval_every_steps: int | None = None
+    """Evaluate on the data validation split every N steps (and at the end); null = never."""
+    eval_max_batches: int | None = None
+    """Cap on validation micro-batches per rank and evaluation; null = the whole split."""
+    max_nonfinite_steps: int = 5
+    """Skip steps whose loss is NaN/inf; stop the run after this many in a row."""
+
+    def check(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError("max_steps: must be >= 1")
+        if self.micro_batch_size < 1:
+            raise ValueError("micro_batch_size: must be >= 1")
+        if self.global_batch_size is not None and self.global_batch_tokens is not None:
+            raise ValueError("global_batch_tokens: set either global_batch_size or global_batch_tokens")
+        if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
+            raise ValueError(f"resume: checkpoint {self.resume} does not exist")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int | None = None
+    """Save every N steps (and after the last step); null = only after the last step."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints; older ones are deleted after a successful save."""
+
+    def check(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError("keep_last: must be >= 1")
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError("every_steps: must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    progress_bar: bool = True
+    """Rank-0 tqdm bar with loss, CE, NTL and tokens/s."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the `wandb` extra; honours WANDB_MODE=offline)."""
+    wandb_project: str = "ntl_pretrain"
+    """W&B project name."""
+    wandb_run_name: str | None = None
+    """W&B run name; null = W&B's default."""
+    peak_flops_per_device: float | None = None
+    """Peak FLOP/s of one device for MFU; null = H100 bf16 dense (989e12) on CUDA, MFU 0 on CPU."""
+
+
+@dataclass
+class DeepSpeedSection:
+    config: str = "../configs/zero3.json"
+    """DeepSpeed JSON (ZeRO settings); a relative path is relative to the recipe file that sets it.
+    Batch sizes, precision and clipping come from the recipe: the JSON must leave them out or `auto`."""
+
+
+@dataclass
+class Recipe:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Run length, batch sizes, precision, resume."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus sources, packing and validation split (see ntl_pretrain.data)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture or init_from overrides, attention backend."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Tokenizer to train with."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """CE + λ·NTL."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence and retention."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Progress bar, W&B, MFU."""
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    """DeepSpeed JSON config."""
+    seed: int = 0
+    """Seeds model init, data order and dropout."""
+    init_from: str | None = None
+    """HF model folder to load weights from (continued pretraining); excludes `train.resume`."""
+
+    def check(self) -> None:
+        if self.init_from is not None and self.train.resume is not None:
+            raise ValueError("init_from: excludes train.resume (resume restores the weights)")
+        if self.init_from is None and self.model.model_type is None:
+            raise ValueError("model.model_type: required when training from scratch (no init_from)")
+        if self.init_from is not None and self.model.model_type is not None:
+            raise ValueError("model.model_type: must be null with init_from (the folder's config is used)")
+        if self.init_from is None and self.tokenizer.path is None:
+            raise ValueError("tokenizer.path: required without init_from")
+        if self.train.global_batch_tokens is not None and self.train.global_batch_tokens % self.data.seq_len:
+            raise ValueError(
+                f"train.global_batch_tokens: {self.train.global_batch_tokens} is not a multiple of "
+                f"data.seq_len={self.data.seq_len}"
+            )
+
+
+def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
+    """Load, merge (`base:` chain, then overrides), type-check and validate a recipe."""
+    raw, origins = _load_yaml_chain(Path(path), seen=())
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+        origins[key] = OVERRIDE_ORIGIN
+    return _build(Recipe, raw, (), _Origins(origins, str(path)))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML text that `load_recipe` turns back into an equal recipe."""
+    return yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False)
+
+
+def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+    path = path.expanduser().resolve()
+    if path in seen:
+        raise RecipeError(f"{path}: base: inheritance cycle through {[str(p) for p in seen]}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise RecipeError(f"{path}: cannot read recipe: {error}") from error
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping, got {type(raw).__name__}")
+    _anchor_relative_paths(raw, path.parent)
+    base = raw.pop("base", None)
+    merged, origins = ({}, {}) if base is None else _load_yaml_chain(path.parent / base, seen + (path,))
+    _deep_merge(merged, raw)
+    origins.update({key: str(path) for key in _dotted_keys(raw)})
+    return merged, origins
+
+
+def _anchor_relative_paths(raw: dict, directory: Path) -> None:
+    """Recipe-relative paths become absolute so that recipes extending others from elsewhere work."""
+    section = raw.get("deepspeed")
+    if isinstance(section, dict) and isinstance(section.get("config"), str):
+        config = section["config"]
+        if not config.startswith("pkg:") and not Path(config).expanduser().is_absolute():
+            section["config"] = str((directory / config).resolve())
+
+
+def _deep_merge(into: dict, update: Mapping) -> None:
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _dotted_keys(raw: Mapping, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if isinstance(value, Mapping):
+            keys.extend(_dotted_keys(value, dotted + "."))
+    return keys
+
+
+def _parse_override(item: str) -> tuple[str, object]:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"{OVERRIDE_ORIGIN} {item!r}: expected key.path=value")
+    return key.strip(), yaml.safe_load(text)
+
+
+def _set_dotted(raw: dict, key: str, value: object) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for name in parents:
+        child = node.setdefault(name, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{OVERRIDE_ORIGIN} {key}: {name} is not a section")
+        node = child
+    node[leaf] = value
+
+
+@dataclass
+class _Origins:
+    by_key: dict[str, str]
+    default: str
+
+    def of(self, key_path: tuple[str, ...]) -> str:
+        for end in range(len(key_path), 0, -1):
+            origin = self.by_key.get(".".join(key_path[:end]))
+            if origin is not None:
+                return origin
+        return self.default
+
+
+def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins):
+    where = ".".join(key_path) or "<recipe>"
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{origins.of(key_path)}: {where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            dotted = ".".join(key_path + (str(key),))
+            raise RecipeError(f"{origins.of(key_path + (str(key),))}: {dotted}: unknown key (known: {sorted(names)})")
+    values = {key: _coerce(hints[key], value, key_path + (key,), origins) for key, value in raw.items()}
+    obj = cls(**values)
+    _run_check(obj, key_path, origins)
+    return obj
+
+
+def _run_check(obj: object, key_path: tuple[str, ...], origins: _Origins) -> None:
+    check = getattr(obj, "check", None)
+    if check is None:
+        return
+    try:
+        check()
+    except ValueError as error:
+        message = str(error)
+        named = message.split(":", 1)[0].strip()
+        named_path = key_path + tuple(named.split(".")) if " " not in named else key_path
+        dotted = ".".join(named_path) or "<recipe>"
+        detail = message.split(":", 1)[1].strip() if named_path != key_path else message
+        raise RecipeError(f"{origins.of(named_path)}: {dotted}: {detail}") from error
+
+
+def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: _Origins) -> object:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key_path, origins)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(hint, args, value, key_path, origins)
+    if origin is Literal:
+        if value in args:
+            return value
+        return _type_error(hint, value, key_path, origins, f"one of {list(args)}")
+    if origin is list:
+        if not isinstance(value, list):
+            return _type_error(hint, value, key_path, origins)
+        return [_coerce(args[0], item, key_path + (str(i),), origins) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            return _type_error(hint, value, key_path, origins)
+        return {str(k): _coerce(args[1], v, key_path + (str(k),), origins) for k, v in value.items()}
+    return _coerce_scalar(hint, value, key_path, origins)
+
+
+def _coerce_union(hint, args, value, key_path, origins) -> object:
+    if value is None and type(None) in args:
+        return None
+    for arg in (a for a in args if a is not type(None)):
+        try:
+            return _coerce(arg, value, key_path, origins)
+        except RecipeError:
+            continue
+    return _type_error(hint, value, key_path, origins)
+
+
+def _coerce_scalar(hint: object, value: object, key_path, origins) -> object:
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads `3e-4` (no dot) as a string; accept the number it obviously means.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint is str and isinstance(value, str):
+        return value
+    if hint is type(None) and value is None:
+        return None
+    return _type_error(hint, value, key_path, origins)
+
+
+def _type_error(hint, value, key_path, origins, expected: str | None = None) -> typing.NoReturn:
+    expected = expected or _type_name(hint)
+    raise RecipeError(f"{origins.of(key_path)}: {'.'.join(key_path)}: expected {expected}, got {value!r}")
+
+
+def _type_name(hint: object) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -1,0 +1,67 @@
+"""The DeepSpeed JSON for a run: ZeRO settings from the recipe's JSON file, batch/precision/clipping from the recipe.
+
+The recipe is the single source of truth for batch sizes, precision and clipping, so the JSON must leave those
+keys out (or set them to "auto", the transformers convention); the optimizer and scheduler are built here too.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.tokenizer import resolve_path
+
+RECIPE_OWNED_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+)
+
+
+def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step, derived from the global batch."""
+    train = recipe.train
+    global_sequences = train.global_batch_size
+    if train.global_batch_tokens is not None:
+        global_sequences = train.global_batch_tokens // recipe.data.seq_len
+    if global_sequences is None:
+        return 1
+    per_pass = train.micro_batch_size * world_size
+    if global_sequences % per_pass:
+        raise RecipeError(
+            f"train.global_batch_size: {global_sequences} sequences per step is not a multiple of "
+            f"train.micro_batch_size ({train.micro_batch_size}) x world size ({world_size})"
+        )
+    return global_sequences // per_pass
+
+
+def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
+    path = resolve_path(recipe.deepspeed.config)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise RecipeError(f"deepspeed.config: cannot read {path}: {error}") from error
+    for key in RECIPE_OWNED_KEYS:
+        if config.get(key, "auto") != "auto":
+            raise RecipeError(f'{path}: {key}: set by the recipe; remove it from the DeepSpeed JSON or use "auto"')
+    stage = config.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise RecipeError(f"{path}: zero_optimization.stage: this recipe trains under ZeRO-3, got {stage}")
+    gas = grad_accum_steps(recipe, world_size)
+    config.update(
+        train_micro_batch_size_per_gpu=recipe.train.micro_batch_size,
+        gradient_accumulation_steps=gas,
+        train_batch_size=recipe.train.micro_batch_size * gas * world_size,
+        gradient_clipping=recipe.optimizer.grad_clip,
+        bf16={"enabled": recipe.train.precision == "bf16"},
+    )
+    config.pop("fp16", None)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    config.setdefault("steps_per_print", 2**31 - 1)
+    return config

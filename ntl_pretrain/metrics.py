@@ -1,0 +1,91 @@
+"""Run metrics: `metrics.jsonl` records, the rank-0 progress bar, optional W&B, and the MFU estimate.
+
+MFU (model FLOPs utilisation, as in PaLM appendix B and nanoGPT):
+    flops_per_token = 6 * N + 12 * L * H * T
+where N counts the parameters that take part in matrix multiplies (all parameters minus the input embedding
+table, a lookup; a tied output projection is counted once, through N), L layers, H hidden size, T sequence
+length. 6N is forward (2N) plus backward (4N); 12·L·H·T is the attention scores and weighted sum (QKᵀ and AV,
+2·2·T·H per layer forward, times 3 with backward). Activation recomputation is not counted (it is not useful
+work). MFU = flops_per_token * tokens_per_s / (peak_flops_per_device * world_size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+H100_BF16_DENSE_FLOPS = 989e12
+
+
+def flops_per_token(num_matmul_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    return 6.0 * num_matmul_params + 12.0 * num_layers * hidden_size * seq_len
+
+
+def mfu(flops_per_token_: float, tokens_per_s: float, peak_flops_per_device: float | None, world_size: int):
+    if not peak_flops_per_device:
+        return None
+    return flops_per_token_ * tokens_per_s / (peak_flops_per_device * world_size)
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        enabled: bool,
+        total_steps: int,
+        first_step: int,
+        progress_bar: bool,
+        wandb_settings: dict | None,
+    ):
+        self.enabled = enabled
+        self.file = open(Path(output_dir) / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        self.bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True) if enabled and progress_bar else None
+        self.wandb_run = _start_wandb(wandb_settings) if enabled and wandb_settings else None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            step = record.get("step")
+            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def progress(self, record: dict) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        self.bar.set_postfix(
+            loss=f"{record['loss']:.4f}",
+            ce=f"{record['ce']:.4f}",
+            ntl=f"{record['ntl']:.4f}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _start_wandb(settings: dict):
+    try:
+        import wandb  # optional extra: imported only when a recipe asks for it
+    except ImportError as error:
+        raise RuntimeError("logging.wandb: true needs the wandb package: pip install 'ntl_pretrain[wandb]'") from error
+    return wandb.init(**settings)

@@ -1,0 +1,149 @@
+"""Build the HF causal LM under ZeRO-3 and attach the CE + λ·NTL loss head.
+
+Shapes: B batch, T sequence, H hidden size, V model vocabulary (may exceed the tokenizer's).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.integrations import HfDeepSpeedConfig
+
+from ntl_pretrain.config import ModelConfig, NtlConfig, Recipe
+from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.numbers import NumberVocab
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class HeadOutput(NamedTuple):
+    """Sums over this micro-batch. A NamedTuple because ZeRO-3 hooks autograd only into tuples, lists and dicts
+    of tensors that a module returns (a dataclass output breaks its backward bookkeeping)."""
+
+    ce: torch.Tensor
+    ntl: torch.Tensor
+    num_tokens: torch.Tensor
+    num_number_tokens: torch.Tensor
+
+
+class DenseLossHead(nn.Module):
+    """Output projection plus fused CE + NTL; returns sums (the step normalises over the global batch).
+
+    The projection is the model's own `lm_head` module, called as a submodule so ZeRO-3 gathers its weight.
+    Swappable: any module with this forward signature (e.g. a chunked or vocab-parallel head) plugs in.
+    """
+
+    def __init__(self, projection: nn.Module, number_vocab: NumberVocab | None, ntl: NtlConfig):
+        super().__init__()
+        self.projection = projection
+        self.number_vocab = number_vocab
+        self.ntl = ntl
+
+    def forward(self, hidden_BTH: torch.Tensor, labels_BT: torch.Tensor) -> HeadOutput:
+        logits_BTV = self.projection(hidden_BTH)
+        out = ce_ntl_loss(
+            logits_BTV,
+            labels_BT,
+            self.number_vocab,
+            kind=self.ntl.kind,
+            weight=self.ntl.weight,
+            reweigh=self.ntl.reweigh,
+            reduction="sum",
+        )
+        return HeadOutput(out.ce, out.ntl, out.num_tokens, out.num_number_tokens)
+
+
+class CausalLMWithLoss(nn.Module):
+    """What the DeepSpeed engine runs: decoder trunk for hidden states, then the loss head."""
+
+    def __init__(self, lm: PreTrainedModel, head: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.head = head
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> HeadOutput:
+        hidden_BTH = self.lm.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        return self.head(hidden_BTH, labels)
+
+
+@dataclass
+class BuiltModel:
+    module: CausalLMWithLoss
+    number_vocab: NumberVocab | None
+    hf_deepspeed_config: HfDeepSpeedConfig
+    """Held for the model's lifetime: transformers consults it to load and gather under ZeRO-3."""
+
+
+def attention_backend(requested: str) -> str:
+    """`auto` means flash-attention-2 when it is installed and CUDA is present, else PyTorch SDPA."""
+    if requested != "auto":
+        return requested
+    flash = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    return "flash_attention_2" if flash else "sdpa"
+
+
+def hf_config(recipe: Recipe, tokenizer) -> PretrainedConfig:
+    """The architecture: `init_from`'s config or `model.model_type`, with `model.config` keys on top."""
+    model = recipe.model
+    if recipe.init_from is not None:
+        config = AutoConfig.from_pretrained(recipe.init_from)
+        for key, value in model.config.items():
+            setattr(config, key, value)
+        return config
+    settings = {"vocab_size": padded_vocab_size(len(tokenizer), model), **_special_token_ids(tokenizer)}
+    settings.update(model.config)
+    return AutoConfig.for_model(model.model_type, **settings)
+
+
+def padded_vocab_size(tokenizer_size: int, model: ModelConfig) -> int:
+    multiple = model.pad_vocab_to_multiple_of
+    return -(-tokenizer_size // multiple) * multiple
+
+
+def _special_token_ids(tokenizer) -> dict[str, int]:
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    ids["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids["eos_token_id"]
+    return {key: value for key, value in ids.items() if value is not None}
+
+
+def build_model(recipe: Recipe, tokenizer, ds_config: dict) -> BuiltModel:
+    """Instantiate (from scratch or `init_from`) partitioned under ZeRO-3, with HF's weight init."""
+    hf_ds_config = HfDeepSpeedConfig(ds_config)
+    config = hf_config(recipe, tokenizer)
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(f"model vocab_size={config.vocab_size} < tokenizer length {len(tokenizer)}")
+    kwargs = {"attn_implementation": attention_backend(recipe.model.attention), "dtype": DTYPES[recipe.train.precision]}
+    if recipe.init_from is None:
+        lm = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(recipe.init_from, config=config, **kwargs)
+    if recipe.model.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.config.use_cache = False
+    number_vocab = None
+    if recipe.loss.ntl.kind is not None:
+        number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
+        number_vocab.require_numbers()
+    head = DenseLossHead(lm.get_output_embeddings(), number_vocab, recipe.loss.ntl)
+    return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config)
+
+
+def parameter_groups(module: CausalLMWithLoss, weight_decay: float) -> list[dict]:
+    """Decoupled weight decay on matrices only: norms, biases and embeddings are not decayed."""
+    embedding_ids = {id(module.lm.get_input_embeddings().weight)}
+    decay, no_decay = [], []
+    for param in module.parameters():
+        if not param.requires_grad:
+            continue
+        ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps only a flat shard in param.shape
+        (decay if ndim >= 2 and id(param) not in embedding_ids else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())

@@ -1,0 +1,37 @@
+"""Learning-rate schedules as multipliers of the peak rate, for `torch.optim.lr_scheduler.LambdaLR`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ntl_pretrain.config import ScheduleConfig
+
+
+def lr_multiplier(schedule: ScheduleConfig, total_steps: int) -> Callable[[int], float]:
+    """step -> multiplier of the peak lr: linear warmup, then cosine, warmup-stable-decay or constant.
+
+    `step` counts optimizer updates already taken, so the first update uses `step = 0`; warmup reaches the peak
+    on its last step rather than spending the first update at `warmup_start_ratio`.
+    """
+
+    def multiplier(step: int) -> float:
+        if step < schedule.warmup_steps:
+            start = schedule.warmup_start_ratio
+            return start + (1.0 - start) * (step + 1) / schedule.warmup_steps
+        if schedule.kind == "constant":
+            return 1.0
+        if schedule.kind == "cosine":
+            progress = min(1.0, (step - schedule.warmup_steps) / max(1, total_steps - schedule.warmup_steps))
+            return _toward_min(schedule, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        decay_steps = max(1, round(schedule.decay_fraction * total_steps))
+        decay_start = max(schedule.warmup_steps, total_steps - decay_steps)
+        progress = min(1.0, max(0.0, (step - decay_start) / max(1, total_steps - decay_start)))
+        return _toward_min(schedule, 1.0 - progress)
+
+    return multiplier
+
+
+def _toward_min(schedule: ScheduleConfig, fraction_of_range: float) -> float:
+    """Map 1 -> peak and 0 -> min_lr_ratio."""
+    return schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * fraction_of_range

@@ -1,0 +1,351 @@
+"""The training loop: DeepSpeed ZeRO-3 engine, CE + λ·NTL step normalised over the global batch, eval,
+checkpoint/resume, metrics.
+
+Launch: `deepspeed --num_gpus N --module ntl_pretrain.train RECIPE [key.path=value ...]` (on CPU, N counts
+processes and DS_ACCELERATOR=cpu), or `ntl-pretrain train RECIPE --nproc N` which wraps it.
+
+Shapes: B micro-batch, T sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain import checkpoint
+from ntl_pretrain.config import Recipe, dump_recipe, load_recipe
+from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.deepspeed_config import build_deepspeed_config
+from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, flops_per_token, mfu
+from ntl_pretrain.model import BuiltModel, build_model, count_parameters, parameter_groups
+from ntl_pretrain.schedule import lr_multiplier
+from ntl_pretrain.tokenizer import load_tokenizer
+
+IGNORE_INDEX = -100
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive steps with a NaN/inf loss or gradient."""
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def init_distributed() -> None:
+    import deepspeed
+
+    # Training never uses DeepSpeed's shared-memory op; without this it compiles for ~140 s per process on CPU.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed()
+
+
+class Trainer:
+    """Owns the engine, the data iterator and the run state (step, tokens seen, skipped steps)."""
+
+    def __init__(self, recipe: Recipe, ds_config: dict):
+        import deepspeed
+
+        self.recipe = recipe
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.output_dir = Path(recipe.train.output_dir)
+        set_seed(recipe.seed)
+        self.tokenizer = load_tokenizer(
+            recipe.tokenizer.path or recipe.init_from, trust_remote_code=recipe.tokenizer.trust_remote_code
+        )
+        self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config)
+        optimizer = torch.optim.AdamW(
+            parameter_groups(self.built.module, recipe.optimizer.weight_decay),
+            lr=recipe.optimizer.lr,
+            betas=tuple(recipe.optimizer.betas),
+            eps=recipe.optimizer.eps,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(recipe.schedule, recipe.train.max_steps))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.grad_accum = ds_config["gradient_accumulation_steps"]
+        self.loader = self._dataloader("train")
+        self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
+        set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
+        self.flops_per_token = self._flops_per_token()
+
+    def _dataloader(self, split: str):
+        return build_dataloader(
+            self.recipe.data,
+            self.tokenizer,
+            micro_batch_size=self.recipe.train.micro_batch_size,
+            dp_rank=self.rank,
+            dp_world_size=self.world_size,
+            seed=self.recipe.seed,
+            split=split,
+        )
+
+    def _flops_per_token(self) -> float:
+        lm = self.built.module.lm
+        embedding = lm.get_input_embeddings().weight
+        tied = embedding is lm.get_output_embeddings().weight
+        matmul_params = count_parameters(lm) - (0 if tied else getattr(embedding, "ds_numel", embedding.numel()))
+        config = lm.config
+        return flops_per_token(matmul_params, config.num_hidden_layers, config.hidden_size, self.recipe.data.seq_len)
+
+    # ---- run -----------------------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        train = self.recipe.train
+        self.resume()
+        self.logger = MetricsLogger(
+            str(self.output_dir),
+            enabled=self.rank == 0,
+            total_steps=train.max_steps,
+            first_step=self.step,
+            progress_bar=self.recipe.logging.progress_bar,
+            wandb_settings=self._wandb_settings(),
+        )
+        batches = iter(self.loader)
+        saved_step = self.step if self.step else None
+        try:
+            while self.step < train.max_steps:
+                record = self.train_step([next(batches) for _ in range(self.grad_accum)])
+                self.logger.log(record)
+                self.logger.progress(record)
+                if train.eval_every_steps and self.step % train.eval_every_steps == 0:
+                    self.logger.log(self.evaluate())
+                every = self.recipe.checkpoint.every_steps
+                if every and self.step % every == 0:
+                    self.save()
+                    saved_step = self.step
+            if saved_step != self.step:
+                self.save()
+            if train.eval_every_steps and self.step % train.eval_every_steps:
+                self.logger.log(self.evaluate())
+        finally:
+            self.logger.close()
+
+    def _wandb_settings(self) -> dict | None:
+        logging = self.recipe.logging
+        if not logging.wandb:
+            return None
+        return {
+            "project": logging.wandb_project,
+            "name": logging.wandb_run_name,
+            "dir": str(self.output_dir),
+            "config": dataclasses.asdict(self.recipe),
+        }
+
+    # ---- step ----------------------------------------------------------------------------------------------
+
+    def train_step(self, batches: list[dict]) -> dict:
+        """One optimizer update from `grad_accum` micro-batches, normalised by the global batch's counts."""
+        started = time.perf_counter()
+        num_tokens, num_number_tokens, num_inputs = self._global_counts(batches).tolist()
+        lr = self.optimizer.param_groups[0]["lr"]
+        sums = torch.zeros(2, dtype=torch.float64)
+        for batch in batches:
+            out = self.engine(**self._to_device(batch))
+            loss = self.normalised_loss(out.ce, out.ntl, num_tokens, num_number_tokens)
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()
+            sums += torch.stack([out.ce.detach().double().cpu(), out.ntl.detach().double().cpu()])
+        dist.all_reduce(sums)
+        ce, ntl = sums[0].item() / max(num_tokens, 1), sums[1].item() / max(num_number_tokens, 1)
+        self.step += 1
+        self.tokens_seen += int(num_inputs)
+        self._guard_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
+        seconds = time.perf_counter() - started
+        return self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
+
+    def normalised_loss(self, ce_sum, ntl_sum, num_tokens: float, num_number_tokens: float) -> torch.Tensor:
+        """This rank's share of the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`.
+
+        DeepSpeed averages gradients over data-parallel ranks; the world-size factor turns that mean back into the
+        sum of the ranks' shares, so the update equals the single-process gradient of the global-batch loss.
+        """
+        weight = self.recipe.loss.ntl.weight
+        share = ce_sum / max(num_tokens, 1) + weight * ntl_sum / max(num_number_tokens, 1)
+        return share * self.world_size
+
+    def _global_counts(self, batches: list[dict]) -> torch.Tensor:
+        """[label tokens, number-label tokens, input tokens] over all micro-batches and ranks (one all-reduce)."""
+        classes = None if self.built.number_vocab is None else self.built.number_vocab.classes
+        counts = torch.zeros(3, dtype=torch.float64)
+        for batch in batches:
+            labels_BT = batch["labels"]
+            target_BT = labels_BT != IGNORE_INDEX
+            counts[0] += target_BT.sum()
+            if classes is not None:
+                counts[1] += (target_BT & (classes[labels_BT.clamp(min=0)] >= 0)).sum()
+            counts[2] += labels_BT.numel()
+        dist.all_reduce(counts)
+        return counts
+
+    def _to_device(self, batch: dict) -> dict:
+        return {key: batch[key].to(self.engine.device) for key in ("input_ids", "labels", "position_ids")}
+
+    def _guard_nonfinite(self, loss: float) -> None:
+        if math.isfinite(loss) and self.engine.was_step_applied():
+            self.nonfinite_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row >= self.recipe.train.max_nonfinite_steps:
+            raise NonFiniteLossError(
+                f"step {self.step}: {self.nonfinite_in_a_row} steps in a row had a non-finite "
+                f"loss or gradient (train.max_nonfinite_steps)"
+            )
+
+    def _step_record(self, ce: float, ntl: float, lr: float, tokens_per_s: float, number_fraction: float) -> dict:
+        peak = self.recipe.logging.peak_flops_per_device
+        if peak is None and torch.cuda.is_available():
+            peak = H100_BF16_DENSE_FLOPS
+        record = {
+            "step": self.step,
+            "loss": ce + self.recipe.loss.ntl.weight * ntl,
+            "ce": ce,
+            "ntl": ntl,
+            "lr": lr,
+            "grad_norm": _float_or_none(self.engine.get_global_grad_norm()),
+            "tokens": self.tokens_seen,
+            "tokens_per_s": tokens_per_s,
+            "number_token_fraction": number_fraction,
+            "mfu": mfu(self.flops_per_token, tokens_per_s, peak, self.world_size),
+            "skipped_steps": self.skipped_steps,
+        }
+        record.update({f"data/{key}": value for key, value in self.loader.metrics().items()})
+        return record
+
+    # ---- eval ----------------------------------------------------------------------------------------------
+
+    def evaluate(self) -> dict:
+        """Validation CE / NTL over the data validation split, summed over all ranks."""
+        sums = torch.zeros(4, dtype=torch.float64)
+        self.engine.eval()
+        with torch.no_grad():
+            for batch in self._lockstep(self._dataloader("validation")):
+                out = self.engine(**self._to_device(batch))
+                sums += torch.tensor(
+                    [out.ce.item(), out.ntl.item(), float(out.num_tokens), float(out.num_number_tokens)],
+                    dtype=torch.float64,
+                )
+        self.engine.train()
+        dist.all_reduce(sums)
+        ce, ntl, tokens, number_tokens = sums.tolist()
+        ce, ntl = ce / max(tokens, 1), ntl / max(number_tokens, 1)
+        return {
+            "step": self.step,
+            "split": "validation",
+            "val_loss": ce + self.recipe.loss.ntl.weight * ntl,
+            "val_ce": ce,
+            "val_ntl": ntl,
+            "val_tokens": int(tokens),
+            "val_number_tokens": int(number_tokens),
+        }
+
+    def _lockstep(self, loader) -> Iterator[dict]:
+        """Yield batches until every rank is exhausted; a rank that runs out first feeds all-ignored batches,
+        because every ZeRO-3 forward gathers parameters collectively."""
+        limit = self.recipe.train.eval_max_batches
+        batches, template, count = iter(loader), None, 0
+        while limit is None or count < limit:
+            batch = next(batches, None)
+            has_batch = torch.tensor([0.0 if batch is None else 1.0])
+            dist.all_reduce(has_batch, op=dist.ReduceOp.MAX)
+            if has_batch.item() == 0:
+                return
+            if batch is None:
+                batch = template if template is not None else self._empty_batch()
+                batch = {**batch, "labels": torch.full_like(batch["labels"], IGNORE_INDEX)}
+            template, count = batch, count + 1
+            yield batch
+
+    def _empty_batch(self) -> dict:
+        shape = (self.recipe.train.micro_batch_size, self.recipe.data.seq_len)
+        positions_BT = torch.arange(shape[1]).expand(shape).contiguous()
+        return {
+            "input_ids": torch.zeros(shape, dtype=torch.long),
+            "labels": torch.zeros(shape, dtype=torch.long),
+            "position_ids": positions_BT,
+        }
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        per_rank = [None] * self.world_size
+        dist.all_gather_object(per_rank, {"data": self.loader.state_dict(), "rng": checkpoint.rng_state()})
+        client_state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.world_size,
+            "per_rank": per_rank,
+        }
+        root = checkpoint.checkpoints_root(self.output_dir)
+        return checkpoint.save(
+            self.engine, root, self.step, client_state, self.recipe.checkpoint.keep_last, self._write_export_files
+        )
+
+    def _write_export_files(self, folder: Path) -> None:
+        self.built.module.lm.config.save_pretrained(folder / "hf_config")
+        self.tokenizer.save_pretrained(folder / "tokenizer")
+        (folder / "recipe.yaml").write_text(dump_recipe(self.recipe))
+
+    def resume(self) -> None:
+        folder = checkpoint.resolve_resume(self.recipe.train.resume, str(self.output_dir))
+        if folder is None:
+            return
+        state = checkpoint.load(self.engine, folder)
+        if state["world_size"] != self.world_size:
+            raise RuntimeError(
+                f"train.resume: {folder} was saved with {state['world_size']} ranks, this run has "
+                f"{self.world_size}; the data-loader positions are per rank"
+            )
+        self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+        mine = state["per_rank"][self.rank]
+        self.loader.load_state_dict(mine["data"])
+        checkpoint.set_rng_state(mine["rng"])
+
+
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ntl_pretrain.train", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", help="YAML recipe")
+    parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. loss.ntl.weight=0.5")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
+    return parser.parse_args(argv)
+
+
+def prepare_run(recipe: Recipe, world_size: int) -> dict:
+    """Everything that can fail before a process group exists: returns the DeepSpeed config."""
+    return build_deepspeed_config(recipe, world_size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    ds_config = prepare_run(recipe, int(os.environ.get("WORLD_SIZE", "1")))
+    init_distributed()
+    if dist.get_rank() == 0:
+        Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(recipe.train.output_dir) / "recipe.yaml").write_text(dump_recipe(recipe))
+    Trainer(recipe, ds_config).train()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
