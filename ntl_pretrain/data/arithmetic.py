@@ -109,10 +109,7 @@ def word_problem_purchase(rng: random.Random, level: Difficulty) -> Example:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     count = rng.randint(2, 9 * level.max_digits)
     price = draw_number(rng, Difficulty(level.min_digits, level.max_digits - 1 or 1), 2)
-    question = (
-        f"{name} buys {count} {item} at {format_number(price)} dollars each. "
-        f"How many dollars does {name} spend?"
-    )
+    question = f"{name} buys {count} {item} at {format_number(price)} dollars each. How many dollars does {name} spend?"
     return _example(question, count * price)
 
 
@@ -133,8 +130,7 @@ def word_problem_sharing(rng: random.Random, level: Difficulty) -> Example:
     people = rng.randint(2, 12)
     each = draw_integer(rng, level)
     question = (
-        f"{name} shares {people * each} {item} equally among {people} friends. "
-        f"How many {item} does each friend get?"
+        f"{name} shares {people * each} {item} equally among {people} friends. How many {item} does each friend get?"
     )
     return _example(question, Decimal(each))
 

@@ -1,0 +1,167 @@
+"""The `data:` section of a recipe: sources, mixture weights, packing, shuffling, workers."""
+
+from __future__ import annotations
+
+import glob
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Format = Literal["auto", "jsonl", "json", "parquet", "txt", "arrow", "hub"]
+FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt", ".arrow": "arrow"}
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+PKG_PREFIX = "pkg:"
+
+
+@dataclass
+class SourceConfig:
+    path: str = ""
+    """File, glob (`data/*.jsonl`), folder (all files in it), `pkg:<package>/<path>`, remote URL
+    (`s3://...`, `https://...`, read through fsspec) or, with `format: hub`, a hub dataset name."""
+    format: Format = "auto"
+    """`auto` infers it from the file suffix (`.jsonl`, `.json`, `.parquet`, `.txt`, `.arrow`, optionally
+    compressed with `.gz`/`.bz2`/`.xz`/`.zst` for jsonl and txt); `hub` streams a dataset from the HF hub."""
+    text_field: str = "text"
+    """Record field holding the document text (ignored when `template` is set, and for txt)."""
+    template: str | None = None
+    """Builds the document from several fields, e.g. `"{question} {answer}"` for Q/A records."""
+    weight: float = 1.0
+    """Relative sampling weight in the training mixture (normalised over all sources)."""
+    name: str | None = None
+    """Label in metrics; null = `<folder>/<file name without suffix>` (or the hub name)."""
+    sample_by: Literal["line", "paragraph", "document"] = "paragraph"
+    """txt only: one document per line, per blank-line-separated paragraph, or per file."""
+    hub_config: str | None = None
+    """`format: hub` only: the dataset configuration name."""
+    hub_split: str = "train"
+    """`format: hub` only: the split to stream."""
+
+    def check(self) -> None:
+        if not self.path:
+            raise ValueError("path: required")
+        if self.weight <= 0:
+            raise ValueError(f"weight: must be > 0, got {self.weight}")
+        if self.template is not None:
+            fields = [name for _, name, _, _ in string.Formatter().parse(self.template) if name]
+            if not fields:
+                raise ValueError(f"template: {self.template!r} names no field (write fields as {{name}})")
+        if self.format != "hub" and self.hub_config is not None:
+            raise ValueError("hub_config: only for format: hub")
+        formats = {source_format(self, path) for path in resolve_files(self)}
+        if len(formats) > 1:
+            raise ValueError(f"path: {self.path!r} mixes formats {sorted(formats)}; use one source per format")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.format == "hub":
+            return self.path
+        *_, folder, name = ["", *self.path.rstrip("/").replace("pkg:", "").split("/")]
+        return f"{folder}/{name.split('.', 1)[0]}".lstrip("/")
+
+    @property
+    def template_fields(self) -> list[str]:
+        if self.template is None:
+            return [self.text_field]
+        return [name for _, name, _, _ in string.Formatter().parse(self.template) if name]
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    """Training sources; each epoch of each source is read once per pass, mixed by `weight`."""
+    validation: list[SourceConfig] = field(default_factory=list)
+    """Held-out sources, read once in order (weights ignored); empty = no validation."""
+    seq_len: int = 512
+    """Packed sequence length in tokens (documents are joined with EOS and cut into blocks)."""
+    shuffle_buffer: int = 1000
+    """Documents held in the seeded shuffle buffer per reader; 0 or 1 keeps the stream order."""
+    per_document_attention: bool = False
+    """Reset position ids at document starts and drop the cross-document label after each EOS; with
+    flash-attention 2, transformers then also keeps attention inside each document."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0 = read in the training process)."""
+    tokenize_batch: int = 64
+    """Documents tokenised per call of the fast tokenizer."""
+    prefetch_batches: int = 4
+    """Batches each worker prepares ahead (with `num_workers` > 0)."""
+
+    def check(self) -> None:
+        if not self.sources:
+            raise ValueError("sources: at least one training source is required")
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len: must be >= 1, got {self.seq_len}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer: must be >= 0, got {self.shuffle_buffer}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers: must be >= 0, got {self.num_workers}")
+        if self.tokenize_batch < 1:
+            raise ValueError(f"tokenize_batch: must be >= 1, got {self.tokenize_batch}")
+        if self.prefetch_batches < 1:
+            raise ValueError(f"prefetch_batches: must be >= 1, got {self.prefetch_batches}")
+        labels = [source.label for source in self.sources]
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(f"sources: several sources are labelled {duplicates}; give them distinct `name`s")
+
+
+def validate_sources(cfg: DataConfig) -> None:
+    """Fail before any process starts if a source file is missing or has an unknown format.
+
+    The recipe loader runs the same checks through `check()`; call this when building a `DataConfig` in
+    code. Errors name the key (`sources.1`) and the path.
+    """
+    cfg.check()
+    for section, sources in (("sources", cfg.sources), ("validation", cfg.validation)):
+        for index, source in enumerate(sources):
+            try:
+                source.check()
+            except ValueError as error:
+                raise ValueError(f"{section}.{index}.{error}") from None
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def local_path(path: str) -> Path:
+    """`pkg:<package>/<path>` resolves inside the installed package (without importing it)."""
+    if path.startswith(PKG_PREFIX):
+        from ntl_pretrain.tokenizer import resolve_path
+
+        return resolve_path(path)
+    return Path(path).expanduser()
+
+
+def resolve_files(source: SourceConfig) -> list[str]:
+    """The files of a source in a fixed (sorted) order; raises `ValueError` naming the path if none exist."""
+    if source.format == "hub" or is_remote(source.path):
+        return [source.path]
+    path = local_path(source.path)
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    elif glob.has_magic(str(path)):
+        files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    else:
+        files = [str(path)] if path.is_file() else []
+    if not files:
+        raise ValueError(f"path: no file matches {source.path!r} (looked for {path})")
+    return files
+
+
+def source_format(source: SourceConfig, file: str) -> str:
+    """The reader format of one file; raises `ValueError` naming the file when it cannot be told."""
+    if source.format != "auto":
+        return source.format
+    name = file.lower()
+    for suffix in COMPRESSION_SUFFIXES:
+        name = name.removesuffix(suffix)
+    suffix = Path(name).suffix
+    if suffix not in FORMAT_BY_SUFFIX:
+        raise ValueError(
+            f"path: cannot tell the format of {file!r} from its suffix {suffix!r}; expected one of "
+            f"{sorted(FORMAT_BY_SUFFIX)} or set `format:`"
+        )
+    return FORMAT_BY_SUFFIX[suffix]

@@ -1,0 +1,175 @@
+"""The loader the trainer iterates: readers per rank and worker, resumable state, metrics.
+
+Reader `dp_rank * num_workers + k` of `dp_world_size * num_workers` runs in worker k (or in the training
+process when `num_workers` is 0). Each worker yields its batches together with its reader's state after
+that batch, and the DataLoader hands batches out round-robin over the workers, so the loader knows the
+exact state behind every batch it has handed out, however far the workers have prefetched. torchdata's
+StatefulDataLoader solves the same problem the same way; doing it here avoids a dependency.
+
+On resume the round-robin must continue with the worker that was next: worker w therefore runs local reader
+`(w + first_reader) % num_workers`, and `first_reader` is saved with the state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ntl_pretrain.data.config import DataConfig, validate_sources
+from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, reader_metrics, validation_batches
+from ntl_pretrain.data.sources import SKIP_REASONS
+
+STATE_VERSION = 1
+
+
+class _ReaderDataset(IterableDataset):
+    """What each DataLoader worker runs: one `TrainReader`, restored from its saved state if any."""
+
+    def __init__(self, loader: PackedLoader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[tuple[Batch, int, dict]]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        local = (worker + self.loader.first_reader) % num_workers
+        reader = self.loader.make_reader(local)
+        while True:
+            batch = reader.next_batch()
+            yield batch, local, reader.state_dict()
+
+
+class PackedLoader:
+    """Iterates `{"input_ids", "labels", "position_ids"}` int64 `[B, T]` micro-batches (see `packing.py`).
+
+    The train split is infinite and every new `iter()` continues after the last batch handed out; the
+    validation split is one finite pass that starts over with every `iter()`.
+    """
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer,
+        *,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+        seed: int,
+        split: str = "train",
+    ):
+        if split not in ("train", "validation"):
+            raise ValueError(f"split: expected 'train' or 'validation', got {split!r}")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside a data-parallel world of {dp_world_size}")
+        validate_sources(cfg)
+        self.cfg, self.split, self.seed = cfg, split, seed
+        self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
+        self.encoder = DocumentEncoder(tokenizer)
+        self.num_workers = cfg.num_workers if split == "train" else 0
+        self.first_reader = 0
+        self.reader_states: list[dict | None] = [None] * max(1, self.num_workers)
+        self.validation_skipped: Counter = Counter()
+
+    def make_reader(self, local: int) -> TrainReader:
+        readers_per_rank = max(1, self.num_workers)
+        reader = TrainReader(
+            self.cfg,
+            self.encoder,
+            self.micro_batch_size,
+            reader=self.dp_rank * readers_per_rank + local,
+            num_readers=self.dp_world_size * readers_per_rank,
+            seed=self.seed,
+        )
+        if self.reader_states[local] is not None:
+            reader.load_state_dict(self.reader_states[local])
+        return reader
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.split == "validation":
+            self.validation_skipped.clear()
+            yield from validation_batches(
+                self.cfg, self.encoder, self.micro_batch_size, self.dp_rank, self.dp_world_size, self.validation_skipped
+            )
+            return
+        for batch, local, state in self._worker_batches():
+            self.reader_states[local] = state
+            self.first_reader = (local + 1) % len(self.reader_states)
+            yield batch
+
+    def _worker_batches(self) -> Iterator[tuple[Batch, int, dict]]:
+        if self.num_workers == 0:
+            return iter(_ReaderDataset(self))
+        return iter(
+            DataLoader(
+                _ReaderDataset(self),
+                batch_size=None,
+                num_workers=self.num_workers,
+                prefetch_factor=self.cfg.prefetch_batches,
+            )
+        )
+
+    def state_dict(self) -> dict:
+        """Plain Python and CPU tensors: positions, RNG states, shuffle buffers and partial blocks."""
+        return {
+            "version": STATE_VERSION,
+            "split": self.split,
+            "dp_world_size": self.dp_world_size,
+            "num_workers": self.num_workers,
+            "first_reader": self.first_reader,
+            "readers": list(self.reader_states),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, expected in (
+            ("version", STATE_VERSION),
+            ("split", self.split),
+            ("dp_world_size", self.dp_world_size),
+            ("num_workers", self.num_workers),
+        ):
+            if state[key] != expected:
+                raise ValueError(
+                    f"data loader state: {key}={state[key]!r} was saved, this run has {expected!r}; the data "
+                    f"stream can only be resumed exactly with the same data-parallel size and num_workers"
+                )
+        self.first_reader = state["first_reader"]
+        self.reader_states = list(state["readers"])
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's counters: `skipped/<reason>`, `documents`, `tokens`, `batches`, `epoch/<source>`,
+        and `epoch` (the fewest completed passes over any source)."""
+        if self.split == "validation":
+            return {f"skipped/{reason}": float(self.validation_skipped[reason]) for reason in SKIP_REASONS}
+        labels = [source.label for source in self.cfg.sources]
+        totals = Counter({f"skipped/{reason}": 0.0 for reason in SKIP_REASONS})
+        epochs = {f"epoch/{label}": 0.0 for label in labels}
+        started = [state for state in self.reader_states if state is not None]
+        for index, state in enumerate(started):
+            for name, value in reader_metrics(state, labels).items():
+                if name.startswith("epoch/"):
+                    epochs[name] = value if index == 0 else min(epochs[name], value)
+                else:
+                    totals[name] += value
+        return {**dict(totals), **epochs, "epoch": min(epochs.values())}
+
+
+def build_dataloader(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    seed: int,
+    split: str = "train",
+) -> PackedLoader:
+    """The trainer's entry point; see `PackedLoader`."""
+    return PackedLoader(
+        cfg,
+        tokenizer,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=seed,
+        split=split,
+    )

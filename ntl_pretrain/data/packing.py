@@ -1,0 +1,85 @@
+"""Pack EOS-terminated documents into fixed-length blocks and turn blocks into training samples.
+
+Shapes: B micro-batch rows, T = seq_len. A block holds T+1 tokens: inputs are its first T, labels its
+last T (labels are already shifted; the loss head does not shift again). Consecutive blocks overlap by
+one token, so every token after the first is a label exactly once and nothing is padded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+class Packer:
+    """Concatenates documents and cuts them into blocks of `seq_len + 1` tokens."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+
+    def add(self, document: np.ndarray) -> None:
+        self.pending.append(document)
+        self.pending_tokens += len(document)
+
+    def has_block(self) -> bool:
+        return self.pending_tokens >= self.seq_len + 1
+
+    def take_block(self) -> np.ndarray:
+        """The next `seq_len + 1` tokens; the last of them stays as the first input of the next block."""
+        tokens = np.concatenate(self.pending)
+        block, rest = tokens[: self.seq_len + 1], tokens[self.seq_len :]
+        self.pending, self.pending_tokens = [rest], len(rest)
+        return block
+
+    def take_last_block(self, pad_id: int) -> tuple[np.ndarray, int]:
+        """What is left at the end of a finite stream, padded to a block, and its number of labels."""
+        tokens = np.concatenate(self.pending) if self.pending else np.zeros(0, dtype=np.int32)
+        self.pending, self.pending_tokens = [], 0
+        num_labels = max(0, len(tokens) - 1)
+        block = np.full(self.seq_len + 1, pad_id, dtype=np.int32)
+        block[: len(tokens)] = tokens
+        return block, num_labels
+
+    def state_dict(self) -> dict:
+        tokens = np.concatenate(self.pending) if self.pending else np.zeros(0, dtype=np.int32)
+        return {"tokens": torch.from_numpy(tokens)}
+
+    def load_state_dict(self, state: dict) -> None:
+        tokens = state["tokens"].numpy().copy()
+        self.pending, self.pending_tokens = [tokens], len(tokens)
+
+
+def make_batch(
+    blocks_BT1: np.ndarray, eos_id: int, per_document_attention: bool, num_labels_B: np.ndarray | None = None
+) -> dict[str, torch.Tensor]:
+    """`input_ids`, `labels` and `position_ids`, each int64 `[B, T]`, from blocks of T+1 tokens.
+
+    With `per_document_attention`, positions restart at 0 after every EOS and the label of an EOS (the
+    next document's first token, which the document cannot predict) is ignored. `num_labels_B` marks
+    padded tails (finite streams): labels from that index on are ignored.
+    """
+    blocks = torch.from_numpy(blocks_BT1.astype(np.int64))
+    input_ids_BT, labels_BT = blocks[:, :-1], blocks[:, 1:].clone()
+    B, T = input_ids_BT.shape
+    steps_BT = torch.arange(T).expand(B, T)
+    if per_document_attention:
+        is_eos_BT = input_ids_BT == eos_id
+        labels_BT[is_eos_BT] = IGNORE_INDEX
+        starts_BT = torch.zeros(B, T, dtype=torch.bool)
+        starts_BT[:, 0] = True
+        starts_BT[:, 1:] = is_eos_BT[:, :-1]
+        last_start_BT = torch.where(starts_BT, steps_BT, 0).cummax(dim=1).values
+        position_ids_BT = steps_BT - last_start_BT
+    else:
+        position_ids_BT = steps_BT.clone()
+    if num_labels_B is not None:
+        labels_BT[steps_BT >= torch.from_numpy(num_labels_B).unsqueeze(1)] = IGNORE_INDEX
+    return {
+        "input_ids": input_ids_BT.contiguous(),
+        "labels": labels_BT,
+        "position_ids": position_ids_BT.contiguous(),
+    }

@@ -1,0 +1,162 @@
+"""One reader's pipeline: sources -> mixture -> batched tokenisation -> shuffle -> pack -> micro-batches.
+
+A reader runs in one process (the training process or one DataLoader worker) and owns all of its state,
+so `state_dict()` taken between two batches restarts the reader at exactly the next batch.
+Shapes: B micro-batch rows, T = seq_len.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.mixture import Mixture
+from ntl_pretrain.data.packing import Packer, make_batch
+from ntl_pretrain.data.shuffle import ShuffleBuffer
+from ntl_pretrain.data.sources import SKIP_REASONS, SourceStream
+
+Batch = dict[str, torch.Tensor]
+
+
+class DocumentEncoder:
+    """Batched fast tokenisation; every document ends with EOS so that packed documents stay apart."""
+
+    def __init__(self, tokenizer):
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to separate documents")
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        # encode_batch_fast skips offsets, which packing never uses (tokenizers >= 0.21).
+        self.encode_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        if self.encode_batch is not None:
+            ids = [encoding.ids for encoding in self.encode_batch(texts, add_special_tokens=False)]
+        else:
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [np.array([*document, self.eos_id], dtype=np.int32) for document in ids]
+
+
+def reader_seed(seed: int, reader: int, purpose: str) -> str:
+    """String seeds: `random.Random` hashes them with SHA-512, stable across processes and runs."""
+    return f"ntl_pretrain/{purpose}/seed={seed}/reader={reader}"
+
+
+class TrainReader:
+    """Infinite micro-batches for reader `reader` of `num_readers` (ranks x workers)."""
+
+    def __init__(
+        self, cfg: DataConfig, encoder: DocumentEncoder, micro_batch_size: int, reader: int, num_readers: int, seed: int
+    ):
+        self.cfg, self.encoder, self.micro_batch_size = cfg, encoder, micro_batch_size
+        self.skipped: Counter = Counter()
+        self.counts: Counter = Counter()
+        streams = [
+            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped) for source in cfg.sources
+        ]
+        self.mixture = Mixture(streams, [source.weight for source in cfg.sources], reader_seed(seed, reader, "mixture"))
+        self.shuffle = ShuffleBuffer(cfg.shuffle_buffer, reader_seed(seed, reader, "shuffle"))
+        self.packer = Packer(cfg.seq_len)
+
+    def next_batch(self) -> Batch:
+        blocks = [self._next_block() for _ in range(self.micro_batch_size)]
+        self.counts["batches"] += 1
+        return make_batch(np.stack(blocks), self.encoder.eos_id, self.cfg.per_document_attention)
+
+    def _next_block(self) -> np.ndarray:
+        while not self.packer.has_block():
+            self.packer.add(self._next_document())
+        return self.packer.take_block()
+
+    def _next_document(self) -> np.ndarray:
+        while self.shuffle.needs_more():
+            texts = [self.mixture.next_document() for _ in range(self.cfg.tokenize_batch)]
+            for document in self.encoder(texts):
+                self.shuffle.push(document)
+        document = self.shuffle.pop()
+        self.counts["documents"] += 1
+        self.counts["tokens"] += len(document)
+        return document
+
+    def state_dict(self) -> dict:
+        return {
+            "mixture": self.mixture.state_dict(),
+            "shuffle": self.shuffle.state_dict(),
+            "packer": self.packer.state_dict(),
+            "skipped": dict(self.skipped),
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mixture.load_state_dict(state["mixture"])
+        self.shuffle.load_state_dict(state["shuffle"])
+        self.packer.load_state_dict(state["packer"])
+        self.skipped.clear()
+        self.skipped.update(state["skipped"])
+        self.counts.clear()
+        self.counts.update(state["counts"])
+
+    def metrics(self) -> dict[str, float]:
+        return reader_metrics(self.state_dict(), [source.label for source in self.cfg.sources])
+
+
+def reader_metrics(state: dict, labels: list[str]) -> dict[str, float]:
+    """Counters of one reader's saved state: skipped records by reason, documents, tokens, epochs."""
+    metrics = {f"skipped/{reason}": float(state["skipped"].get(reason, 0)) for reason in SKIP_REASONS}
+    metrics.update({name: float(value) for name, value in state["counts"].items()})
+    for label, source_state in zip(labels, state["mixture"]["sources"], strict=True):
+        metrics[f"epoch/{label}"] = float(source_state["epoch"])
+    return metrics
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def validation_batches(
+    cfg: DataConfig, encoder: DocumentEncoder, micro_batch_size: int, dp_rank: int, dp_world_size: int, skipped: Counter
+) -> Iterator[Batch]:
+    """One pass over the validation sources, in order, without shuffling.
+
+    Every rank reads the whole (small) held-out stream and keeps blocks `dp_rank` modulo `dp_world_size`, so
+    ranks are disjoint and complete. All ranks then yield the same number of batches, padding the last with
+    label-free rows: a ZeRO-3 forward is collective and would hang if one rank ran out of batches early.
+    """
+    rows: list[np.ndarray] = []
+    num_labels: list[int] = []
+    num_blocks = batches = 0
+    for index, (block, block_labels) in enumerate(_validation_blocks(cfg, encoder, skipped)):
+        num_blocks = index + 1
+        if index % dp_world_size == dp_rank:
+            rows.append(block)
+            num_labels.append(block_labels)
+        if len(rows) == micro_batch_size:
+            yield make_batch(np.stack(rows), encoder.eos_id, cfg.per_document_attention, np.array(num_labels))
+            rows, num_labels, batches = [], [], batches + 1
+    batches_per_rank = ceil_div(ceil_div(num_blocks, dp_world_size), micro_batch_size)
+    for _ in range(batches, batches_per_rank):
+        padding = micro_batch_size - len(rows)
+        rows += [np.full(cfg.seq_len + 1, encoder.eos_id, dtype=np.int32)] * padding
+        num_labels += [0] * padding
+        yield make_batch(np.stack(rows), encoder.eos_id, cfg.per_document_attention, np.array(num_labels))
+        rows, num_labels = [], []
+
+
+def _validation_blocks(cfg: DataConfig, encoder: DocumentEncoder, skipped: Counter) -> Iterator[tuple[np.ndarray, int]]:
+    """(block, number of labels in it): full blocks, then the padded remainder."""
+    packer = Packer(cfg.seq_len)
+    for source in cfg.validation:
+        stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=skipped)
+        while texts := [text for text in (stream.next_document() for _ in range(cfg.tokenize_batch)) if text]:
+            for document in encoder(texts):
+                packer.add(document)
+                while packer.has_block():
+                    yield packer.take_block(), cfg.seq_len
+    last_block, last_labels = packer.take_last_block(encoder.eos_id)
+    if last_labels > 0:
+        yield last_block, last_labels

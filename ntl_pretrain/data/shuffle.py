@@ -1,0 +1,57 @@
+"""A seeded shuffle buffer of tokenised documents whose contents are part of the checkpoint.
+
+HF `datasets` refills its shuffle buffer with new data on resume (its docs say so), which changes the
+order of every later batch; this buffer saves its documents as token ids so that a resumed run draws
+exactly the documents an uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from ntl_pretrain.data.mixture import restore_rng, rng_state
+
+
+class ShuffleBuffer:
+    """Holds up to `size` documents and hands out a uniformly random one; `size` <= 1 keeps order."""
+
+    def __init__(self, size: int, seed: str):
+        self.size = size
+        self.rng = random.Random(seed)
+        self.documents: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def needs_more(self) -> bool:
+        return len(self.documents) < max(1, self.size)
+
+    def push(self, document: np.ndarray) -> None:
+        self.documents.append(document)
+
+    def pop(self) -> np.ndarray:
+        if self.size <= 1:
+            return self.documents.pop(0)
+        index = self.rng.randrange(len(self.documents))
+        # Swap-remove: O(1), and the order of the rest is part of the (saved) state anyway.
+        self.documents[index], self.documents[-1] = self.documents[-1], self.documents[index]
+        return self.documents.pop()
+
+    def state_dict(self) -> dict:
+        lengths = [len(document) for document in self.documents]
+        tokens = np.concatenate(self.documents) if self.documents else np.zeros(0, dtype=np.int32)
+        return {
+            "rng": rng_state(self.rng),
+            "tokens": torch.from_numpy(tokens),
+            "lengths": torch.tensor(lengths, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_rng(self.rng, state["rng"])
+        tokens = state["tokens"].numpy()
+        ends = np.cumsum(state["lengths"].numpy()).tolist()
+        starts = [0, *ends[:-1]]
+        self.documents = [tokens[start:end].copy() for start, end in zip(starts, ends, strict=True)]

@@ -1,0 +1,214 @@
+"""Read one source as a stream of document strings, sharded over readers, with a resumable cursor.
+
+A *reader* is one (data-parallel rank, DataLoader worker) pair. Reader `shard` of `num_shards` takes the
+records whose index within the epoch is `shard` modulo `num_shards`, so readers are disjoint and together
+cover every record once per epoch. The cursor records where the next record starts, so a resumed stream
+continues exactly after the last record handed out, however often it is resumed.
+
+Line formats (jsonl, txt) are read here rather than through HF `datasets`: its json builder aborts the
+whole stream on the first invalid line and its text builder on the first invalid UTF-8 byte, while a
+recipe must skip and count such records; a byte offset also makes resuming O(1). Parquet, arrow, JSON
+arrays and hub datasets stream through HF `datasets`, whose `state_dict()` restores an unshuffled stream
+exactly (no HF shuffle buffer is used: ours in `shuffle.py` keeps its contents in the state).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import IO
+
+from ntl_pretrain.data.config import COMPRESSION_SUFFIXES, SourceConfig, is_remote, resolve_files, source_format
+
+SKIP_REASONS = ("invalid_utf8", "invalid_json", "not_a_record", "missing_field", "not_string", "empty")
+HF_FORMATS = ("parquet", "arrow", "hub")
+
+
+class BadRecord(Exception):
+    """A record that cannot become a document; `args[0]` is one of `SKIP_REASONS`."""
+
+
+@dataclass
+class Cursor:
+    """Where a source's stream stands: the next record is the first one after this point."""
+
+    epoch: int = 0
+    file_index: int = 0
+    offset: int = 0
+    """Byte offset of the next unread unit in the current file (line formats)."""
+    unit_index: int = 0
+    """Records seen so far in this epoch by any reader; the sharding key."""
+    hf_state: dict | None = None
+    """HF `IterableDataset.state_dict()` after the last record (HF formats)."""
+    documents_this_epoch: int = 0
+
+
+def render(record: object, source: SourceConfig) -> str:
+    """The document text of one parsed record, or `BadRecord(reason)`."""
+    if not isinstance(record, dict):
+        raise BadRecord("not_a_record")
+    for name in source.template_fields:
+        value = record.get(name)
+        if value is None:
+            raise BadRecord("missing_field")
+        if not isinstance(value, str):
+            raise BadRecord("not_string")
+    text = record[source.text_field] if source.template is None else source.template.format_map(record)
+    if not text.strip():
+        raise BadRecord("empty")
+    return text
+
+
+def parse_unit(raw: bytes, fmt: str, source: SourceConfig) -> str:
+    """Decode one line-format unit (a jsonl line or a txt line/paragraph/file) into document text."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRecord("invalid_utf8") from None
+    if fmt == "txt":
+        if not text.strip():
+            raise BadRecord("empty")
+        return text
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        raise BadRecord("invalid_json") from None
+    return render(record, source)
+
+
+def open_binary(path: str) -> IO[bytes]:
+    if is_remote(path) or path.endswith(COMPRESSION_SUFFIXES):
+        import fsspec
+
+        return fsspec.open(path, "rb", compression="infer").open()
+    return open(path, "rb")
+
+
+def iter_units(stream: IO[bytes], sample_by: str) -> Iterator[tuple[bytes, int]]:
+    """(unit bytes, offset just after it); blank lines are separators, never units."""
+    if sample_by == "document":
+        data = stream.read()
+        if data.strip():
+            yield data, stream.tell()
+        return
+    paragraph: list[bytes] = []
+    for line in iter(stream.readline, b""):
+        if line.strip():
+            if sample_by == "line":
+                yield line, stream.tell()
+            else:
+                paragraph.append(line)
+        elif paragraph:
+            yield b"".join(paragraph), stream.tell()
+            paragraph = []
+    if paragraph:
+        yield b"".join(paragraph), stream.tell()
+
+
+class SourceStream:
+    """The documents of one source for one reader; infinite (epochs cycle) when `cycle` is set."""
+
+    def __init__(self, source: SourceConfig, shard: int, num_shards: int, cycle: bool, skipped: Counter):
+        self.source = source
+        self.shard, self.num_shards = shard, num_shards
+        self.cycle = cycle
+        self.skipped = skipped
+        self.files = resolve_files(source)
+        self.format = source_format(source, self.files[0])
+        self.cursor = Cursor()
+        self._documents: Iterator[str] | None = None
+
+    def state_dict(self) -> dict:
+        return asdict(self.cursor)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = Cursor(**state)
+        self._documents = None
+
+    def next_document(self) -> str | None:
+        """The next document of this reader's shard; None when a finite stream is exhausted."""
+        while True:
+            if self._documents is None:
+                self._documents = self._read_epoch()
+            document = next(self._documents, None)
+            if document is not None:
+                return document
+            if not self.cycle:
+                return None
+            self._start_next_epoch()
+
+    def _start_next_epoch(self) -> None:
+        if self.cursor.documents_this_epoch == 0:
+            raise RuntimeError(
+                f"source {self.source.label!r} ({self.source.path}): a whole epoch gave reader {self.shard} of "
+                f"{self.num_shards} no usable document; the source has too few valid records for this "
+                f"many readers (data-parallel ranks x workers)"
+            )
+        self.cursor = Cursor(epoch=self.cursor.epoch + 1)
+        self._documents = None
+
+    def _read_epoch(self) -> Iterator[str]:
+        if self._is_hf():
+            units, parse = self._hf_records(), lambda record: render(record, self.source)
+        else:
+            line_format = "txt" if self.format == "txt" else "jsonl"
+            units, parse = self._line_units(), lambda raw: parse_unit(raw, line_format, self.source)
+        for raw in units:
+            try:
+                document = parse(raw)
+            except BadRecord as bad:
+                self.skipped[bad.args[0]] += 1
+                continue
+            self.cursor.documents_this_epoch += 1
+            yield document
+
+    def _is_hf(self) -> bool:
+        return self.format in HF_FORMATS or (self.format == "json" and _is_json_array(self.files[0]))
+
+    def _owns(self, unit_index: int) -> bool:
+        return unit_index % self.num_shards == self.shard
+
+    def _line_units(self) -> Iterator[bytes]:
+        sample_by = self.source.sample_by if self.format == "txt" else "line"
+        cursor = self.cursor
+        while cursor.file_index < len(self.files):
+            with open_binary(self.files[cursor.file_index]) as stream:
+                stream.seek(cursor.offset)
+                for raw, end in iter_units(stream, sample_by):
+                    owned = self._owns(cursor.unit_index)
+                    cursor.unit_index += 1
+                    cursor.offset = end
+                    if owned:
+                        yield raw
+            cursor.file_index += 1
+            cursor.offset = 0
+
+    def _hf_records(self) -> Iterator[dict]:
+        # HF shards the stream itself (whole files when they divide evenly, else every n-th record);
+        # its state_dict() then resumes exactly, also when resumed again.
+        from datasets.distributed import split_dataset_by_node
+
+        dataset = split_dataset_by_node(self._hf_dataset(), rank=self.shard, world_size=self.num_shards)
+        if self.cursor.hf_state is not None:
+            dataset.load_state_dict(self.cursor.hf_state)
+        # `.iter()` rather than `iter(dataset)`: inside a DataLoader worker the latter re-shards by worker.
+        for batch in dataset.iter(batch_size=1):
+            self.cursor.hf_state = dataset.state_dict()
+            yield {key: values[0] for key, values in batch.items()}
+
+    def _hf_dataset(self):
+        from datasets import load_dataset
+
+        if self.format == "hub":
+            return load_dataset(self.source.path, self.source.hub_config, split=self.source.hub_split, streaming=True)
+        builder = {"parquet": "parquet", "arrow": "arrow", "json": "json"}[self.format]
+        return load_dataset(builder, data_files=self.files, split="train", streaming=True)
+
+
+def _is_json_array(path: str) -> bool:
+    """A `.json` file holding one JSON array goes to HF's json builder; JSON lines are read line by line."""
+    with open_binary(path) as stream:
+        head = stream.read(4096).lstrip()
+    return head.startswith(b"[")
