@@ -1,0 +1,41 @@
+"""Run a function on `world_size` CPU processes joined in a gloo process group (OLMo-core style test helper).
+
+    run_distributed(check_something, 3, arg1, arg2)
+
+spawns 3 processes; each initialises the default group on a free localhost port, calls
+`check_something(arg1, arg2)` (which reads its rank from torch.distributed) and tears the group down. An exception
+on any rank fails the call with that rank's traceback. Spawning costs a few seconds per call, so run many cases
+inside one call rather than one call per case.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Each rank gets one intra-op thread: ranks share the machine's cores, and oversubscription makes gloo tests crawl.
+THREADS_PER_RANK = 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_distributed(fn: Callable[..., None], world_size: int, *args) -> None:
+    """Call `fn(*args)` on every rank of a fresh `world_size`-process gloo group; raise if any rank raises."""
+    mp.spawn(_rank_main, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+    torch.set_num_threads(THREADS_PER_RANK)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
