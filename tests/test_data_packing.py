@@ -1,0 +1,92 @@
+"""Packing, labels and position ids against plain-Python references; the validation pass across ranks."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from ntl_pretrain.data import DataConfig, SourceConfig
+from ntl_pretrain.data.commands import CORPUS
+from ntl_pretrain.data.packing import IGNORE_INDEX, Packer, make_batch
+from ntl_pretrain.data.pipeline import DocumentEncoder, validation_batches
+
+EOS = 0
+
+
+def random_documents(rng: np.random.Generator, count: int) -> list[np.ndarray]:
+    return [np.append(rng.integers(1, 50, rng.integers(1, 30)), EOS).astype(np.int32) for _ in range(count)]
+
+
+def test_blocks_overlap_by_one_token_and_drop_nothing():
+    documents = random_documents(np.random.default_rng(0), 40)
+    stream = np.concatenate(documents)
+    packer, blocks = Packer(seq_len=16), []
+    for document in documents:
+        packer.add(document)
+        while packer.has_block():
+            blocks.append(packer.take_block())
+    expected = [stream[k * 16 : k * 16 + 17] for k in range((len(stream) - 1) // 16)]
+    assert len(blocks) == len(expected)
+    for got, want in zip(blocks, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    state = packer.state_dict()["tokens"].numpy()
+    np.testing.assert_array_equal(state, stream[len(blocks) * 16 :])
+
+
+def reference_sample(block: list[int], per_document: bool) -> tuple[list[int], list[int], list[int]]:
+    inputs, labels, positions, position = block[:-1], list(block[1:]), [], 0
+    for index, token in enumerate(inputs):
+        positions.append(position if per_document else index)
+        position = 0 if token == EOS else position + 1
+        if per_document and token == EOS:
+            labels[index] = IGNORE_INDEX
+    return inputs, labels, positions
+
+
+@pytest.mark.parametrize("per_document", [False, True])
+def test_labels_are_shifted_and_positions_reset_after_eos(per_document):
+    blocks = np.stack([np.concatenate(random_documents(np.random.default_rng(seed), 8))[:25] for seed in (1, 2, 3)])
+    batch = make_batch(blocks, EOS, per_document)
+    for row, block in enumerate(blocks.tolist()):
+        inputs, labels, positions = reference_sample(block, per_document)
+        assert batch["input_ids"][row].tolist() == inputs
+        assert batch["labels"][row].tolist() == labels
+        assert batch["position_ids"][row].tolist() == positions
+    assert all(tensor.dtype == torch.int64 and tensor.shape == (3, 24) for tensor in batch.values())
+
+
+def write_validation(tmp_path) -> DataConfig:
+    lines = [json.dumps({"text": f"held out passage {i} " + "word " * (i % 13)}) for i in range(50)]
+    (tmp_path / "val.jsonl").write_text("\n".join(lines) + "\n")
+    source = SourceConfig(path=str(tmp_path / "val.jsonl"))
+    return DataConfig(sources=[source], validation=[source], seq_len=32, tokenize_batch=7)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_validation_ranks_are_disjoint_complete_and_equally_long(tmp_path, world):
+    cfg = write_validation(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+    encoder = DocumentEncoder(tokenizer)
+
+    def labelled_rows(rank: int, world_size: int) -> list[tuple]:
+        batches = list(validation_batches(cfg, encoder, 4, rank, world_size, Counter()))
+        rows = [
+            (tuple(ids.tolist()), tuple(labels.tolist()))
+            for batch in batches
+            for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True)
+            if (labels != IGNORE_INDEX).any()
+        ]
+        return batches, rows
+
+    single_batches, single_rows = labelled_rows(0, 1)
+    per_rank = [labelled_rows(rank, world) for rank in range(world)]
+    assert len({len(batches) for batches, _ in per_rank}) == 1
+    assert sorted(row for _, rows in per_rank for row in rows) == sorted(single_rows)
+    labels = torch.cat([batch["labels"] for batch in single_batches])
+    tokens = sum(len(tokenizer(json.loads(line)["text"])["input_ids"]) + 1 for line in open(tmp_path / "val.jsonl"))
+    assert int((labels != IGNORE_INDEX).sum()) == tokens - 1
