@@ -7,8 +7,10 @@ keys out (or set them to "auto", the transformers convention); the optimizer and
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from pathlib import Path
 
-from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.config import Recipe, RecipeError, load_recipe
 from ntl_pretrain.tokenizer import resolve_path
 
 RECIPE_OWNED_KEYS = (
@@ -65,3 +67,12 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     config.pop("scheduler", None)
     config.setdefault("steps_per_print", 2**31 - 1)
     return config
+
+
+def load_run(recipe_path: str | Path, overrides: Iterable[str], world_size: int) -> tuple[Recipe, dict]:
+    """Everything that can fail before a process group exists: the recipe and its DeepSpeed config."""
+    recipe = load_recipe(recipe_path, overrides)
+    try:
+        return recipe, build_deepspeed_config(recipe, world_size)
+    except RecipeError as error:
+        raise RecipeError(f"{recipe_path}: {error}") from error

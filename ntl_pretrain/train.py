@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain import checkpoint
-from ntl_pretrain.config import Recipe, dump_recipe, load_recipe
+from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
-from ntl_pretrain.deepspeed_config import build_deepspeed_config
+from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, flops_per_token, mfu
 from ntl_pretrain.model import BuiltModel, build_model, count_parameters, parameter_groups
 from ntl_pretrain.schedule import lr_multiplier
@@ -329,15 +329,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare_run(recipe: Recipe, world_size: int) -> dict:
-    """Everything that can fail before a process group exists: returns the DeepSpeed config."""
-    return build_deepspeed_config(recipe, world_size)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
-    ds_config = prepare_run(recipe, int(os.environ.get("WORLD_SIZE", "1")))
+    recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
     init_distributed()
     if dist.get_rank() == 0:
         Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)

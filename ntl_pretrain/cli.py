@@ -1,0 +1,119 @@
+"""`ntl-pretrain`: train (wraps the deepspeed launcher), export, convert-gguf, data."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import subprocess
+import sys
+
+from ntl_pretrain.config import RecipeError, dump_recipe
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() or 1
+
+
+def train_command(args: argparse.Namespace) -> list[str]:
+    """The deepspeed launcher command for a validated recipe on this machine."""
+    port = args.master_port or free_port()
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]  # the deepspeed of this interpreter's env
+    return [*launcher, "--num_gpus", str(args.nproc), "--master_port", str(port),
+            "--module", "ntl_pretrain.train", args.recipe, *args.overrides]  # fmt: skip
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from ntl_pretrain.deepspeed_config import load_run
+
+    args.nproc = args.nproc or default_nproc()
+    recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
+    command = train_command(args)
+    env = dict(os.environ)
+    if not _cuda_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    if args.dry_run:
+        print(dump_recipe(recipe), end="")
+        print("# " + shlex.join(command))
+        return 0
+    return subprocess.call(command, env=env)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from ntl_pretrain.export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype))
+    return 0
+
+
+def run_convert_gguf(args: argparse.Namespace) -> int:
+    from ntl_pretrain.export import convert_gguf
+
+    print(convert_gguf(args.gguf, args.out_dir, dtype=args.dtype))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ntl-pretrain", description="Pretraining with CE + λ·NTL on DeepSpeed")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="validate a recipe, then launch it with the deepspeed launcher")
+    train.add_argument("recipe")
+    train.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. loss.ntl.weight=0.5")
+    train.add_argument("--nproc", type=int, default=None, help="processes (GPUs; CPU ranks without CUDA)")
+    train.add_argument("--master-port", type=int, default=None, help="default: a free port")
+    train.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the command only")
+    train.set_defaults(func=run_train)
+
+    export = commands.add_parser("export", help="one checkpoint step folder -> HF folder (safetensors)")
+    export.add_argument("checkpoint_dir", help="<output_dir>/checkpoints/step_<N>")
+    export.add_argument("out_dir")
+    export.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="auto = the run's training precision")  # fmt: skip
+    export.set_defaults(func=run_export)
+
+    convert = commands.add_parser("convert-gguf", help="GGUF causal LM -> HF folder usable as init_from")
+    convert.add_argument("gguf", help="file path or pkg:<package>/<file>.gguf")
+    convert.add_argument("out_dir")
+    convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    convert.set_defaults(func=run_convert_gguf)
+
+    from ntl_pretrain.data.commands import register as register_data_commands
+
+    register_data_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may follow options (`train R --nproc 2 a.b=1`), which argparse cannot take as positionals.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "overrides", None) is None or any(arg.startswith("-") or "=" not in arg for arg in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    try:
+        result = args.func(args)
+    except RecipeError as error:
+        print(f"ntl-pretrain: recipe error: {error}", file=sys.stderr)
+        return 2
+    return result or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

