@@ -1,0 +1,143 @@
+"""The embedded corpus, its generator, the prose importer, the tiny tokenizer and the data commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from ntl_pretrain.data import commands
+from ntl_pretrain.data.arithmetic import make_set
+from ntl_pretrain.data.commands import CORPUS
+from ntl_pretrain.data.prose import split_book
+from ntl_pretrain.data.tiny_tokenizer import train_and_save
+
+NUMBER = r"-?\d+(?:\.\d+)?"
+# Each phrasing the generator uses, as an independent recipe for the expected value.
+PHRASINGS = [
+    (rf"^(?:What is|Calculate) ({NUMBER}) ([-+*/]) ({NUMBER})\??\.?$", lambda a, op, b: f"{a} {op} {b}"),
+    (rf"^Add ({NUMBER}) and ({NUMBER})\.$", lambda a, b: f"{a} + {b}"),
+    (rf"^Subtract ({NUMBER}) from ({NUMBER})\.$", lambda b, a: f"{a} - {b}"),
+    (rf"^(?:Multiply ({NUMBER}) and|Calculate ({NUMBER}) times) ({NUMBER})\.$", lambda a, c, b: f"{a or c} * {b}"),
+    (rf"^(?:Divide ({NUMBER}) by|Calculate ({NUMBER}) divided by) ({NUMBER})\.$", lambda a, c, b: f"{a or c} / {b}"),
+    (r"^Evaluate (.*)\.$", lambda expression: expression),
+]
+
+
+def exact_value(question: str) -> Fraction:
+    for pattern, to_expression in PHRASINGS:
+        match = re.match(pattern, question)
+        if match:
+            expression = re.sub(NUMBER, lambda m: f"Fraction('{m.group()}')", to_expression(*match.groups()))
+            return eval(expression, {"Fraction": Fraction})  # our own generated, regex-checked text
+    raise AssertionError(f"unknown phrasing: {question}")
+
+
+SIZES = {"train": 400, "validation": 50, "interpolation": 50, "extrapolation": 50}
+
+
+def test_arithmetic_answers_are_exact_and_splits_disjoint():
+    splits = make_set("arithmetic", SIZES, seed=3)
+    for split, examples in splits.items():
+        assert len(examples) == SIZES[split]
+        for example in examples:
+            assert Fraction(example["answer"]) == exact_value(example["question"]), example
+    questions = [{e["question"] for e in examples} for examples in splits.values()]
+    assert sum(map(len, questions)) == len(set().union(*questions))
+    assert any("." in e["question"] for e in splits["train"])  # decimals
+    assert any(e["question"].startswith("Evaluate") for e in splits["train"])  # multi-step
+
+
+def largest_numbers(examples) -> list[float]:
+    """The largest number in each question, sorted."""
+    return sorted(max(abs(float(n)) for n in re.findall(NUMBER, e["question"])) for e in examples)
+
+
+def test_extrapolation_uses_larger_numbers_and_generation_is_deterministic():
+    for set_name in ("arithmetic", "word_problems"):
+        splits = make_set(set_name, SIZES, seed=5)
+        train, extrapolation = largest_numbers(splits["train"]), largest_numbers(splits["extrapolation"])
+        assert extrapolation[0] >= 10_000  # every question has a 5-digit number
+        assert extrapolation[len(extrapolation) // 2] > 10 * train[len(train) // 2]
+        assert make_set(set_name, SIZES, seed=5) == splits
+        assert make_set(set_name, SIZES, seed=6) != splits
+
+
+def test_committed_corpus_is_small_and_regenerates_byte_for_byte(tmp_path):
+    total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
+    assert total < 3_000_000
+    run(["data", "make-arithmetic", "--out", str(tmp_path), "--seed", "0"])
+    for path in sorted(tmp_path.rglob("*.jsonl")):
+        assert path.read_bytes() == (CORPUS / path.relative_to(tmp_path)).read_bytes(), path
+
+
+def test_split_book_keeps_the_body_and_holds_out_the_last_chapter():
+    book = (
+        "\ufeffProject Gutenberg header\r\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\r\n"
+        "CHAPTER I\r\none\r\ntwo\r\nthree\r\nCHAPTER II.\r\nfour\r\n"
+        "*** END OF THIS PROJECT GUTENBERG EBOOK X ***\r\nlicence text\r\n"
+    )
+    splits = split_book(book, lines_per_document=2)
+    assert splits["train"] == [{"text": "CHAPTER I\none"}, {"text": "two\nthree"}]
+    assert splits["validation"] == [{"text": "CHAPTER II.\nfour"}]
+
+
+def test_tiny_tokenizer_loads_offline_and_spells_numbers_in_digits(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+    assert len(tokenizer) == 2048 and tokenizer.eos_token == "<|endoftext|>"
+    text = "Ana pays 1250.75 dollars for 12 apples."
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    assert [p for p in pieces if re.search("[0-9]", p)] == list("125075" + "12")
+    assert sorted(t for t in tokenizer.get_vocab() if re.search("[0-9]", t)) == list("0123456789")
+
+
+def test_tiny_tokenizer_retrains_byte_for_byte(tmp_path):
+    train_and_save(sorted(CORPUS.glob("*/train.jsonl")), tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (CORPUS / "tiny-tokenizer" / name).read_bytes(), name
+
+
+def run(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    commands.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+def write_recipe(folder: Path) -> Path:
+    numbers = [json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) for i in range(50)]
+    (folder / "qa.jsonl").write_text("\n".join(numbers) + "\n")
+    recipe = {
+        "model": {"model_type": "llama"},
+        "tokenizer": {"path": str(CORPUS / "tiny-tokenizer")},
+        "data": {
+            "seq_len": 32,
+            "shuffle_buffer": 0,
+            "sources": [{"path": str(folder / "qa.jsonl"), "template": "{q} {a}"}],
+        },
+        "train": {"micro_batch_size": 2},
+    }
+    path = folder / "recipe.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    return path
+
+
+def test_preview_highlights_numbers_and_counts_number_labels(tmp_path, capsys):
+    run(["data", "preview", str(write_recipe(tmp_path)), "--samples", "1", "--batches", "4"])
+    out = capsys.readouterr().out
+    assert "What is [0] + [1]? [1]<|endoftext|>What is [1] + [1]? [2]" in out
+    # Independent count over the same 4 batches x 2 rows x 32 labels: "What is N + 1? M<eos>" documents.
+    tokenizer = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+    stream = [t for i in range(50) for t in tokenizer(f"What is {i} + 1? {i + 1}")["input_ids"] + [0]]
+    labels = stream[1 : 4 * 2 * 32 + 1]
+    digits = {tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
+    expected = sum(label in digits for label in labels) / len(labels)
+    assert f"number-token labels: {expected:.1%}" in out
