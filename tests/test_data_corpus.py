@@ -8,7 +8,6 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
-import pytest
 from transformers import AutoTokenizer
 
 from ntl_pretrain.data import commands
