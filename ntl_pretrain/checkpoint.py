@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
+HF_CONFIG = "hf_config"
+TOKENIZER = "tokenizer"
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

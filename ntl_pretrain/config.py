@@ -31,7 +31,8 @@ class RecipeError(ValueError):
 @dataclass
 class ModelConfig:
     model_type: str | None = None
-    """HF `model_type` to build from scratch (e.g. `llama`, `gpt2`, `qwen2`); null with `init_from`."""
+    """HF `model_type` to build from scratch (e.g. `llama`, `gpt2`, `qwen2`); null with `init_from`, and may be
+    null when resuming (the checkpoint's `hf_config/` is used)."""
     config: dict[str, HfConfigValue] = field(default_factory=dict)
     """HF config keys: the architecture from scratch, or overrides on top of `init_from`'s config."""
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
@@ -49,7 +50,8 @@ class ModelConfig:
 @dataclass
 class TokenizerConfig:
     path: str | None = None
-    """Tokenizer spec for `ntl_pretrain.tokenizer.load_tokenizer` (`pkg:` paths allowed); null = `init_from`."""
+    """Tokenizer spec for `ntl_pretrain.tokenizer.load_tokenizer` (`pkg:` paths allowed); null = the one in
+    `init_from`, or in the resumed checkpoint's `tokenizer/`."""
     trust_remote_code: bool = False
     """Allow tokenizer code shipped with an HF folder to run."""
 
@@ -217,12 +219,13 @@ class Recipe:
     def check(self) -> None:
         if self.init_from is not None and self.train.resume is not None:
             raise ValueError("init_from: excludes train.resume (resume restores the weights)")
-        if self.init_from is None and self.model.model_type is None:
-            raise ValueError("model.model_type: required when training from scratch (no init_from)")
+        saved_architecture = self.init_from is not None or self.train.resume is not None
+        if not saved_architecture and self.model.model_type is None:
+            raise ValueError("model.model_type: required when training from scratch (no init_from, no resume)")
         if self.init_from is not None and self.model.model_type is not None:
             raise ValueError("model.model_type: must be null with init_from (the folder's config is used)")
-        if self.init_from is None and self.tokenizer.path is None:
-            raise ValueError("tokenizer.path: required without init_from")
+        if not saved_architecture and self.tokenizer.path is None:
+            raise ValueError("tokenizer.path: required without init_from or train.resume")
         if self.train.global_batch_tokens is not None and self.train.global_batch_tokens % self.data.seq_len:
             raise ValueError(
                 f"train.global_batch_tokens: {self.train.global_batch_tokens} is not a multiple of "

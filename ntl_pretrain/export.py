@@ -14,6 +14,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER
 from ntl_pretrain.tokenizer import resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -26,16 +27,16 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: st
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = Path(checkpoint_dir).resolve()
-    if not (folder / "hf_config").is_dir():
+    if not (folder / HF_CONFIG).is_dir():
         raise FileNotFoundError(f"{folder} is not a checkpoint step folder (no hf_config/ inside)")
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     lm_state = {key[len(WRAPPER_PREFIX) :]: value for key, value in state.items() if key.startswith(WRAPPER_PREFIX)}
-    config = AutoConfig.from_pretrained(folder / "hf_config")
+    config = AutoConfig.from_pretrained(folder / HF_CONFIG)
     config.use_cache = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _load_complete(model, lm_state, str(folder))
     model.to(DTYPES[_resolve_dtype(dtype, folder)])
-    return _save(model, AutoTokenizer.from_pretrained(folder / "tokenizer"), Path(out_dir))
+    return _save(model, AutoTokenizer.from_pretrained(folder / TOKENIZER), Path(out_dir))
 
 
 def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Path:

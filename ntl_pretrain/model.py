@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -87,11 +88,15 @@ def attention_backend(requested: str) -> str:
     return "flash_attention_2" if flash else "sdpa"
 
 
-def hf_config(recipe: Recipe, tokenizer) -> PretrainedConfig:
-    """The architecture: `init_from`'s config or `model.model_type`, with `model.config` keys on top."""
+def hf_config(recipe: Recipe, tokenizer, saved_config: Path | None = None) -> PretrainedConfig:
+    """The architecture: `init_from`'s config, `model.model_type` with `model.config` keys on top, or (resuming
+    without either) the config saved in the checkpoint."""
     model = recipe.model
-    if recipe.init_from is not None:
-        config = AutoConfig.from_pretrained(recipe.init_from)
+    if recipe.init_from is not None or model.model_type is None:
+        source = recipe.init_from or saved_config
+        if source is None:
+            raise ValueError("model.model_type: null, and there is neither init_from nor a checkpoint to resume")
+        config = AutoConfig.from_pretrained(source)
         for key, value in model.config.items():
             setattr(config, key, value)
         return config
@@ -111,10 +116,11 @@ def _special_token_ids(tokenizer) -> dict[str, int]:
     return {key: value for key, value in ids.items() if value is not None}
 
 
-def build_model(recipe: Recipe, tokenizer, ds_config: dict) -> BuiltModel:
-    """Instantiate (from scratch or `init_from`) partitioned under ZeRO-3, with HF's weight init."""
+def build_model(recipe: Recipe, tokenizer, ds_config: dict, saved_config: Path | None = None) -> BuiltModel:
+    """Instantiate (from scratch or `init_from`) partitioned under ZeRO-3, with HF's weight init.
+    `saved_config`: a checkpoint's `hf_config/` folder, the architecture when resuming without model_type."""
     hf_ds_config = HfDeepSpeedConfig(ds_config)
-    config = hf_config(recipe, tokenizer)
+    config = hf_config(recipe, tokenizer, saved_config)
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size={config.vocab_size} < tokenizer length {len(tokenizer)}")
     kwargs = {"attn_implementation": attention_backend(recipe.model.attention), "dtype": DTYPES[recipe.train.precision]}

@@ -62,10 +62,10 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.output_dir = Path(recipe.train.output_dir)
         set_seed(recipe.seed)
-        self.tokenizer = load_tokenizer(
-            recipe.tokenizer.path or recipe.init_from, trust_remote_code=recipe.tokenizer.trust_remote_code
-        )
-        self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config)
+        self.resume_from = checkpoint.resolve_resume(recipe.train.resume, str(self.output_dir))
+        self.tokenizer = load_tokenizer(self._tokenizer_spec(), trust_remote_code=recipe.tokenizer.trust_remote_code)
+        saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
+        self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
         optimizer = torch.optim.AdamW(
             parameter_groups(self.built.module, recipe.optimizer.weight_decay),
             lr=recipe.optimizer.lr,
@@ -81,6 +81,14 @@ class Trainer:
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
         set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
         self.flops_per_token = self._flops_per_token()
+
+    def _tokenizer_spec(self) -> str:
+        spec = self.recipe.tokenizer.path or self.recipe.init_from
+        if spec is None and self.resume_from is not None:
+            spec = str(self.resume_from / checkpoint.TOKENIZER)
+        if spec is None:
+            raise ValueError("tokenizer.path: null, and there is neither init_from nor a checkpoint to resume")
+        return spec
 
     def _dataloader(self, split: str):
         return build_dataloader(
@@ -297,12 +305,12 @@ class Trainer:
         )
 
     def _write_export_files(self, folder: Path) -> None:
-        self.built.module.lm.config.save_pretrained(folder / "hf_config")
-        self.tokenizer.save_pretrained(folder / "tokenizer")
+        self.built.module.lm.config.save_pretrained(folder / checkpoint.HF_CONFIG)
+        self.tokenizer.save_pretrained(folder / checkpoint.TOKENIZER)
         (folder / "recipe.yaml").write_text(dump_recipe(self.recipe))
 
     def resume(self) -> None:
-        folder = checkpoint.resolve_resume(self.recipe.train.resume, str(self.output_dir))
+        folder = self.resume_from
         if folder is None:
             return
         state = checkpoint.load(self.engine, folder)

@@ -1,0 +1,164 @@
+"""Recipe schema: YAML + `base:` + dot-list overrides, type checks, contradictions, DeepSpeed config derivation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ntl_pretrain import cli
+from ntl_pretrain.config import RecipeError, dump_recipe, load_recipe
+from ntl_pretrain.deepspeed_config import build_deepspeed_config, grad_accum_steps, load_run
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+ALL_RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("recipe_path", ALL_RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_load_and_round_trip(recipe_path, tmp_path):
+    """Every shipped recipe validates, and its dump (what a run directory holds) reloads to an equal recipe."""
+    recipe = load_recipe(recipe_path)
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(dump_recipe(recipe))
+    assert load_recipe(dumped) == recipe
+
+
+def test_base_inheritance_merges_sections_and_anchors_paths(tmp_path):
+    child = write(tmp_path / "child.yaml", {"base": str(TINY), "loss": {"ntl": {"weight": 0.7}}, "seed": 3})
+    recipe, base = load_recipe(child), load_recipe(TINY)
+    assert recipe.loss.ntl.weight == 0.7 and recipe.seed == 3
+    assert recipe.loss.ntl.kind == base.loss.ntl.kind  # sibling keys of a merged section survive
+    assert recipe.model == base.model and recipe.data == base.data
+    assert recipe.deepspeed.config == str(REPO / "configs" / "zero3.json")  # relative to the file that set it
+
+
+def test_overrides_parse_as_yaml_and_apply_last(tmp_path):
+    recipe = load_recipe(TINY, ["loss.ntl.weight=0.5", "loss.ntl.kind=null", "optimizer.lr=1e-4",
+                                "model.config.hidden_size=32", "train.resume=null"])  # fmt: skip
+    assert recipe.loss.ntl.weight == 0.5 and recipe.loss.ntl.kind is None
+    assert recipe.optimizer.lr == pytest.approx(1e-4)  # YAML reads 1e-4 as a string; the float field takes it
+    assert recipe.model.config["hidden_size"] == 32 and recipe.model.config["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize(
+    ("in_base", "in_child", "overrides", "origin", "key"),
+    [
+        ({"optimizer": {"lrr": 1.0}}, {}, [], "base.yaml", "optimizer.lrr: unknown key"),
+        ({}, {"train": {"max_steps": "ten"}}, [], "child.yaml", "train.max_steps: expected int"),
+        ({}, {"train": {"precision": "fp16"}}, [], "child.yaml", "train.precision: expected one of"),
+        ({}, {}, ["loss.ntl.kind=cosine"], "command-line override", "loss.ntl.kind: expected"),
+        ({}, {"init_from": "/some/model"}, ["train.resume=auto"], "child.yaml", "init_from: excludes train.resume"),
+        ({}, {"optimizer": {"betas": [0.9]}}, [], "child.yaml", "optimizer.betas: need two values"),
+        (
+            {},
+            {"train": {"global_batch_size": None, "global_batch_tokens": 100}},
+            [],
+            "child.yaml",
+            "100 is not a multiple",
+        ),
+        ({}, {"train": {"global_batch_tokens": 4096}}, [], "child.yaml", "train.global_batch_tokens: set either"),
+        ({}, {"data": {"sources": []}}, [], "child.yaml", "data.sources: at least one"),
+        ({}, {"checkpoint": {"keep_last": 0}}, [], "child.yaml", "checkpoint.keep_last: must be >= 1"),
+    ],
+)
+def test_bad_recipes_name_the_key_and_the_file(tmp_path, in_base, in_child, overrides, origin, key):
+    base_data = yaml.safe_load(TINY.read_text())
+    base_data["deepspeed"]["config"] = str(REPO / "configs" / "zero3.json")
+    for section, values in in_base.items():
+        base_data.setdefault(section, {}).update(values)
+    write(tmp_path / "base.yaml", base_data)
+    child = write(tmp_path / "child.yaml", {"base": "base.yaml", "train": {"resume": None}, **in_child})
+    with pytest.raises(RecipeError) as error:
+        load_recipe(child, overrides)
+    message = str(error.value)
+    assert key in message
+    assert message.startswith(str(tmp_path / origin) if origin.endswith(".yaml") else origin)
+
+
+def test_base_cycle_is_reported(tmp_path):
+    write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "expected"),
+    [
+        ([], 2, 1),  # tiny-cpu: 16 sequences = 8 per rank x 2 ranks
+        (["train.micro_batch_size=2"], 2, 4),
+        (["train.micro_batch_size=2"], 1, 8),
+        (["train.global_batch_size=null", "train.global_batch_tokens=4096"], 2, 2),  # 4096 / 128 = 32 sequences
+        (["train.global_batch_size=null"], 4, 1),
+    ],
+)
+def test_gradient_accumulation_is_derived_from_the_global_batch(overrides, world_size, expected):
+    recipe = load_recipe(TINY, overrides)
+    assert grad_accum_steps(recipe, world_size) == expected
+    config = build_deepspeed_config(recipe, world_size)
+    assert config["gradient_accumulation_steps"] == expected
+    assert config["train_batch_size"] == recipe.train.micro_batch_size * expected * world_size
+    assert config["bf16"] == {"enabled": recipe.train.precision == "bf16"}
+
+
+def test_indivisible_global_batch_fails_naming_the_recipe():
+    with pytest.raises(RecipeError, match=r"tiny-cpu.yaml: train.global_batch_size: 16 sequences .* world size \(3\)"):
+        load_run(TINY, [], world_size=3)
+
+
+def test_deepspeed_json_may_not_own_recipe_keys(tmp_path):
+    config = json.loads((REPO / "configs" / "zero3.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(RecipeError, match="ds.json: train_micro_batch_size_per_gpu: set by the recipe"):
+        load_run(TINY, [f"deepspeed.config={path}"], world_size=2)
+
+
+@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json"])
+def test_shipped_deepspeed_configs_are_zero3(name):
+    config = build_deepspeed_config(load_recipe(TINY, [f"deepspeed.config={REPO / 'configs' / name}"]), 2)
+    assert config["zero_optimization"]["stage"] == 3
+
+
+def test_cli_fails_fast_naming_key_and_source(capsys):
+    code = cli.main(["train", str(TINY), "--nproc", "2", "loss.ntl.wieght=3"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "command-line override: loss.ntl.wieght: unknown key" in err
+
+
+def test_cli_dry_run_prints_the_resolved_recipe_and_launcher(capsys):
+    assert cli.main(["train", str(TINY), "--nproc", "2", "--dry-run", "train.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    recipe_text, command = out.rsplit("# ", 1)
+    assert yaml.safe_load(recipe_text)["train"]["max_steps"] == 7
+    assert "--num_gpus 2" in command and "--module ntl_pretrain.train" in command and "train.max_steps=7" in command
+
+
+def test_every_field_has_a_docstring():
+    """The schema documents itself: a string literal under every field."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from ntl_pretrain import config as config_module
+
+    for cls in [c for c in vars(config_module).values() if dataclasses.is_dataclass(c)]:
+        if cls.__module__ != config_module.__name__ or cls.__name__.startswith("_"):
+            continue
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        documented = {
+            node.target.id
+            for node, following in zip(body, body[1:], strict=False)
+            if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+        }
+        assert documented == {f.name for f in dataclasses.fields(cls)}, cls.__name__
