@@ -17,6 +17,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from ntl_pretrain.config import ModelConfig, NtlConfig, Recipe
 from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -153,3 +154,13 @@ def parameter_groups(module: CausalLMWithLoss, weight_decay: float) -> list[dict
 
 def count_parameters(module: nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+
+
+def model_flops_per_token(lm: PreTrainedModel, seq_len: int) -> float:
+    """Training FLOPs per token (see `ntl_pretrain.metrics`): the input embedding is a lookup, not a matmul,
+    unless it is tied to the output projection."""
+    embedding = lm.get_input_embeddings().weight
+    tied = embedding is lm.get_output_embeddings().weight
+    matmul_params = count_parameters(lm) - (0 if tied else getattr(embedding, "ds_numel", embedding.numel()))
+    config = lm.config
+    return flops_per_token(matmul_params, config.num_hidden_layers, config.hidden_size, seq_len)

@@ -26,8 +26,8 @@ from ntl_pretrain import checkpoint
 from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.deepspeed_config import load_run
-from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, flops_per_token, mfu
-from ntl_pretrain.model import BuiltModel, build_model, count_parameters, parameter_groups
+from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu
+from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
 from ntl_pretrain.schedule import lr_multiplier
 from ntl_pretrain.tokenizer import load_tokenizer
 
@@ -80,7 +80,7 @@ class Trainer:
         self.loader = self._dataloader("train")
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
         set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
-        self.flops_per_token = self._flops_per_token()
+        self.flops_per_token = model_flops_per_token(self.built.module.lm, recipe.data.seq_len)
 
     def _tokenizer_spec(self) -> str:
         spec = self.recipe.tokenizer.path or self.recipe.init_from
@@ -100,14 +100,6 @@ class Trainer:
             seed=self.recipe.seed,
             split=split,
         )
-
-    def _flops_per_token(self) -> float:
-        lm = self.built.module.lm
-        embedding = lm.get_input_embeddings().weight
-        tied = embedding is lm.get_output_embeddings().weight
-        matmul_params = count_parameters(lm) - (0 if tied else getattr(embedding, "ds_numel", embedding.numel()))
-        config = lm.config
-        return flops_per_token(matmul_params, config.num_hidden_layers, config.hidden_size, self.recipe.data.seq_len)
 
     # ---- run -----------------------------------------------------------------------------------------------
 

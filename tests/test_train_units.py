@@ -1,0 +1,103 @@
+"""Single-process pieces of training: schedules, weight-decay groups, FLOPs formula, checkpoint publishing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ntl_pretrain import checkpoint
+from ntl_pretrain.config import NtlConfig, ScheduleConfig
+from ntl_pretrain.model import CausalLMWithLoss, DenseLossHead, model_flops_per_token, parameter_groups
+from ntl_pretrain.schedule import lr_multiplier
+
+
+def tiny_llama(tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                         attn_implementation="eager")  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class TestSchedules:
+    def test_warmup_is_linear_and_reaches_the_peak_on_its_last_step(self):
+        f = lr_multiplier(ScheduleConfig(kind="constant", warmup_steps=4, warmup_start_ratio=0.2), 100)
+        assert [f(s) for s in range(6)] == pytest.approx([0.4, 0.6, 0.8, 1.0, 1.0, 1.0])
+
+    def test_cosine_decays_from_peak_to_min(self):
+        schedule = ScheduleConfig(kind="cosine", warmup_steps=10, min_lr_ratio=0.1)
+        f = lr_multiplier(schedule, 110)
+        assert f(10) == pytest.approx(1.0)
+        assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
+        assert f(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+        assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+    def test_warmup_stable_decay(self):
+        schedule = ScheduleConfig(kind="wsd", warmup_steps=10, min_lr_ratio=0.0, decay_fraction=0.2)
+        f = lr_multiplier(schedule, 100)
+        assert [f(s) for s in (10, 50, 80)] == pytest.approx([1.0, 1.0, 1.0])  # stable until the last 20%
+        assert [f(s) for s in (85, 90, 100)] == pytest.approx([0.75, 0.5, 0.0])
+
+
+def test_weight_decay_skips_norms_biases_and_embeddings():
+    lm = tiny_llama()
+    module = CausalLMWithLoss(lm, DenseLossHead(lm.get_output_embeddings(), None, NtlConfig(kind=None)))
+    decay, no_decay = parameter_groups(module, weight_decay=0.1)
+    names = {id(p): n for n, p in lm.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    expected = {n for n, p in lm.named_parameters() if p.ndim == 2 and "embed_tokens" not in n}
+    assert decayed == expected and "lm_head.weight" in decayed
+    assert all("norm" in names[id(p)] or "embed_tokens" in names[id(p)] for p in no_decay["params"])
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(lm.parameters()))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_flops_formula_matches_counted_matmuls(tie):
+    """6N + 12·L·H·T against torch's FLOP counter on a real forward + backward (norms are not matmuls: <1%)."""
+    lm, batch, seq_len = tiny_llama(tie), 2, 16
+    input_ids = torch.randint(0, 96, (batch, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        lm(input_ids=input_ids).logits.sum().backward()
+    assert model_flops_per_token(lm, seq_len) == pytest.approx(counter.get_total_flops() / (batch * seq_len), rel=0.01)
+
+
+class TestCheckpointFolders:
+    def make_run(self, tmp_path: Path, steps: list[int]) -> Path:
+        root = checkpoint.checkpoints_root(tmp_path)
+        for step in steps:
+            (root / f"step_{step}").mkdir(parents=True)
+        return root
+
+    def test_kill_during_save_leaves_latest_on_the_previous_checkpoint(self, tmp_path):
+        root = self.make_run(tmp_path, [10, 20])
+        (root / checkpoint.LATEST).write_text("step_20")
+        (root / "step_30.tmp").mkdir()  # a save that never finished
+        assert checkpoint.latest(root) == root / "step_20"
+        assert checkpoint.resolve_resume("auto", str(tmp_path)) == root / "step_20"
+        (root / checkpoint.LATEST).unlink()  # killed after the rename, before the pointer moved
+        assert checkpoint.latest(root) == root / "step_20"
+
+    def test_publish_renames_then_points_then_prunes(self, tmp_path):
+        root = self.make_run(tmp_path, [10, 20])
+        (root / "step_30.tmp").mkdir()
+        (root / "step_30.tmp" / "weights").write_text("w")
+        checkpoint._publish(root, "step_30.tmp", "step_30")
+        checkpoint._prune(root, keep_last=2)
+        assert (root / checkpoint.LATEST).read_text() == "step_30"
+        assert [p.name for p in checkpoint.published_steps(root)] == ["step_20", "step_30"]
+        assert (root / "step_30" / "weights").read_text() == "w"
+
+    def test_resume_targets(self, tmp_path):
+        root = self.make_run(tmp_path, [5, 100])
+        assert checkpoint.resolve_resume(None, str(tmp_path)) is None
+        assert checkpoint.resolve_resume("auto", str(tmp_path / "fresh")) is None
+        assert checkpoint.resolve_resume(str(root / "step_5"), "unused") == root / "step_5"
+        assert checkpoint.resolve_resume(str(tmp_path), "unused") == root / "step_100"  # a run directory
+        with pytest.raises(FileNotFoundError, match="train.resume"):
+            checkpoint.resolve_resume(str(tmp_path / "nothing"), "unused")
