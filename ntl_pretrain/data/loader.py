@@ -1,10 +1,12 @@
 """The loader the trainer iterates: readers per rank and worker, resumable state, metrics.
 
 Reader `dp_rank * num_workers + k` of `dp_world_size * num_workers` runs in worker k (or in the training
-process when `num_workers` is 0). Each worker yields its batches together with its reader's state after
-that batch, and the DataLoader hands batches out round-robin over the workers, so the loader knows the
-exact state behind every batch it has handed out, however far the workers have prefetched. torchdata's
-StatefulDataLoader solves the same problem the same way; doing it here avoids a dependency.
+process when `num_workers` is 0). Each worker yields its batches together with its reader's state, and
+the DataLoader hands batches out round-robin over the workers, so the loader knows the exact state behind
+every batch it has handed out, however far the workers have prefetched (torchdata's StatefulDataLoader
+does the same; doing it here avoids a dependency). Shipping a full state (shuffle buffer included) from a
+worker costs more than making the batch, so a reader snapshots every `SNAPSHOT_EVERY` batches and the
+loader counts the batches since; a resumed reader restores the snapshot and replays those few batches.
 
 On resume the round-robin must continue with the worker that was next: worker w therefore runs local reader
 `(w + first_reader) % num_workers`, and `first_reader` is saved with the state.
@@ -18,10 +20,11 @@ from collections.abc import Iterator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ntl_pretrain.data.config import DataConfig, validate_sources
-from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, reader_metrics, validation_batches
+from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, validation_batches
 from ntl_pretrain.data.sources import SKIP_REASONS
 
 STATE_VERSION = 1
+SNAPSHOT_EVERY = 16
 
 
 class _ReaderDataset(IterableDataset):
@@ -30,14 +33,15 @@ class _ReaderDataset(IterableDataset):
     def __init__(self, loader: PackedLoader):
         self.loader = loader
 
-    def __iter__(self) -> Iterator[tuple[Batch, int, dict]]:
+    def __iter__(self) -> Iterator[tuple[Batch, int, dict | None, dict[str, float]]]:
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         local = (worker + self.loader.first_reader) % num_workers
         reader = self.loader.make_reader(local)
         while True:
             batch = reader.next_batch()
-            yield batch, local, reader.state_dict()
+            snapshot = reader.state_dict() if reader.counts["batches"] % SNAPSHOT_EVERY == 0 else None
+            yield batch, local, snapshot, reader.progress()
 
 
 class PackedLoader:
@@ -68,7 +72,8 @@ class PackedLoader:
         self.encoder = DocumentEncoder(tokenizer)
         self.num_workers = cfg.num_workers if split == "train" else 0
         self.first_reader = 0
-        self.reader_states: list[dict | None] = [None] * max(1, self.num_workers)
+        # Per local reader: its last snapshot (None = fresh start), batches handed out since, counters.
+        self.readers = [{"snapshot": None, "replay": 0, "progress": {}} for _ in range(max(1, self.num_workers))]
         self.validation_skipped: Counter = Counter()
 
     def make_reader(self, local: int) -> TrainReader:
@@ -81,8 +86,11 @@ class PackedLoader:
             num_readers=self.dp_world_size * readers_per_rank,
             seed=self.seed,
         )
-        if self.reader_states[local] is not None:
-            reader.load_state_dict(self.reader_states[local])
+        saved = self.readers[local]
+        if saved["snapshot"] is not None:
+            reader.load_state_dict(saved["snapshot"])
+        for _ in range(saved["replay"]):
+            reader.next_batch()
         return reader
 
     def __iter__(self) -> Iterator[Batch]:
@@ -92,12 +100,17 @@ class PackedLoader:
                 self.cfg, self.encoder, self.micro_batch_size, self.dp_rank, self.dp_world_size, self.validation_skipped
             )
             return
-        for batch, local, state in self._worker_batches():
-            self.reader_states[local] = state
-            self.first_reader = (local + 1) % len(self.reader_states)
+        for batch, local, snapshot, progress in self._worker_batches():
+            saved = self.readers[local]
+            if snapshot is None:
+                saved["replay"] += 1
+            else:
+                saved["snapshot"], saved["replay"] = snapshot, 0
+            saved["progress"] = progress
+            self.first_reader = (local + 1) % len(self.readers)
             yield batch
 
-    def _worker_batches(self) -> Iterator[tuple[Batch, int, dict]]:
+    def _worker_batches(self) -> Iterator[tuple[Batch, int, dict | None, dict[str, float]]]:
         if self.num_workers == 0:
             return iter(_ReaderDataset(self))
         return iter(
@@ -117,7 +130,7 @@ class PackedLoader:
             "dp_world_size": self.dp_world_size,
             "num_workers": self.num_workers,
             "first_reader": self.first_reader,
-            "readers": list(self.reader_states),
+            "readers": [dict(saved) for saved in self.readers],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -133,19 +146,18 @@ class PackedLoader:
                     f"stream can only be resumed exactly with the same data-parallel size and num_workers"
                 )
         self.first_reader = state["first_reader"]
-        self.reader_states = list(state["readers"])
+        self.readers = [dict(saved) for saved in state["readers"]]
 
     def metrics(self) -> dict[str, float]:
         """This rank's counters: `skipped/<reason>`, `documents`, `tokens`, `batches`, `epoch/<source>`,
         and `epoch` (the fewest completed passes over any source)."""
         if self.split == "validation":
             return {f"skipped/{reason}": float(self.validation_skipped[reason]) for reason in SKIP_REASONS}
-        labels = [source.label for source in self.cfg.sources]
         totals = Counter({f"skipped/{reason}": 0.0 for reason in SKIP_REASONS})
-        epochs = {f"epoch/{label}": 0.0 for label in labels}
-        started = [state for state in self.reader_states if state is not None]
-        for index, state in enumerate(started):
-            for name, value in reader_metrics(state, labels).items():
+        epochs = {f"epoch/{source.label}": 0.0 for source in self.cfg.sources}
+        started = [saved["progress"] for saved in self.readers if saved["progress"]]
+        for index, progress in enumerate(started):
+            for name, value in progress.items():
                 if name.startswith("epoch/"):
                     epochs[name] = value if index == 0 else min(epochs[name], value)
                 else:

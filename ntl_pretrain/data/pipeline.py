@@ -101,17 +101,13 @@ class TrainReader:
         self.counts.clear()
         self.counts.update(state["counts"])
 
-    def metrics(self) -> dict[str, float]:
-        return reader_metrics(self.state_dict(), [source.label for source in self.cfg.sources])
-
-
-def reader_metrics(state: dict, labels: list[str]) -> dict[str, float]:
-    """Counters of one reader's saved state: skipped records by reason, documents, tokens, epochs."""
-    metrics = {f"skipped/{reason}": float(state["skipped"].get(reason, 0)) for reason in SKIP_REASONS}
-    metrics.update({name: float(value) for name, value in state["counts"].items()})
-    for label, source_state in zip(labels, state["mixture"]["sources"], strict=True):
-        metrics[f"epoch/{label}"] = float(source_state["epoch"])
-    return metrics
+    def progress(self) -> dict[str, float]:
+        """Cheap counters for metrics: skipped records by reason, documents, tokens, batches, epochs."""
+        progress = {f"skipped/{reason}": float(self.skipped[reason]) for reason in SKIP_REASONS}
+        progress.update({name: float(value) for name, value in self.counts.items()})
+        for source, stream in zip(self.cfg.sources, self.mixture.streams, strict=True):
+            progress[f"epoch/{source.label}"] = float(stream.cursor.epoch)
+        return progress
 
 
 def ceil_div(a: int, b: int) -> int:
