@@ -164,3 +164,15 @@ def test_too_few_records_for_the_readers_is_an_error(tmp_path):
     stream = SourceStream(source, shard=1, num_shards=2, cycle=True, skipped=Counter())
     with pytest.raises(RuntimeError, match="too few valid records"):
         stream.next_document()
+
+
+def test_recipe_naming_a_missing_source_fails_at_load(tmp_path):
+    from ntl_pretrain.config import RecipeError, load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "model: {model_type: llama}\ntokenizer: {path: tok}\n"
+        f"data:\n  sources:\n    - {{path: {tmp_path / 'absent.jsonl'}}}\n"
+    )
+    with pytest.raises(RecipeError, match=r"r\.yaml: data\.sources\.0\.path: no file matches .*absent\.jsonl"):
+        load_recipe(recipe)

@@ -122,28 +122,32 @@ class PackedLoader:
             )
         )
 
-    def state_dict(self) -> dict:
-        """Plain Python and CPU tensors: positions, RNG states, shuffle buffers and partial blocks."""
+    def _layout(self) -> dict:
+        """What a saved stream position depends on; resuming under any other layout cannot be exact."""
         return {
             "version": STATE_VERSION,
             "split": self.split,
             "dp_world_size": self.dp_world_size,
             "num_workers": self.num_workers,
+            "micro_batch_size": self.micro_batch_size,
+            "seq_len": self.cfg.seq_len,
+            "sources": [source.label for source in self.cfg.sources],
+        }
+
+    def state_dict(self) -> dict:
+        """Plain Python and CPU tensors: positions, RNG states, shuffle buffers and partial blocks."""
+        return {
+            **self._layout(),
             "first_reader": self.first_reader,
             "readers": [dict(saved) for saved in self.readers],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key, expected in (
-            ("version", STATE_VERSION),
-            ("split", self.split),
-            ("dp_world_size", self.dp_world_size),
-            ("num_workers", self.num_workers),
-        ):
-            if state[key] != expected:
+        for key, expected in self._layout().items():
+            if state.get(key) != expected:
                 raise ValueError(
-                    f"data loader state: {key}={state[key]!r} was saved, this run has {expected!r}; the data "
-                    f"stream can only be resumed exactly with the same data-parallel size and num_workers"
+                    f"data loader state: {key}={state.get(key)!r} was saved, this run has {expected!r}; the "
+                    f"data stream resumes exactly only with the same ranks, workers, batch, seq_len and sources"
                 )
         self.first_reader = state["first_reader"]
         self.readers = [dict(saved) for saved in state["readers"]]
