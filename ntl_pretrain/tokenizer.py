@@ -48,6 +48,8 @@ TIKTOKEN_FAMILIES = {
     "o200k": (O200K_PATTERN, ["<|endoftext|>"]),
 }
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+# Part of the cache key: bump it whenever a conversion changes, so stale converted folders are never reused.
+CONVERSION_VERSION = 2
 
 
 def resolve_path(spec: str) -> Path:
@@ -84,7 +86,7 @@ def load_tokenizer(spec: str, *, trust_remote_code: bool = False) -> PreTrainedT
 
 
 def _cached_conversion(path: Path, convert) -> Path:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(path.read_bytes() + f"v{CONVERSION_VERSION}".encode()).hexdigest()[:16]
     cache_root = Path(os.environ.get("NTL_PRETRAIN_CACHE", "~/.cache/ntl_pretrain")).expanduser()
     target = cache_root / "tokenizers" / f"{path.name}-{digest}"
     if target.exists():
@@ -104,11 +106,14 @@ def _cached_conversion(path: Path, convert) -> Path:
 
 
 def _convert_sentencepiece(path: Path) -> PreTrainedTokenizerBase:
-    # AutoTokenizer needs the file named tokenizer.model in a folder; LlamaTokenizerFast(vocab_file=...) silently
-    # built an empty tokenizer on transformers 5.x (field notes).
+    """A Llama-style SentencePiece model (Llama 2, Mistral): `▁` prefix space, byte fallback, <s> and </s>.
+    AutoTokenizer on the bare file builds a generic tokenizer without the prefix space; LlamaTokenizerFast(
+    vocab_file=...) silently built an empty one on transformers 5.x (field notes)."""
+    from transformers import LlamaTokenizer
+
     with tempfile.TemporaryDirectory() as folder:
         shutil.copyfile(path, Path(folder) / "tokenizer.model")
-        return AutoTokenizer.from_pretrained(folder)
+        return LlamaTokenizer.from_pretrained(folder)
 
 
 def _convert_tiktoken(path: Path, specials: dict[str, int] | None = None) -> PreTrainedTokenizerBase:

@@ -1,0 +1,118 @@
+"""Forward+backward time and peak memory of the loss on logits, side by side (issue 2's targets).
+
+    python bench/loss.py [--positions 2048] [--repeats 5]
+
+At Llama-3's vocabulary (V = 128,256; its 1,110 number tokens come in 1-3 digit chunks) and ~10% number labels,
+each method runs in its own process so that its peak resident memory (max RSS) is its own:
+  a  F.cross_entropy
+  b  F.cross_entropy + ntloss.NTLoss (the reference package; digit tokens only)
+  c  ce_ntl_loss(kind="was")
+  d  ce_ntl_loss(kind=None)
+The methods run interleaved for several rounds and each reports its fastest step (the machine is shared and
+noisy; the minimum is the least disturbed measurement). Prints step time, max RSS and the growth of RSS during
+the steps, then the ratios c/a, c/b, c/d.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+METHODS = {
+    "a": "F.cross_entropy",
+    "b": "F.cross_entropy + ntloss.NTLoss",
+    "c": "ce_ntl_loss(kind='was')",
+    "d": "ce_ntl_loss(kind=None)",
+}
+TARGETS = [("c/d", "time", 1.05), ("c/a", "time", 1.10), ("c/b", "time", 0.5), ("c/a", "peak_rss_mb", 1.0)]
+
+
+def max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_step(method: str, vocab_size: int):
+    import copy
+
+    import torch.nn.functional as F
+
+    from ntl_pretrain.loss import ce_ntl_loss
+    from ntl_pretrain.numbers import NumberVocab
+    from ntl_pretrain.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("pkg:quicktok/data/llama3.vocab")
+    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size)
+    if method == "a":
+        return nv, lambda logits, labels: F.cross_entropy(logits, labels)
+    if method == "b":
+        from ntloss import NTLoss
+
+        ntl = NTLoss(copy.deepcopy(tokenizer), vocab_size=vocab_size, digit_level=True, reweigh=False)
+        return nv, lambda logits, labels: F.cross_entropy(logits, labels) + 0.3 * ntl(logits[None], labels[None])
+    kind = "was" if method == "c" else None
+    return nv, lambda logits, labels: ce_ntl_loss(logits, labels, nv, kind=kind, weight=0.3).loss
+
+
+def run_one(method: str, positions: int, repeats: int, vocab_size: int) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    nv, step = make_step(method, vocab_size)
+    logits = torch.randn(positions, vocab_size).mul_(2).requires_grad_(True)
+    labels = torch.randint(0, len(nv.values), (positions,))
+    numbers = torch.rand(positions) < 0.1
+    labels[numbers] = nv.number_ids[torch.randint(0, len(nv.number_ids), (int(numbers.sum()),))]
+    before = max_rss_mb()
+    times = []
+    for _ in range(repeats + 1):
+        logits.grad = None
+        start = time.perf_counter()
+        step(logits, labels).backward()
+        times.append(time.perf_counter() - start)
+    return {
+        "time": min(times[1:]),
+        "peak_rss_mb": max_rss_mb(),
+        "step_rss_growth_mb": max_rss_mb() - before,
+        "number_fraction": float(numbers.float().mean()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=int, default=2048)
+    parser.add_argument("--vocab-size", type=int, default=128_256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per process, after one warm-up")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per method, interleaved")
+    parser.add_argument("--only", choices=sorted(METHODS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.only:
+        print(json.dumps(run_one(args.only, args.positions, args.repeats, args.vocab_size)))
+        return
+    runs = {method: [] for method in METHODS}
+    for _ in range(args.rounds):
+        for method in METHODS:
+            command = [sys.executable, __file__, "--only", method, "--positions", str(args.positions),
+                       "--vocab-size", str(args.vocab_size), "--repeats", str(args.repeats)]
+            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            runs[method].append(json.loads(output.strip().splitlines()[-1]))
+    results = {method: {key: min(r[key] for r in rs) for key in rs[0]} for method, rs in runs.items()}
+    print(f"N={args.positions} positions, V={args.vocab_size}, fp32 CPU, "
+          f"{results['c']['number_fraction']:.1%} number labels, "
+          f"fastest fwd+bwd of {args.rounds} processes x {args.repeats} steps")
+    print(f"{'':4}{'method':36}{'time s':>9}{'max RSS MB':>12}{'step growth MB':>16}")
+    for method, name in METHODS.items():
+        r = results[method]
+        print(f"{method:4}{name:36}{r['time']:9.3f}{r['peak_rss_mb']:12.0f}{r['step_rss_growth_mb']:16.0f}")
+    for ratio, metric, target in TARGETS:
+        top, bottom = ratio.split("/")
+        value = results[top][metric] / results[bottom][metric]
+        verdict = "ok" if value <= target else "MISSED"
+        print(f"{ratio} {metric:12} {value:6.3f}  (target <= {target})  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
