@@ -11,7 +11,9 @@ inside one call rather than one call per case.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ import torch.multiprocessing as mp
 
 # Each rank gets one intra-op thread: ranks share the machine's cores, and oversubscription makes gloo tests crawl.
 THREADS_PER_RANK = 1
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
 def free_port() -> int:
@@ -39,3 +42,25 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., None], a
         fn(*args)
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def counting_collectives() -> Iterator[Counter]:
+    """Count calls of torch.distributed's collectives (by name) while the block runs."""
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)

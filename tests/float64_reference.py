@@ -65,3 +65,12 @@ def reduce_rows(ce_N: torch.Tensor, ntl_N: torch.Tensor, labels_N: torch.Tensor,
     valid_N = labels_N != -100
     num_numbers = 0 if kind is None else int((nv.classes[torch.where(valid_N, labels_N, 0)] >= 0)[valid_N].sum())
     return ce_N.sum() / max(1, int(valid_N.sum())), ntl_N.sum() / max(1, num_numbers)
+
+
+def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, relative: float, what: str) -> None:
+    """Elementwise within `relative` of the value, or of the tensor's largest magnitude for entries near zero."""
+    expected = expected.double()
+    floor = relative * float(expected.abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(
+        actual.double(), expected, rtol=relative, atol=floor + 1e-12, msg=lambda m: f"{what}: {m}"
+    )

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from float64_reference import reduce_rows, reference_rows
+from distributed import counting_collectives, run_distributed
+from float64_reference import assert_close_relative, reduce_rows, reference_rows
 
 from ntl_pretrain.loss import KINDS, ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
@@ -33,7 +32,6 @@ SURFACES = (
 # class straddles a shard boundary.
 BOUNDARIES = {2: [0, 26, 41], 3: [0, 9, 25, 41], 4: [0, 5, 14, 30, 41]}
 BATCHES = ("mixed", "no_numbers", "all_numbers", "all_ignored")
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
 def synthetic_vocab() -> NumberVocab:
@@ -55,37 +53,6 @@ def make_batch(nv: NumberVocab, composition: str, seed: int, shape=(3, 5)) -> tu
         "all_ignored": torch.full(shape, -100),
     }[composition]
     return logits, labels
-
-
-@contextmanager
-def counting_collectives():
-    """Count calls of torch.distributed's collectives (by name) while the block runs."""
-    counts: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in COLLECTIVES:
-        setattr(dist, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
-def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, relative: float, what: str) -> None:
-    """Elementwise within `relative` of the value, or of the tensor's largest magnitude for entries near zero."""
-    expected = expected.double()
-    floor = relative * float(expected.abs().max()) if expected.numel() else 0.0
-    torch.testing.assert_close(
-        actual.double(), expected, rtol=relative, atol=floor + 1e-12, msg=lambda m: f"{what}: {m}"
-    )
 
 
 def upstream_gradients(shape, reduction: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ row chunks, so at most one [N, V] buffer (the gradient) exists besides the logit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ class Targets:
     scale: torch.Tensor  # float32: label's scale s (1 when not a number)
     cap: torch.Tensor  # float32: reweigh constant c of the label's class (0 when not a number)
 
+    def select(self, rows: slice) -> Targets:
+        return Targets(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
 
 @dataclass(frozen=True)
 class RowStats:
@@ -55,6 +58,9 @@ class RowStats:
     ntl_raw: torch.Tensor  # NTL before reweighing
     expected: torch.Tensor  # sum_j q_j v_j
     class_mass: torch.Tensor  # m, full-softmax mass on C(t)
+
+    def select(self, rows: slice) -> RowStats:
+        return RowStats(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -203,19 +209,24 @@ def logits_grad_rows(
     kind: str | None,
     reweigh: bool,
 ) -> None:
-    """Write d(sum_i grad_ce_i CE_i + grad_ntl_i NTL_i)/dz for the chunk `rows` into `out_RV` (any float dtype)."""
+    """Write d(sum_i grad_ce_i CE_i + grad_ntl_i NTL_i)/dz for the chunk `rows` into `out_RV` (any float dtype).
+
+    `out_RV` may be `z_RV` itself (the chunked head overwrites its logits with their gradient): every read of the
+    logits happens before the first write."""
     g_ce = torch.where(t.valid[rows], grad_ce_R, 0.0)
     g_ntl = torch.where(t.is_number[rows], grad_ntl_R, 0.0)
     lse = stats.lse[rows]
     ntl_raw, mass, cap = stats.ntl_raw[rows], stats.class_mass[rows], t.cap[rows]
+    has_class_grad = kind is not None and shard.local_ids.numel() > 0
+    class_grad_RK = _class_grad(z_RV, t, stats, rows, g_ntl, shard, kind, reweigh) if has_class_grad else None
     # Full-vocabulary part: softmax times the CE weight, minus reweighing's d m / d z_j = -p_j m on every column.
     row_weight = g_ce - g_ntl * (ntl_raw - cap) * mass if reweigh else g_ce
     work = out_RV if out_RV.dtype == z_RV.dtype else torch.empty_like(z_RV)
     torch.sub(z_RV, lse[:, None], out=work)
     work.exp_().mul_(row_weight[:, None])
     work.scatter_add_(1, t.column[rows, None], -(g_ce * t.owned[rows])[:, None])
-    if kind is not None and shard.local_ids.numel() > 0:
-        work.index_add_(1, shard.local_ids, _class_grad(z_RV, t, stats, rows, g_ntl, shard, kind, reweigh))
+    if class_grad_RK is not None:
+        work.index_add_(1, shard.local_ids, class_grad_RK)
     if work is not out_RV:
         out_RV.copy_(work)
 

@@ -1,0 +1,156 @@
+"""`linear_ce_ntl_loss`: output projection + CE + λ·NTL a chunk of positions at a time, gradients formed in forward.
+
+Legend: N positions, H hidden size, V columns of the output matrix this rank holds (all of them, or a vocabulary
+shard), R positions of one chunk.
+
+The fused-linear cross-entropy idea (Liger-Kernel, Apple's Cut Cross-Entropy), extended with NTL and with
+vocabulary parallelism: for each chunk, logits_RV = hidden_RH @ weight_VH.T, the per-row loss statistics (fused.py,
+two all-reduces per chunk with a group), then d loss / d logits overwrites the logits in place and is folded into
+the hidden and weight gradients at once. No [N, V] buffer ever exists; the peak is one [R, V] chunk besides the
+weight gradient. Because the gradient is formed in forward, only the combined loss is differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain.loss.ce_ntl import LossOutput, _check_arguments, _no_numbers
+from ntl_pretrain.loss.fused import Targets, compute_dtype, forward_rows, logits_grad_rows, make_targets
+from ntl_pretrain.numbers import NumberShard, NumberVocab
+
+# A chunk's logits hold about this many elements (128 MiB in fp32) by default: enough rows for the matmuls to run at
+# full speed, few enough that the chunk stays far below the [N, V] logits it replaces.
+CHUNK_ELEMENTS = 1 << 25
+REDUCTIONS = ("sum", "mean")
+
+
+def linear_ce_ntl_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    nv: NumberVocab | None,
+    kind: str | None = "was",
+    ntl_weight: float = 0.3,
+    reweigh: bool = False,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    num_tokens: int | torch.Tensor | None = None,
+    num_number_tokens: int | torch.Tensor | None = None,
+) -> LossOutput:
+    """CE + `ntl_weight`·NTL of the logits `hidden @ weight.T`, computed `chunk_size` positions at a time.
+
+    `hidden` [..., H] (aligned with `labels` [...]: shift before calling) and `weight` [V, H] (the output layer;
+    with `group`, rows [vocab_start, vocab_start + V) of it, and every rank of the group passes the same hidden
+    and labels). Only `loss` is differentiable: d loss / d hidden and d loss / d weight are computed during this
+    call and scaled by the upstream gradient in backward, so `ce` and `ntl` come back detached (for logging).
+    With `group`, the hidden gradient is this shard's share: sum it over the group.
+
+    reduction "sum": loss = sum CE + ntl_weight * sum NTL. "mean": loss = sum CE / num_tokens + ntl_weight *
+    sum NTL / num_number_tokens, the counts being this call's unless given (pass counts summed over the global
+    batch to normalise over it). Collectives with `group`: two all-reduces per chunk, plus one to agree on the
+    chunk size when `chunk_size` is None; none in backward. The returned counts are always this call's.
+    """
+    labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
+    _check_linear_arguments(hidden, weight, labels, reduction, chunk_size)
+    logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)
+    _check_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start)
+    vocab_end = vocab_start + weight.shape[0]
+    shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else _no_numbers(hidden.device)
+    dtype = compute_dtype(hidden)
+    targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype)
+    counts = targets.valid.sum(), targets.is_number.sum()
+    ce_scale, ntl_scale = _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, hidden.device)
+    grad_ce_N, grad_ntl_N = ce_scale.expand(labels_N.shape), (ntl_weight * ntl_scale).expand(labels_N.shape)
+    rows = _chunk_rows(chunk_size, weight.shape[0], group, hidden.device)
+    loss, ce_N, ntl_N = LinearCeNtl.apply(
+        hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, rows, group
+    )
+    return LossOutput(loss, ce_N.sum() * ce_scale, ntl_N.sum() * ntl_scale, *counts)
+
+
+def _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scalars that turn sum CE and sum NTL into the reduced CE and NTL."""
+    if reduction == "sum":
+        return torch.ones((), dtype=dtype, device=device), torch.ones((), dtype=dtype, device=device)
+    tokens = counts[0] if num_tokens is None else torch.as_tensor(num_tokens, device=device)
+    numbers = counts[1] if num_number_tokens is None else torch.as_tensor(num_number_tokens, device=device)
+    return 1 / tokens.clamp_min(1).to(dtype), 1 / numbers.clamp_min(1).to(dtype)
+
+
+def _chunk_rows(chunk_size: int | None, num_columns: int, group, device) -> int:
+    """Positions per chunk; with a group every rank must use the same (each chunk's all-reduces pair up)."""
+    if chunk_size is not None:
+        return chunk_size
+    rows = max(1, CHUNK_ELEMENTS // num_columns)
+    if group is None:
+        return rows
+    rows_1 = torch.tensor([rows], device=device)
+    dist.all_reduce(rows_1, op=dist.ReduceOp.MIN, group=group)
+    return int(rows_1)
+
+
+def _check_linear_arguments(hidden, weight, labels, reduction, chunk_size) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS} (only the combined loss is differentiable)")
+    if not torch.is_floating_point(hidden) or weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden and weight must share a floating-point dtype, got {hidden.dtype}, {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {weight.shape}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must have hidden's leading shape {tuple(hidden.shape[:-1])}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+
+
+class LinearCeNtl(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H]) -> (loss, CE [N], NTL [N]); saves the gradients, not the activations."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, t: Targets, shard: NumberShard, kind, reweigh, g_ce_N, g_ntl_N, rows, group):
+        want_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dtype = compute_dtype(hidden_NH)
+        grad_hidden_NH = torch.zeros_like(hidden_NH) if want_grads else None
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=dtype) if want_grads else None
+        ce_parts, ntl_parts = [], []
+        for start in range(0, hidden_NH.shape[0], rows):
+            chunk = slice(start, start + rows)
+            hidden_RH, t_R = hidden_NH[chunk], t.select(chunk)
+            z_RV = (hidden_RH @ weight_VH.T).to(dtype)
+            ce_R, ntl_R, stats_R = forward_rows(z_RV, t_R, shard, kind, reweigh, group)
+            ce_parts.append(ce_R)
+            ntl_parts.append(ntl_R)
+            if want_grads:
+                logits_grad_rows(
+                    z_RV, z_RV, t_R, stats_R, slice(None), g_ce_N[chunk], g_ntl_N[chunk], shard, kind, reweigh
+                )
+                grad_RV = z_RV.to(hidden_NH.dtype)
+                torch.mm(grad_RV, weight_VH, out=grad_hidden_NH[chunk])
+                _accumulate_product(grad_weight_VH, grad_RV.T, hidden_RH)
+        ce_N, ntl_N = _concat(ce_parts, hidden_NH, dtype), _concat(ntl_parts, hidden_NH, dtype)
+        loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
+        if want_grads:
+            ctx.save_for_backward(grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype))
+        ctx.mark_non_differentiable(ce_N, ntl_N)
+        return loss, ce_N, ntl_N
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce_N, _grad_ntl_N):
+        grad_hidden_NH, grad_weight_VH = ctx.saved_tensors
+        grad_loss = grad_loss.to(grad_hidden_NH.dtype)
+        return grad_hidden_NH * grad_loss, grad_weight_VH * grad_loss, *([None] * 8)
+
+
+def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, b_RH: torch.Tensor) -> None:
+    """total += a @ b; the weight gradient accumulates in fp32 even when the matmul runs in bf16."""
+    if a_VR.dtype == total_VH.dtype:
+        total_VH.addmm_(a_VR, b_RH)
+    else:
+        total_VH.add_(a_VR @ b_RH)
+
+
+def _concat(parts: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(parts) if parts else like.new_zeros(0, dtype=dtype)

@@ -1,0 +1,197 @@
+"""linear_ce_ntl_loss against the unchunked path (hidden @ weight.T + ce_ntl_loss) and the float64 reference,
+dense and sharded by vocabulary over gloo groups."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import counting_collectives, run_distributed
+from float64_reference import assert_close_relative, reduce_rows, reference_rows
+from test_vocab_parallel import BOUNDARIES, synthetic_vocab
+
+from ntl_pretrain.loss import KINDS, ce_ntl_loss
+from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
+
+NTL_WEIGHT = 0.3
+HIDDEN = 8
+CHUNK_SIZES = (1, 4, 7, None, 1000)
+
+
+def make_inputs(nv, seed: int, shape=(3, 5), number_fraction=0.5):
+    """hidden [*shape, H], weight [V, H] in float64 and labels [*shape] with some numbers and some ignored."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, HIDDEN, generator=generator, dtype=torch.float64)
+    weight = torch.randn(nv.vocab_size, HIDDEN, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, nv.vocab_size, shape, generator=generator)
+    numbers = nv.number_ids[torch.randint(0, len(nv.number_ids), shape, generator=generator)]
+    draw = torch.rand(shape, generator=generator)
+    labels = torch.where(draw < number_fraction, numbers, labels).masked_fill(draw > 0.85, -100)
+    return hidden, weight, labels
+
+
+def leaves(*tensors, dtype):
+    return [t.detach().to(dtype).requires_grad_(True) for t in tensors]
+
+
+def unchunked(hidden, weight, labels, nv, kind, reweigh, reduction):
+    return parts(
+        ce_ntl_loss(hidden @ weight.T, labels, nv, kind=kind, weight=NTL_WEIGHT, reweigh=reweigh, reduction=reduction)
+    )
+
+
+def float64_reference(hidden, weight, labels, nv, kind, reweigh, reduction):
+    logits = (hidden @ weight.T).reshape(-1, nv.vocab_size)
+    ce_N, ntl_N = reference_rows(logits, labels.reshape(-1), nv, kind, reweigh)
+    ce, ntl = reduce_rows(ce_N, ntl_N, labels.reshape(-1), nv, kind, reduction)
+    return ce + NTL_WEIGHT * ntl, ce, ntl
+
+
+def parts(out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return out.loss, out.ce, out.ntl
+
+
+def loss_and_grads(fn, hidden, weight, upstream=1.0):
+    loss, ce, ntl = fn(hidden, weight)
+    (upstream * loss).backward()
+    return [t.detach() for t in (loss, ce, ntl, hidden.grad, weight.grad)]
+
+
+@pytest.mark.parametrize("kind,reweigh", [(k, r) for k in KINDS for r in (False, True)] + [(None, False)])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_equals_unchunked_fp32_and_float64_reference(kind, reweigh, reduction):
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=len(str(kind)) + reweigh)
+    for chunk_size in CHUNK_SIZES:
+        chunked = lambda h, w, cs=chunk_size: parts(
+            linear_ce_ntl_loss(
+                h, w, labels, nv, kind=kind, ntl_weight=NTL_WEIGHT, reweigh=reweigh, reduction=reduction, chunk_size=cs
+            )
+        )
+        dense = lambda h, w: unchunked(h, w, labels, nv, kind, reweigh, reduction)
+        reference = lambda h, w: float64_reference(h, w, labels, nv, kind, reweigh, reduction)
+        got32 = loss_and_grads(chunked, *leaves(hidden, weight, dtype=torch.float32), upstream=1.7)
+        want32 = loss_and_grads(dense, *leaves(hidden, weight, dtype=torch.float32), upstream=1.7)
+        got64 = loss_and_grads(chunked, *leaves(hidden, weight, dtype=torch.float64), upstream=1.7)
+        want64 = loss_and_grads(reference, *leaves(hidden, weight, dtype=torch.float64), upstream=1.7)
+        for name, a32, b32, a64, b64 in zip(
+            ("loss", "ce", "ntl", "hidden grad", "weight grad"), got32, want32, got64, want64, strict=True
+        ):
+            assert_close_relative(a32, b32, 1e-5, f"fp32 {name} {chunk_size=}")
+            assert_close_relative(a64, b64, 1e-6, f"fp64 {name} {chunk_size=}")
+
+
+@pytest.mark.parametrize("number_fraction,ignored", [(0.0, False), (1.0, False), (0.5, True)])
+def test_no_numbers_all_numbers_all_ignored(number_fraction, ignored):
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=3, number_fraction=number_fraction)
+    if ignored:
+        labels = torch.full_like(labels, -100)
+    chunked = lambda h, w: parts(linear_ce_ntl_loss(h, w, labels, nv, kind="was", ntl_weight=NTL_WEIGHT, chunk_size=4))
+    reference = lambda h, w: float64_reference(h, w, labels, nv, "was", False, "mean")
+    got = loss_and_grads(chunked, *leaves(hidden, weight, dtype=torch.float64))
+    want = loss_and_grads(reference, *leaves(hidden, weight, dtype=torch.float64))
+    for name, a, b in zip(("loss", "ce", "ntl", "hidden grad", "weight grad"), got, want, strict=True):
+        assert_close_relative(a, b, 1e-6, name)
+
+
+def test_only_loss_is_differentiable_and_given_counts_normalise_mean():
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=5)
+    h, w = leaves(hidden, weight, dtype=torch.float64)
+    out = linear_ce_ntl_loss(h, w, labels, nv, reduction="mean", num_tokens=100, num_number_tokens=40, chunk_size=4)
+    assert out.loss.requires_grad and not out.ce.requires_grad and not out.ntl.requires_grad
+    summed = linear_ce_ntl_loss(h, w, labels, nv, reduction="sum")
+    torch.testing.assert_close(out.ce, summed.ce / 100)
+    torch.testing.assert_close(out.ntl, summed.ntl / 40)
+    torch.testing.assert_close(out.loss, out.ce + 0.3 * out.ntl)
+    assert (out.num_tokens, out.num_number_tokens) == (summed.num_tokens, summed.num_number_tokens)
+
+
+def test_without_gradients_gives_the_same_loss():
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=6)
+    with torch.no_grad():
+        evaluated = linear_ce_ntl_loss(hidden, weight, labels, nv, chunk_size=4)
+    trained = linear_ce_ntl_loss(*leaves(hidden, weight, dtype=torch.float64), labels, nv, chunk_size=4)
+    torch.testing.assert_close(evaluated.loss, trained.loss.detach())
+
+
+def test_bf16_inputs_match_fp32_to_bf16_precision():
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=7)
+    run = lambda dtype: loss_and_grads(
+        lambda h, w: parts(linear_ce_ntl_loss(h, w, labels, nv, chunk_size=4)), *leaves(hidden, weight, dtype=dtype)
+    )
+    for got, want in zip(run(torch.bfloat16), run(torch.float32), strict=True):
+        torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"reduction": "none"}, "only the combined loss is differentiable"),
+        ({"chunk_size": 0}, "chunk_size must be a positive"),
+        ({"weight": torch.zeros(41, 3, dtype=torch.float64)}, "weight must be \\[V, H\\]"),
+        ({"labels": torch.zeros(4, dtype=torch.long)}, "leading shape"),
+    ],
+)
+def test_bad_arguments_say_what_was_expected(kwargs, message):
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=8)
+    arguments = {"hidden": hidden, "weight": weight, "labels": labels, "nv": nv} | kwargs
+    with pytest.raises((ValueError, TypeError), match=message):
+        linear_ce_ntl_loss(**arguments)
+
+
+def check_sharded_cases() -> None:
+    """Each rank holds rows [lo, hi) of the weight and the same positions; compare with the float64 reference."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    lo, hi = BOUNDARIES[world_size][rank], BOUNDARIES[world_size][rank + 1]
+    nv = synthetic_vocab()
+    for seed, (kind, reweigh, reduction, chunk_size) in enumerate(
+        itertools.product(("was", "mse", None), (False, True), ("sum", "mean"), (4, None))
+    ):
+        what = f"world={world_size} rank={rank} {kind=} {reweigh=} {reduction=} {chunk_size=}"
+        hidden, weight, labels = make_inputs(nv, seed)
+        h, w = leaves(hidden, weight[lo:hi], dtype=torch.float64)
+        with counting_collectives() as forward_calls:
+            out = linear_ce_ntl_loss(
+                h,
+                w,
+                labels,
+                nv,
+                kind=kind,
+                ntl_weight=NTL_WEIGHT,
+                reweigh=reweigh,
+                reduction=reduction,
+                chunk_size=chunk_size,
+                group=dist.group.WORLD,
+                vocab_start=lo,
+            )
+        with counting_collectives() as backward_calls:
+            (1.7 * out.loss).backward()
+        chunks = -(-labels.numel() // 4) if chunk_size else 1
+        assert forward_calls == Counter(all_reduce=2 * chunks + (chunk_size is None)), f"{what}: {forward_calls}"
+        assert not backward_calls, f"{what}: backward collectives {dict(backward_calls)}"
+        hidden_grad = h.grad.clone()
+        dist.all_reduce(hidden_grad)
+        want = loss_and_grads(
+            partial(float64_reference, labels=labels, nv=nv, kind=kind, reweigh=reweigh, reduction=reduction),
+            *leaves(hidden, weight, dtype=torch.float64),
+            upstream=1.7,
+        )
+        got = (out.loss, out.ce, out.ntl, hidden_grad, w.grad)
+        want[4] = want[4][lo:hi]
+        for name, a, b in zip(("loss", "ce", "ntl", "hidden grad", "weight grad"), got, want, strict=True):
+            assert_close_relative(a, b, 1e-6, f"{what} {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_vocabulary_equals_float64_reference(world_size):
+    run_distributed(check_sharded_cases, world_size)
