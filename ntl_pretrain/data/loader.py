@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from transformers import PreTrainedTokenizerBase
 
 from ntl_pretrain.data.config import DataConfig, validate_sources
 from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, validation_batches
@@ -54,7 +55,7 @@ class PackedLoader:
     def __init__(
         self,
         cfg: DataConfig,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         micro_batch_size: int,
         dp_rank: int,
@@ -171,7 +172,7 @@ class PackedLoader:
 
 def build_dataloader(
     cfg: DataConfig,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     micro_batch_size: int,
     dp_rank: int,

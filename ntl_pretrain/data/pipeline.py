@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from ntl_pretrain.data.config import DataConfig
 from ntl_pretrain.data.mixture import Mixture
@@ -25,7 +26,7 @@ Batch = dict[str, torch.Tensor]
 class DocumentEncoder:
     """Batched fast tokenisation; every document ends with EOS so that packed documents stay apart."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to separate documents")
         self.eos_id = int(tokenizer.eos_token_id)
