@@ -23,6 +23,9 @@ import torch.distributed as dist
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
 HF_CONFIG = "hf_config"
+# DeepSpeed drops its own top-level names (`skipped_steps`, `global_steps`, ...) from the client state it hands
+# back on load, so ours lives under one key of its own.
+CLIENT_STATE_KEY = "ntl_pretrain"
 TOKENIZER = "tokenizer"
 
 
@@ -52,7 +55,7 @@ def save(engine, root: Path, step: int, client_state: dict, keep_last: int, writ
     if rank == 0:
         shutil.rmtree(root / temp_tag, ignore_errors=True)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=temp_tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(str(root), tag=temp_tag, client_state={CLIENT_STATE_KEY: client_state}, save_latest=False)
     if rank == 0:
         write_extras(root / temp_tag)
     dist.barrier()
@@ -116,4 +119,4 @@ def load(engine, folder: Path) -> dict:
     path, client_state = engine.load_checkpoint(str(folder.parent), tag=folder.name)
     if path is None:
         raise FileNotFoundError(f"cannot load checkpoint {folder}")
-    return client_state
+    return client_state[CLIENT_STATE_KEY]

@@ -1,0 +1,165 @@
+"""The tiny recipe end to end on 2 CPU ranks through `ntl-pretrain train` (real deepspeed launcher, ZeRO-3, gloo).
+
+One uninterrupted 50-step run (module fixture) is read by several tests; a second run of the same recipe is
+SIGKILLed and resumed, and a CE-only run starts from the same initial weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ntl_pretrain.config import load_recipe
+from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.numbers import NumberVocab
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+STEPS, EVERY, SEQ_LEN, GLOBAL_BATCH = 50, 20, 64, 16
+STEP_KEYS = {"step", "loss", "ce", "ntl", "lr", "grad_norm", "tokens", "tokens_per_s", "number_token_fraction", "mfu"}
+
+
+def overrides(output_dir: Path, ds_config: Path, *extra: str) -> list[str]:
+    return [
+        f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", f"train.max_steps={STEPS}",
+        f"data.seq_len={SEQ_LEN}", "train.micro_batch_size=4", f"train.global_batch_size={GLOBAL_BATCH}",  # 2 micro
+        f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2", "train.eval_every_steps=25",
+        "train.eval_max_batches=3", "logging.progress_bar=false", "train.resume=auto", *extra,
+    ]  # fmt: skip
+
+
+def launch(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "ntl_pretrain.cli", "train", str(TINY), "--nproc", "2", *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def run_to_end(args: list[str], log: Path) -> None:
+    process = launch(args, log)
+    assert process.wait(timeout=400) == 0, log.read_text()[-4000:]
+
+
+def records(output_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Last step record and last eval record per step (a resumed run appends repeated steps)."""
+    steps, evals = {}, {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        (evals if record.get("split") == "validation" else steps)[record["step"]] = record
+    return steps, evals
+
+
+@pytest.fixture(scope="module")
+def ds_config(tmp_path_factory) -> Path:
+    """ZeRO-3 that partitions every parameter of the tiny model (the shipped config keeps small ones whole)."""
+    config = json.loads((REPO / "configs" / "zero3.json").read_text())
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp_path_factory.mktemp("ds") / "zero3_partition_all.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, ds_config) -> Path:
+    output_dir = tmp_path_factory.mktemp("tiny") / "run"
+    run_to_end(overrides(output_dir, ds_config), output_dir.parent / "log.txt")
+    return output_dir
+
+
+def test_loss_decreases_with_ntl_logged(tiny_run):
+    steps, evals = records(tiny_run)
+    assert sorted(steps) == list(range(1, STEPS + 1)) and sorted(evals) == [25, 50]
+    assert all(STEP_KEYS <= set(r) for r in steps.values())
+    losses = [steps[s]["loss"] for s in range(1, STEPS + 1)]
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.5
+    assert all((r["ntl"] > 0) == (r["number_token_fraction"] > 0) for r in steps.values())
+    assert sum(r["number_token_fraction"] for r in steps.values()) / STEPS > 0.1
+    assert all(r["loss"] == pytest.approx(r["ce"] + 0.3 * r["ntl"]) for r in steps.values())
+    assert [steps[s]["tokens"] for s in (1, STEPS)] == [GLOBAL_BATCH * SEQ_LEN, STEPS * GLOBAL_BATCH * SEQ_LEN]
+    assert steps[1]["lr"] == pytest.approx(3e-3 / 10)  # first warmup step of tiny-cpu's schedule
+    assert evals[50]["val_ntl"] > 0 and evals[50]["val_ce"] < evals[25]["val_ce"]
+
+
+def test_run_directory_holds_resolved_recipe_and_last_checkpoints(tiny_run, ds_config):
+    assert load_recipe(tiny_run / "recipe.yaml") == load_recipe(TINY, overrides(tiny_run, ds_config))
+    root = tiny_run / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_40", "step_50"]  # keep_last=2
+    assert (root / "latest").read_text() == "step_50"
+    assert {"hf_config", "tokenizer", "recipe.yaml"} <= {p.name for p in (root / "step_50").iterdir()}
+
+
+def test_export_reproduces_the_engines_validation_loss(tiny_run, tmp_path):
+    """The exported HF model, run by plain transformers on exactly the batches each rank evaluated, gives the
+    CE and NTL the ZeRO-3 engine logged for the same weights."""
+    out = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "export", str(tiny_run / "checkpoints" / "step_50"),
+                    str(out)], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert (out / "model.safetensors").is_file()
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    recipe = load_recipe(tiny_run / "recipe.yaml")
+    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    sums = torch.zeros(4, dtype=torch.float64)
+    for rank in range(2):
+        loader = build_dataloader(recipe.data, tokenizer, micro_batch_size=4, dp_rank=rank, dp_world_size=2,
+                                  seed=recipe.seed, split="validation")  # fmt: skip
+        for _, batch in zip(range(recipe.train.eval_max_batches), loader, strict=False):
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            out_ = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
+            sums += torch.tensor([out_.ce, out_.ntl, out_.num_tokens, out_.num_number_tokens], dtype=torch.float64)
+    logged = records(tiny_run)[1][STEPS]
+    assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
+    assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
+    assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
+
+
+def test_sigkill_and_resume_logs_identical_losses(tiny_run, ds_config, tmp_path):
+    output_dir, log = tmp_path / "run", tmp_path / "log.txt"
+    process = launch(overrides(output_dir, ds_config), log)
+    root, killed_mid_save = output_dir / "checkpoints", False
+    deadline = time.monotonic() + 300
+    while process.poll() is None and time.monotonic() < deadline:
+        killed_mid_save = (root / "step_40.tmp").exists()
+        if killed_mid_save or (root / "step_40").exists():
+            break
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGKILL)
+    print("killed", "while step_40 was being saved" if killed_mid_save else "after step_40 was published")
+    assert process.wait() == -signal.SIGKILL, log.read_text()[-4000:]
+    assert (root / (root / "latest").read_text()).is_dir()  # the pointer names a complete checkpoint
+
+    run_to_end(overrides(output_dir, ds_config), tmp_path / "resumed.txt")
+    expected, expected_evals = records(tiny_run)
+    got, got_evals = records(output_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6, rel=0), (step, killed_mid_save)
+        assert got[step]["tokens"] == expected[step]["tokens"]
+    assert got_evals[50]["val_loss"] == pytest.approx(expected_evals[50]["val_loss"], abs=1e-6, rel=0)
+
+
+def test_ce_only_runs_the_same_path(tiny_run, ds_config, tmp_path):
+    output_dir = tmp_path / "run"
+    extra = ("loss.ntl.kind=null", "train.max_steps=10", "train.eval_every_steps=null")
+    run_to_end(overrides(output_dir, ds_config, *extra), tmp_path / "log.txt")
+    steps, _ = records(output_dir)
+    with_ntl, _ = records(tiny_run)
+    assert sorted(steps) == list(range(1, 11))
+    assert all(r["ntl"] == 0 and r["loss"] == r["ce"] and r["number_token_fraction"] == 0 for r in steps.values())
+    assert steps[1]["ce"] == pytest.approx(with_ntl[1]["ce"], abs=1e-6)  # same init, same data, same forward
+    assert steps[2]["ce"] != pytest.approx(with_ntl[2]["ce"], abs=1e-6)  # the first update differed (no NTL)
+    assert steps[10]["loss"] < steps[1]["loss"]
