@@ -1,0 +1,162 @@
+"""Global-batch normalisation: the same 4 sequences per step give the same loss, gradient norm and update whether
+they are split as 2 ranks x 1 micro-batch of 2, 2 ranks x 2 micro-batches of 1 (gradient accumulation), or fed
+to a single float64 process (plain transformers + torch AdamW + clipping) as one batch.
+
+The 2-rank part runs this file as a script under torchrun; sequences carry different numbers of ignored labels,
+so normalising per micro-batch or per rank instead of over the global batch would show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+SEQ_LEN, SEQUENCES, STEPS = 32, 4, 2
+IGNORED_PREFIX = (0, 5, 17, 30)  # per sequence: leading labels set to -100
+LR, WEIGHT = 1e-3, 0.3
+
+
+def global_batches(tokenizer) -> list[dict[str, torch.Tensor]]:
+    """STEPS global batches of SEQUENCES real arithmetic sequences (plenty of number tokens)."""
+    lines = (REPO / "ntl_pretrain" / "corpus" / "arithmetic" / "train.jsonl").read_text().splitlines()[:200]
+    ids = [i for line in lines for i in tokenizer(" ".join(json.loads(line).values()) + "\n")["input_ids"]]
+    blocks = torch.tensor(ids[: STEPS * SEQUENCES * (SEQ_LEN + 1)]).view(STEPS, SEQUENCES, SEQ_LEN + 1)
+    batches = []
+    for block in blocks:
+        labels = block[:, 1:].clone()
+        for row, ignored in enumerate(IGNORED_PREFIX):
+            labels[row, :ignored] = -100
+        positions = torch.arange(SEQ_LEN).expand(SEQUENCES, -1).contiguous()
+        batches.append({"input_ids": block[:, :-1].contiguous(), "labels": labels, "position_ids": positions})
+    return batches
+
+
+def recipe_overrides(output_dir: str, ds_config: str, micro_batch_size: int) -> list[str]:
+    return [
+        f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", "train.resume=null",
+        f"data.seq_len={SEQ_LEN}", f"train.micro_batch_size={micro_batch_size}",
+        f"train.global_batch_size={SEQUENCES}", f"optimizer.lr={LR}", "optimizer.weight_decay=0",
+        "optimizer.grad_clip=1.0", "schedule.kind=constant", "schedule.warmup_steps=0", f"loss.ntl.weight={WEIGHT}",
+    ]  # fmt: skip
+
+
+def full_parameters(module) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = dict(module.lm.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().clone().double() for name, p in params.items()}
+
+
+def run_layout(micro_batch_size: int, ds_config: str, output_dir: str) -> dict:
+    """Train STEPS steps on this rank's half of every global batch; report losses, grad norms, weights."""
+    import torch.distributed as dist
+
+    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.deepspeed_config import build_deepspeed_config
+    from ntl_pretrain.train import Trainer
+
+    recipe = load_recipe(TINY, recipe_overrides(output_dir, ds_config, micro_batch_size))
+    trainer = Trainer(recipe, build_deepspeed_config(recipe, dist.get_world_size()))
+    initial = full_parameters(trainer.built.module)
+    rank, per_rank = dist.get_rank(), SEQUENCES // dist.get_world_size()
+    records = []
+    for batch in global_batches(trainer.tokenizer):
+        mine = {key: value[rank * per_rank : (rank + 1) * per_rank] for key, value in batch.items()}
+        micro = [
+            {k: v[i : i + micro_batch_size] for k, v in mine.items()} for i in range(0, per_rank, micro_batch_size)
+        ]
+        records.append(trainer.train_step(micro))
+    return {"initial": initial, "final": full_parameters(trainer.built.module), "records": records,
+            "tokenizer": trainer.tokenizer, "config": trainer.built.module.lm.config}  # fmt: skip
+
+
+def float64_reference(initial: dict, config, tokenizer) -> dict:
+    """One process, whole global batch, float64: loss = ΣCE/N + λ·ΣNTL/N_num, clip to 1, torch AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    from ntl_pretrain.loss import ce_ntl_loss
+    from ntl_pretrain.numbers import NumberVocab
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="eager")
+    model.load_state_dict(initial)
+    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses, grad_norms = [], []
+    for batch in global_batches(tokenizer):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        out = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
+        loss = out.ce / out.num_tokens + WEIGHT * out.ntl / out.num_number_tokens
+        optimizer.zero_grad()
+        loss.backward()
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        losses.append(float(loss))
+    return {"losses": losses, "grad_norms": grad_norms, "final": dict(model.named_parameters())}
+
+
+def worker(out_path: str, ds_config: str) -> None:
+    import torch.distributed as dist
+
+    from ntl_pretrain.train import init_distributed
+
+    init_distributed()
+    scratch = Path(out_path).parent
+    layouts = {f"micro{m}": run_layout(m, ds_config, str(scratch / f"micro{m}")) for m in (2, 1)}
+    if dist.get_rank() == 0:
+        first = layouts["micro2"]
+        reference = float64_reference(first["initial"], first["config"], first["tokenizer"])
+        summary = {"reference": {"losses": reference["losses"], "grad_norms": reference["grad_norms"]}}
+        for name, layout in layouts.items():
+            summary[name] = {
+                "same_init": all(torch.equal(layout["initial"][k], first["initial"][k]) for k in first["initial"]),
+                "losses": [r["loss"] for r in layout["records"]],
+                "grad_norms": [r["grad_norm"] for r in layout["records"]],
+                "max_weight_diff": max(
+                    float((layout["final"][k] - reference["final"][k].detach()).abs().max()) for k in layout["final"]
+                ),
+                "max_update": max(
+                    float((layout["final"][k] - layout["initial"][k]).abs().max()) for k in layout["final"]
+                ),
+            }
+        Path(out_path).write_text(json.dumps(summary))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_grad_accumulation_and_world_size_leave_loss_and_update_unchanged(tmp_path):
+    config = json.loads((REPO / "configs" / "zero3.json").read_text())
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every tensor
+    ds_config = tmp_path / "zero3.json"
+    ds_config.write_text(json.dumps(config))
+    out = tmp_path / "summary.json"
+    from ntl_pretrain.cli import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), __file__, str(out), str(ds_config)]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    reference = summary["reference"]
+    assert all(g > 1.0 for g in reference["grad_norms"])  # clipping is active, so its norm must be the global one
+    for name in ("micro2", "micro1"):
+        layout = summary[name]
+        assert layout["same_init"]
+        assert layout["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+        assert layout["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
+        assert layout["max_weight_diff"] < 1e-2 * layout["max_update"], name  # updates agree to 1% of their size
+    assert summary["micro1"]["losses"] == pytest.approx(summary["micro2"]["losses"], rel=1e-7)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
