@@ -1,0 +1,150 @@
+"""`ntl-pretrain eval TARGET`: validation CE/perplexity/NTL and generation metrics of a run or an HF folder.
+
+Single process, or one process per device under `torchrun` / `deepspeed` (each rank holds the whole model and
+answers its share; sums are all-reduced). Prints one JSON record; `--log-metrics` also appends it to the run's
+metrics.jsonl so that `ntl-pretrain plot` shows it beside the training curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
+from ntl_pretrain.evaluation.generation import generation_metrics
+from ntl_pretrain.evaluation.model_folder import Target, export_for_eval, recipe_validation, resolve_target
+from ntl_pretrain.evaluation.validation import validation_metrics
+
+
+def evaluate_target(path: str | Path, cfg: EvalConfig, seq_len: int | None = None, ntl_kind: str = "was") -> dict:
+    """Evaluate a run directory, checkpoint or HF folder; call on every rank of a launch (or without one).
+
+    Validation uses `cfg.validation`, else the run's `data.validation`; none for a bare HF folder without
+    `cfg.validation`. `seq_len` defaults to the run's `data.seq_len` (512 for an HF folder).
+    """
+    target = resolve_target(path)
+    with tempfile.TemporaryDirectory(prefix="ntl-eval-") as scratch:
+        if target.hf_folder is None:
+            target = _export_on_rank0(target, Path(scratch))
+        model, tokenizer = _load(target.hf_folder)
+        record: dict = {"step": target.step, "split": "eval", "model": str(path)}
+        validation = _validation_sources(target, cfg, seq_len)
+        if validation is not None:
+            sources, length = validation
+            record.update(validation_metrics(model, tokenizer, sources, seq_len=length,
+                                             max_batches=cfg.max_validation_batches, ntl_kind=ntl_kind))  # fmt: skip
+        record.update(generation_metrics(model, tokenizer, cfg))
+    return record
+
+
+def _export_on_rank0(target: Target, scratch: Path) -> Target:
+    """One rank writes the HF folder; the others wait and read it (same machine: `scratch` is rank 0's)."""
+    distributed = dist.is_initialized()
+    folder = [None]
+    if not distributed or dist.get_rank() == 0:
+        folder = [str(export_for_eval(target, scratch).hf_folder)]
+    if distributed:
+        dist.broadcast_object_list(folder, src=0)
+    return Target(Path(folder[0]), target.checkpoint)
+
+
+def _load(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    from ntl_pretrain.tokenizer import load_tokenizer
+
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    return model, load_tokenizer(str(folder))
+
+
+def _validation_sources(target: Target, cfg: EvalConfig, seq_len: int | None) -> tuple[list, int] | None:
+    from_run = recipe_validation(target)
+    sources = cfg.validation or (from_run[0] if from_run else [])
+    if not sources:
+        return None
+    return sources, seq_len or (from_run[1] if from_run else 512)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("eval", help="validation CE/NTL and numeric generation metrics of a model")
+    parser.add_argument("target", help="run directory (latest checkpoint), checkpoint step folder or HF folder")
+    defaults = EvalConfig()
+    parser.add_argument("--qa", action="append", default=None, metavar="JSONL",
+                        help="Q/A jsonl (repeatable); default: arithmetic interpolation, extrapolation")  # fmt: skip
+    parser.add_argument("--max-examples", type=int, default=defaults.max_examples, help="per set; 0 = all")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="prompts per generate call")
+    parser.add_argument("--prompt-template", default=defaults.prompt_template)
+    parser.add_argument("--validation", action="append", default=None, metavar="PATH",
+                        help="held-out source (repeatable); default: the run's data.validation")  # fmt: skip
+    parser.add_argument(
+        "--template", default=None, help="template of the --validation records, e.g. '{question} {answer}'"
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's data.seq_len, else 512")
+    parser.add_argument("--max-validation-batches", type=int, default=None)
+    parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber"], default="was")
+    parser.add_argument("--out", type=Path, default=None, help="also write the record to this JSON file")
+    parser.add_argument("--log-metrics", action="store_true", help="append the record to the run's metrics.jsonl")
+    parser.set_defaults(func=run_eval)
+
+
+def eval_config_from_args(args: argparse.Namespace) -> EvalConfig:
+    cfg = EvalConfig(
+        max_examples=args.max_examples or None,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        prompt_template=args.prompt_template,
+        max_validation_batches=args.max_validation_batches,
+    )
+    if args.qa:
+        cfg = replace(cfg, qa_sets=[QaSetConfig(path=path) for path in args.qa])
+    if args.validation:
+        sources = [SourceConfig(path=path, template=args.template) for path in args.validation]
+        cfg = replace(cfg, validation=sources)
+    cfg.check()
+    return cfg
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        record = evaluate_target(args.target, eval_config_from_args(args), args.seq_len, args.ntl_kind)
+        if not distributed or dist.get_rank() == 0:
+            _publish(record, args)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    return 0
+
+
+def _publish(record: dict, args: argparse.Namespace) -> None:
+    text = json.dumps(record)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.log_metrics:
+        run_dir = resolve_target(args.target).run_dir
+        if run_dir is None:
+            raise SystemExit("--log-metrics: the target is an HF folder, not a run")
+        with (run_dir / "metrics.jsonl").open("a") as metrics:
+            metrics.write(text + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.evaluation")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)

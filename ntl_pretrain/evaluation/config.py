@@ -1,0 +1,74 @@
+"""The `eval:` section of a recipe: question/answer sets for generation metrics, and how to decode them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ntl_pretrain.data.config import SourceConfig
+
+CORPUS = "pkg:ntl_pretrain/corpus"
+
+
+@dataclass
+class QaSetConfig:
+    path: str = ""
+    """jsonl of `{"question": str, "answer": str}` records (`pkg:` paths allowed)."""
+    name: str | None = None
+    """Metric prefix; null = `<folder>_<file stem>`, e.g. `arithmetic_interpolation`."""
+
+    def check(self) -> None:
+        if not self.path:
+            raise ValueError("path: required")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        path = Path(self.path.removeprefix("pkg:"))
+        return f"{path.parent.name}_{path.stem}".lstrip("_")
+
+
+def _default_qa_sets() -> list[QaSetConfig]:
+    return [
+        QaSetConfig(path=f"{CORPUS}/arithmetic/interpolation.jsonl"),
+        QaSetConfig(path=f"{CORPUS}/arithmetic/extrapolation.jsonl"),
+    ]
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int | None = None
+    """Run the generation metrics every N training steps (and after the last); null = never during training."""
+    qa_sets: list[QaSetConfig] = field(default_factory=_default_qa_sets)
+    """Question/answer sets scored by greedy generation (default: the embedded arithmetic interpolation and
+    extrapolation splits)."""
+    prompt_template: str = "{question}"
+    """Prompt built from a record; must be the training template's text before the answer (the model writes the
+    separating space itself, as it learned to)."""
+    max_examples: int | None = 256
+    """First N records of each set (in file order, so every evaluation sees the same ones); null = all."""
+    max_new_tokens: int = 16
+    """Generation stops at EOS or after this many tokens."""
+    batch_size: int = 64
+    """Prompts per generate call (per rank)."""
+    validation: list[SourceConfig] = field(default_factory=list)
+    """`ntl-pretrain eval` only: held-out sources for CE, perplexity and NTL; empty = the run's
+    `data.validation` (the trainer already reports validation CE/NTL on those)."""
+    max_validation_batches: int | None = None
+    """`ntl-pretrain eval` only: cap on validation micro-batches per rank; null = the whole split."""
+
+    def check(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError("every_steps: must be >= 1")
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"prompt_template: {self.prompt_template!r} must contain {{question}}")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError("max_examples: must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens: must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError("batch_size: must be >= 1")
+        labels = [qa.label for qa in self.qa_sets]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"qa_sets: several sets are labelled {labels}; give them distinct `name`s")

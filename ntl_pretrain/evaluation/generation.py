@@ -1,0 +1,192 @@
+"""Greedy, batched generation on question/answer sets, scored as numbers.
+
+Per set: exact match (the parsed answer equals the reference as a number), MAE and R² of the parsed answers,
+per-digit accuracy (reference digits reproduced at the same place value, unparseable answers scoring none),
+and the share of answers with no number in them. MAE, R² and `log_mae` = mean log10(1 + |error|) (the order of
+magnitude of the error; one wild answer cannot dominate it as it does MAE) are over the parseable answers only.
+
+With a process group (a `torchrun`/`deepspeed` launch, or the trainer under ZeRO-3) every rank answers its
+share of the questions and the sums are all-reduced. Every rank calls `generate` equally often and with
+`synced_gpus`, because a ZeRO-3 forward gathers parameters collectively: a rank that stopped early would hang
+the others.
+
+Shapes: B prompts in a batch, P padded prompt length, G generated tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from decimal import Decimal
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ntl_pretrain.evaluation.answers import digit_matches, parse_answer
+from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
+from ntl_pretrain.tokenizer import resolve_path
+
+# Float64 sums over examples, all-reduced as one tensor.
+SUMS = (
+    "examples",
+    "exact",
+    "unparseable",
+    "digits_right",
+    "digits_total",
+    "parsed",
+    "abs_error",
+    "log_abs_error",
+    "squared_error",
+    "target",
+    "target_squared",
+)
+
+
+@dataclass(frozen=True)
+class QaExample:
+    question: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Answered:
+    example: QaExample
+    generated: str
+    parsed: Decimal | None
+
+
+def load_qa_set(qa: QaSetConfig, max_examples: int | None) -> list[QaExample]:
+    """The first `max_examples` records of a jsonl Q/A file, in file order."""
+    examples = []
+    with resolve_path(qa.path).open(encoding="utf-8") as lines:
+        for line in lines:
+            if max_examples is not None and len(examples) == max_examples:
+                break
+            if line.strip():
+                record = json.loads(line)
+                examples.append(QaExample(str(record["question"]), str(record["answer"])))
+    return examples
+
+
+def score(answered: list[Answered]) -> torch.Tensor:
+    """float64 [len(SUMS)]: the sums behind every metric, so that ranks can add theirs."""
+    sums = dict.fromkeys(SUMS, 0.0)
+    for item in answered:
+        reference = Decimal(item.example.answer)
+        right, total = digit_matches(item.parsed, reference)
+        sums["examples"] += 1
+        sums["digits_right"] += right
+        sums["digits_total"] += total
+        if item.parsed is None:
+            sums["unparseable"] += 1
+            continue
+        error = float(item.parsed) - float(reference)
+        sums["exact"] += item.parsed == reference
+        sums["parsed"] += 1
+        sums["abs_error"] += abs(error)
+        sums["log_abs_error"] += math.log10(1.0 + abs(error))
+        sums["squared_error"] += error * error
+        sums["target"] += float(reference)
+        sums["target_squared"] += float(reference) ** 2
+    return torch.tensor([sums[name] for name in SUMS], dtype=torch.float64)
+
+
+def summarise(sums: torch.Tensor) -> dict[str, float]:
+    """Metrics from (all-reduced) sums; MAE and R² are NaN when no answer could be parsed."""
+    s = dict(zip(SUMS, sums.tolist(), strict=True))
+    parsed, examples = s["parsed"], max(s["examples"], 1.0)
+    total_variance = s["target_squared"] - s["target"] ** 2 / parsed if parsed else 0.0
+    return {
+        "exact_match": s["exact"] / examples,
+        "mae": s["abs_error"] / parsed if parsed else math.nan,
+        "log_mae": s["log_abs_error"] / parsed if parsed else math.nan,
+        "r2": 1.0 - s["squared_error"] / total_variance if total_variance > 0 else math.nan,
+        "digit_accuracy": s["digits_right"] / max(s["digits_total"], 1.0),
+        "unparseable": s["unparseable"] / examples,
+        "examples": s["examples"],
+    }
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """EOS first: in packed training every document follows the previous one's EOS, so that is the context the
+    model learned to start a question in."""
+    return [tokenizer.eos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+
+
+def generate_batch(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], cfg: EvalConfig, synced: bool
+) -> list[str]:
+    """Greedy continuations (text up to EOS) of left-padded prompts."""
+    encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    width = max(len(ids) for ids in encoded)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids_BP = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    mask_BP = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids_BP[row, width - len(ids) :] = torch.tensor(ids)
+        mask_BP[row, width - len(ids) :] = 1
+    output_BPG = model.generate(
+        input_ids=input_ids_BP.to(model.device),
+        attention_mask=mask_BP.to(model.device),
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad_id,
+        use_cache=True,
+        synced_gpus=synced,
+    )
+    return [_until_eos(row.tolist(), tokenizer) for row in output_BPG[:, width:].cpu()]
+
+
+def _until_eos(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> str:
+    if tokenizer.eos_token_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def answer_rank_share(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[QaExample], cfg: EvalConfig
+) -> list[Answered]:
+    """This rank's examples (every world-th), answered in equally many batches on every rank."""
+    rank, world = _rank_and_world()
+    mine = examples[rank::world]
+    per_rank = -(-len(examples) // world)
+    filler = [examples[0]] * (per_rank - len(mine)) if examples else []  # answered for lockstep, then dropped
+    padded = mine + filler
+    generated = []
+    for start in range(0, per_rank, cfg.batch_size):
+        batch = padded[start : start + cfg.batch_size]
+        prompts = [cfg.prompt_template.format(question=example.question) for example in batch]
+        generated += generate_batch(model, tokenizer, prompts, cfg, synced=world > 1)
+    return [Answered(example, text, parse_answer(text)) for example, text in zip(mine, generated, strict=False)]
+
+
+def generation_metrics(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig, prefix: str = "eval/"
+) -> dict[str, float]:
+    """`{prefix}{set}/{metric}` for every Q/A set of `cfg`, over all ranks; call it on every rank.
+
+    `model` is the HF causal LM (under the trainer: `engine.module.lm`); its train/eval mode is restored.
+    """
+    was_training = model.training
+    model.eval()
+    metrics = {}
+    try:
+        with torch.no_grad():
+            for qa in cfg.qa_sets:
+                answered = answer_rank_share(model, tokenizer, load_qa_set(qa, cfg.max_examples), cfg)
+                sums = score(answered)
+                if _rank_and_world()[1] > 1:
+                    dist.all_reduce(sums)
+                metrics.update({f"{prefix}{qa.label}/{key}": value for key, value in summarise(sums).items()})
+    finally:
+        model.train(was_training)
+    return metrics
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

@@ -1,0 +1,60 @@
+"""Find the HF model folder to evaluate: an HF folder as is, or a run's checkpoint exported to one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ntl_pretrain import checkpoint
+from ntl_pretrain.data.config import SourceConfig
+
+
+@dataclass(frozen=True)
+class Target:
+    hf_folder: Path | None
+    """The folder to load with `from_pretrained`; None until a checkpoint is exported."""
+    checkpoint: Path | None
+    """The checkpoint step folder (`<run>/checkpoints/step_<N>`), when the target was a run or checkpoint."""
+
+    @property
+    def step(self) -> int | None:
+        if self.checkpoint is None:
+            return None
+        return int(checkpoint.STEP_DIR.match(self.checkpoint.name).group(1))
+
+    @property
+    def run_dir(self) -> Path | None:
+        return None if self.checkpoint is None else self.checkpoint.parent.parent
+
+
+def resolve_target(path: str | Path) -> Target:
+    """An HF folder (has config.json), a checkpoint step folder, a checkpoints/ folder or a run directory
+    (its latest checkpoint)."""
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return Target(folder, None)
+    if (folder / checkpoint.HF_CONFIG).is_dir():
+        return Target(None, folder)
+    step = checkpoint.latest(folder) or checkpoint.latest(checkpoint.checkpoints_root(folder))
+    if step is None:
+        raise FileNotFoundError(f"{folder}: neither an HF model folder (config.json) nor a run with checkpoints")
+    return Target(None, step)
+
+
+def export_for_eval(target: Target, out_dir: Path) -> Target:
+    """Write the checkpoint's fp32 master weights as an HF folder (evaluation never rounds to bf16)."""
+    from ntl_pretrain.export import export_checkpoint
+
+    return Target(export_checkpoint(target.checkpoint, out_dir, dtype="float32"), target.checkpoint)
+
+
+def recipe_validation(target: Target) -> tuple[list[SourceConfig], int] | None:
+    """The run's held-out sources and packed length, read from the recipe saved with the checkpoint."""
+    if target.checkpoint is None:
+        return None
+    recipe = yaml.safe_load((target.checkpoint / "recipe.yaml").read_text())
+    data = recipe.get("data", {})
+    sources = [SourceConfig(**source) for source in data.get("validation") or []]
+    return (sources, int(data.get("seq_len", 512))) if sources else None

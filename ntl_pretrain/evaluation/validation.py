@@ -1,0 +1,71 @@
+"""Validation CE, perplexity and NTL of an HF causal LM on held-out sources.
+
+The held-out stream is packed exactly as in training (`ntl_pretrain.data`, split "validation"), so these
+numbers are comparable with the trainer's `val_ce`. NTL is measured with a fixed kind (WAS by default) whatever
+the model was trained with, so a CE-only model gets an NTL too. With a process group every rank reads its blocks
+of the stream (the loader gives every rank equally many batches) and the sums are all-reduced.
+
+Shapes: B micro-batch, T sequence, V model vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.numbers import NumberVocab
+
+
+def validation_metrics(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: list[SourceConfig],
+    *,
+    seq_len: int,
+    micro_batch_size: int = 8,
+    max_batches: int | None = None,
+    ntl_kind: str = "was",
+) -> dict[str, float]:
+    """`val_ce`, `val_perplexity`, `val_ntl_<kind>` and the token counts over all ranks; call on every rank."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    data = DataConfig(sources=sources, validation=sources, seq_len=seq_len)
+    loader = build_dataloader(
+        data,
+        tokenizer,
+        micro_batch_size=micro_batch_size,
+        dp_rank=rank,
+        dp_world_size=world,
+        seed=0,
+        split="validation",
+    )
+    number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    sums = torch.zeros(4, dtype=torch.float64)  # CE, NTL, label tokens, number-label tokens
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for index, batch in enumerate(loader):
+            if max_batches is not None and index == max_batches:
+                break
+            logits_BTV = model(input_ids=batch["input_ids"].to(model.device),
+                               position_ids=batch["position_ids"].to(model.device)).logits  # fmt: skip
+            out = ce_ntl_loss(logits_BTV, batch["labels"].to(model.device), number_vocab, kind=ntl_kind, weight=1.0,
+                              reduction="sum")  # fmt: skip
+            sums += torch.stack([out.ce, out.ntl, out.num_tokens, out.num_number_tokens]).double().cpu()
+    model.train(was_training)
+    if world > 1:
+        dist.all_reduce(sums)
+    ce, ntl, tokens, number_tokens = sums.tolist()
+    mean_ce = ce / max(tokens, 1.0)
+    return {
+        "val_ce": mean_ce,
+        "val_perplexity": math.exp(mean_ce),
+        f"val_ntl_{ntl_kind}": ntl / max(number_tokens, 1.0),
+        "val_tokens": tokens,
+        "val_number_tokens": number_tokens,
+    }
