@@ -69,7 +69,7 @@ def reduce_rows(ce_N: torch.Tensor, ntl_N: torch.Tensor, labels_N: torch.Tensor,
 
 def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, relative: float, what: str) -> None:
     """Elementwise within `relative` of the value, or of the tensor's largest magnitude for entries near zero."""
-    expected = expected.double()
+    actual, expected = actual.detach(), expected.detach().double()
     floor = relative * float(expected.abs().max()) if expected.numel() else 0.0
     torch.testing.assert_close(
         actual.double(), expected, rtol=relative, atol=floor + 1e-12, msg=lambda m: f"{what}: {m}"

@@ -126,3 +126,110 @@ def test_synthetic_vocab_has_the_shapes_the_cases_need():
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_vocab_parallel_equals_dense_float64_reference(world_size):
     run_distributed(check_all_cases, world_size)
+
+
+HIDDEN = 8
+POSITIONS = (2, 5)
+
+
+def rank_inputs(nv: NumberVocab, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [*POSITIONS, H] (float64) and labels of data-parallel rank `rank`: every rank holds other tokens."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    hidden = torch.randn(*POSITIONS, HIDDEN, generator=generator, dtype=torch.float64)
+    numbers = nv.number_ids[torch.randint(0, len(nv.number_ids), POSITIONS, generator=generator)]
+    words = torch.randint(0, nv.vocab_size, POSITIONS, generator=generator)
+    draw = torch.rand(POSITIONS, generator=generator)
+    return hidden, torch.where(draw < 0.4, numbers, words).masked_fill(draw > 0.85, -100)
+
+
+def dense_reference(nv, weight, kind, reweigh, world_size):
+    """Global-batch loss ΣCE/N + λ·ΣNTL/N_num over all ranks' positions, float64, with gradients."""
+    inputs = [rank_inputs(nv, rank) for rank in range(world_size)]
+    hidden = [h.clone().requires_grad_(True) for h, _ in inputs]
+    labels = torch.cat([labels.reshape(-1) for _, labels in inputs])
+    weight = weight.clone().requires_grad_(True)
+    logits = torch.cat([h.reshape(-1, HIDDEN) for h in hidden]) @ weight.T
+    ce_N, ntl_N = reference_rows(logits, labels, nv, kind, reweigh)
+    num_tokens = int((labels != -100).sum())
+    num_numbers = 0 if kind is None else int((nv.classes[labels.clamp_min(0)] >= 0)[labels != -100].sum())
+    scales = 1 / max(1, num_tokens), NTL_WEIGHT / max(1, num_numbers)
+    (ce_N.sum() * scales[0] + ntl_N.sum() * scales[1]).backward()
+    per_rank = ce_N.view(world_size, -1).sum(1), ntl_N.view(world_size, -1).sum(1)
+    return hidden, weight.grad, per_rank, scales, (num_tokens, num_numbers)
+
+
+def check_head_cases() -> None:
+    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, vocab_bounds
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    nv = synthetic_vocab()
+    weight = torch.randn(nv.vocab_size, HIDDEN, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    lo, hi = vocab_bounds(nv.vocab_size, world_size)[rank : rank + 2]
+    for kind, reweigh, chunk_size in [("was", False, 3), ("mse", True, None), (None, False, 4)]:
+        what = f"world={world_size} rank={rank} {kind=} {reweigh=} {chunk_size=}"
+        ref_hidden, ref_weight_grad, (ce_sums, ntl_sums), scales, counts = dense_reference(
+            nv, weight, kind, reweigh, world_size
+        )
+        head = VocabParallelHead(
+            weight[lo:hi].clone(), nv.vocab_size, dist.group.WORLD, nv, kind=kind, ntl_weight=NTL_WEIGHT,
+            reweigh=reweigh, chunk_size=chunk_size,
+        )  # fmt: skip
+        hidden, labels = rank_inputs(nv, rank)
+        hidden.requires_grad_(True)
+        with counting_collectives() as forward_calls:
+            out = head(hidden, labels, num_tokens=counts[0], num_number_tokens=counts[1])
+        # As the trainer does: scale by the world size, DeepSpeed-style averaging divides it back out.
+        with counting_collectives() as backward_calls:
+            (world_size * out.loss).backward()
+        head.average_gradients(data_parallel_size=world_size)
+
+        chunks = -(-world_size * hidden[..., 0].numel() // chunk_size) if chunk_size else 1
+        expected = Counter(all_gather_into_tensor=2, all_reduce=2 * chunks + (chunk_size is None))
+        assert forward_calls == expected, f"{what}: forward collectives {dict(forward_calls)}"
+        assert backward_calls == Counter(reduce_scatter_tensor=1), f"{what}: backward {dict(backward_calls)}"
+        share = ce_sums[rank] * scales[0] + ntl_sums[rank] * scales[1]
+        assert_close_relative(out.loss, share, 1e-9, f"{what} loss share")
+        assert_close_relative(out.ce, ce_sums[rank], 1e-9, f"{what} ce sum")
+        assert_close_relative(out.ntl, ntl_sums[rank], 1e-9, f"{what} ntl sum")
+        trunk_grad = hidden.grad / world_size  # what DeepSpeed's averaging leaves for the decoder trunk
+        assert_close_relative(trunk_grad, ref_hidden[rank].grad, 1e-9, f"{what} hidden grad")
+        assert_close_relative(head.weight.grad, ref_weight_grad[lo:hi], 1e-9, f"{what} weight grad")
+        assert torch.equal(head.full_weight(), weight), f"{what}: full_weight must reassemble the matrix"
+
+
+def check_head_from_output_layer() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, vocab_bounds
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = dict(vocab_size=41, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    torch.manual_seed(0)
+    untied = LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=False))
+    head = VocabParallelHead.from_output_layer(untied, dist.group.WORLD, number_vocab=synthetic_vocab())
+    lo, hi = vocab_bounds(41, world_size)[rank : rank + 2]
+    assert torch.equal(head.weight, untied.lm_head.weight[lo:hi])
+    assert torch.equal(head.full_weight(), untied.lm_head.weight)
+    tied = LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="ties it to the input embeddings"):
+        VocabParallelHead.from_output_layer(tied, dist.group.WORLD, number_vocab=synthetic_vocab())
+
+
+def check_head(with_transformers_model: bool) -> None:
+    check_head_cases()
+    if with_transformers_model:  # importing transformers costs seconds per rank: once is enough
+        check_head_from_output_layer()
+
+
+def test_vocab_bounds_are_even_and_cover_the_vocabulary():
+    from ntl_pretrain.loss.vocab_parallel_head import vocab_bounds
+
+    assert vocab_bounds(41, 3) == [0, 14, 28, 41]
+    assert vocab_bounds(128256, 8) == [16032 * r for r in range(9)]
+    assert vocab_bounds(10, 4) == [0, 3, 6, 8, 10]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vocab_parallel_head_equals_dense_output_layer(world_size):
+    run_distributed(check_head, world_size, world_size == 2)

@@ -12,6 +12,8 @@ weight gradient. Because the gradient is formed in forward, only the combined lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,63 @@ def linear_ce_ntl_loss(
     batch to normalise over it). Collectives with `group`: two all-reduces per chunk, plus one to agree on the
     chunk size when `chunk_size` is None; none in backward. The returned counts are always this call's.
     """
+    rows = linear_ce_ntl_rows(
+        hidden,
+        weight,
+        labels,
+        nv,
+        kind,
+        ntl_weight,
+        reweigh,
+        ignore_index,
+        reduction,
+        chunk_size,
+        group,
+        vocab_start,
+        num_tokens,
+        num_number_tokens,
+    )
+    ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
+    return LossOutput(rows.loss, ce, ntl, rows.valid_N.sum(), rows.is_number_N.sum())
+
+
+@dataclass
+class LinearLossRows:
+    """What `linear_ce_ntl_rows` computed: the differentiable loss and detached per-position terms."""
+
+    loss: torch.Tensor
+    """Differentiable scalar: ce_scale * sum CE + ntl_weight * ntl_scale * sum NTL."""
+    ce_N: torch.Tensor
+    """Detached per-position CE (0 where ignored)."""
+    ntl_N: torch.Tensor
+    """Detached per-position NTL (0 where the label is not a number)."""
+    valid_N: torch.Tensor
+    """bool: the position has a label."""
+    is_number_N: torch.Tensor
+    """bool: the position's label is a number token (and NTL is on)."""
+    ce_scale: torch.Tensor
+    """The reduction's factor on sum CE (1, or 1 / num_tokens)."""
+    ntl_scale: torch.Tensor
+    """The reduction's factor on sum NTL (1, or 1 / num_number_tokens)."""
+
+
+def linear_ce_ntl_rows(
+    hidden,
+    weight,
+    labels,
+    nv,
+    kind,
+    ntl_weight,
+    reweigh,
+    ignore_index,
+    reduction,
+    chunk_size,
+    group,
+    vocab_start,
+    num_tokens,
+    num_number_tokens,
+) -> LinearLossRows:
+    """`linear_ce_ntl_loss` before the per-position terms are summed (same arguments, all positional)."""
     labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size)
     logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)
@@ -69,7 +128,7 @@ def linear_ce_ntl_loss(
     loss, ce_N, ntl_N = LinearCeNtl.apply(
         hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, rows, group
     )
-    return LossOutput(loss, ce_N.sum() * ce_scale, ntl_N.sum() * ntl_scale, *counts)
+    return LinearLossRows(loss, ce_N, ntl_N, targets.valid, targets.is_number, ce_scale, ntl_scale)
 
 
 def _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
