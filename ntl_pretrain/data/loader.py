@@ -10,18 +10,24 @@ loader counts the batches since; a resumed reader restores the snapshot and repl
 
 On resume the round-robin must continue with the worker that was next: worker w therefore runs local reader
 `(w + first_reader) % num_workers`, and `first_reader` is saved with the state.
+
+A checkpoint written under another layout (number of ranks, workers or micro-batch size) at the same global batch
+continues through `load_world_state`, which hands the saved readers to `reslice.SlicedStreams`; those then run in
+the training process.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import PreTrainedTokenizerBase
 
 from ntl_pretrain.data.config import DataConfig, validate_sources
 from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, validation_batches
+from ntl_pretrain.data.reslice import ResumeRefused, SlicedStreams, positions_from_ranks
 from ntl_pretrain.data.sources import SKIP_REASONS
 
 STATE_VERSION = 1
@@ -62,6 +68,7 @@ class PackedLoader:
         dp_world_size: int,
         seed: int,
         split: str = "train",
+        grad_accum: int = 1,
     ):
         if split not in ("train", "validation"):
             raise ValueError(f"split: expected 'train' or 'validation', got {split!r}")
@@ -70,12 +77,14 @@ class PackedLoader:
         validate_sources(cfg)
         self.cfg, self.split, self.seed = cfg, split, seed
         self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
+        self.grad_accum = grad_accum
         self.encoder = DocumentEncoder(tokenizer)
         self.num_workers = cfg.num_workers if split == "train" else 0
         self.first_reader = 0
         # Per local reader: its last snapshot (None = fresh start), batches handed out since, counters.
         self.readers = [{"snapshot": None, "replay": 0, "progress": {}} for _ in range(max(1, self.num_workers))]
         self.validation_skipped: Counter = Counter()
+        self.sliced: SlicedStreams | None = None
 
     def make_reader(self, local: int) -> TrainReader:
         readers_per_rank = max(1, self.num_workers)
@@ -100,6 +109,9 @@ class PackedLoader:
             yield from validation_batches(
                 self.cfg, self.encoder, self.micro_batch_size, self.dp_rank, self.dp_world_size, self.validation_skipped
             )
+            return
+        if self.sliced is not None:
+            yield from self.sliced
             return
         for batch, local, snapshot, progress in self._worker_batches():
             saved = self.readers[local]
@@ -135,10 +147,16 @@ class PackedLoader:
             "sources": [source.label for source in self.cfg.sources],
         }
 
+    def _global_batch(self) -> dict:
+        return {"micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum}
+
     def state_dict(self) -> dict:
         """Plain Python and CPU tensors: positions, RNG states, shuffle buffers and partial blocks."""
+        if self.sliced is not None:
+            return {**self._layout(), **self._global_batch(), "num_workers": 0, **self.sliced.state_dict()}
         return {
             **self._layout(),
+            **self._global_batch(),
             "first_reader": self.first_reader,
             "readers": [dict(saved) for saved in self.readers],
         }
@@ -148,16 +166,60 @@ class PackedLoader:
             if state.get(key) != expected:
                 raise ValueError(
                     f"data loader state: {key}={state.get(key)!r} was saved, this run has {expected!r}; the "
-                    f"data stream resumes exactly only with the same ranks, workers, batch, seq_len and sources"
+                    f"data stream resumes exactly only with the same ranks, workers, batch, seq_len and sources "
+                    f"(load_world_state continues on other ranks, workers or batch at the same global batch)"
                 )
         self.first_reader = state["first_reader"]
         self.readers = [dict(saved) for saved in state["readers"]]
+
+    def load_world_state(self, states: list[dict]) -> None:
+        """Resume from the states of every rank of the saved run (`states[rank]`), whatever its layout.
+
+        The saved layout resumes exactly as `load_state_dict`. Another number of ranks, workers or micro-batch
+        size at the same global batch continues every saved stream where it stopped (see `reslice.py`). A
+        different corpus, seq_len or global batch, or a layout change in the middle of an optimizer step, raises
+        `ResumeRefused` rather than restart or reshuffle the data.
+        """
+        saved = states[0] if states else {}
+        for key in ("version", "split", "seq_len", "sources"):
+            if saved.get(key) != self._layout()[key]:
+                raise ResumeRefused(
+                    f"data loader state: {key}={saved.get(key)!r} was saved, this run has {self._layout()[key]!r}; "
+                    f"the data stream can only continue on the same corpus and sequence length"
+                )
+        same_layout = len(states) == self.dp_world_size and all(
+            saved.get(key) == value for key, value in {**self._layout(), **self._global_batch()}.items()
+        )
+        if same_layout and "readers" in saved:
+            self.load_state_dict(states[self.dp_rank])
+            return
+        into_step = states[self.dp_rank]["into_step"] if same_layout else 0
+        self.sliced = self._sliced_streams(*positions_from_ranks(states, allow_inside_step=same_layout))
+        self.sliced.skip(into_step)
+
+    def _sliced_streams(self, positions: dict, num_streams: int, global_rows: int) -> SlicedStreams:
+        rows_per_rank = self.micro_batch_size * self.grad_accum
+        if global_rows != rows_per_rank * self.dp_world_size:
+            raise ResumeRefused(
+                f"data loader state: the saved run took {global_rows} sequences per optimizer step, this run takes "
+                f"{rows_per_rank * self.dp_world_size} (micro_batch_size {self.micro_batch_size} x grad_accum "
+                f"{self.grad_accum} x {self.dp_world_size} ranks); keep train.global_batch_size to change the ranks"
+            )
+        make_reader = partial(self._stream_reader, num_streams=num_streams)
+        return SlicedStreams(
+            make_reader, positions, num_streams, global_rows, self.dp_rank, rows_per_rank, self.micro_batch_size
+        )
+
+    def _stream_reader(self, stream: int, num_streams: int) -> TrainReader:
+        return TrainReader(self.cfg, self.encoder, 1, reader=stream, num_readers=num_streams, seed=self.seed)
 
     def metrics(self) -> dict[str, float]:
         """This rank's counters: `skipped/<reason>`, `documents`, `tokens`, `batches`, `epoch/<source>`,
         and `epoch` (the fewest completed passes over any source)."""
         if self.split == "validation":
             return {f"skipped/{reason}": float(self.validation_skipped[reason]) for reason in SKIP_REASONS}
+        if self.sliced is not None:
+            return self.sliced.metrics()
         totals = Counter({f"skipped/{reason}": 0.0 for reason in SKIP_REASONS})
         epochs = {f"epoch/{source.label}": 0.0 for source in self.cfg.sources}
         started = [saved["progress"] for saved in self.readers if saved["progress"]]
@@ -179,8 +241,10 @@ def build_dataloader(
     dp_world_size: int,
     seed: int,
     split: str = "train",
+    grad_accum: int = 1,
 ) -> PackedLoader:
-    """The trainer's entry point; see `PackedLoader`."""
+    """The trainer's entry point; see `PackedLoader`. `grad_accum` (micro-batches per rank per optimizer step)
+    fixes, with the other sizes, the global batch that a resume on another layout keeps."""
     return PackedLoader(
         cfg,
         tokenizer,
@@ -189,4 +253,5 @@ def build_dataloader(
         dp_world_size=dp_world_size,
         seed=seed,
         split=split,
+        grad_accum=grad_accum,
     )

@@ -65,11 +65,12 @@ class TrainReader:
         self.packer = Packer(cfg.seq_len)
 
     def next_batch(self) -> Batch:
-        blocks = [self._next_block() for _ in range(self.micro_batch_size)]
+        blocks = [self.next_block() for _ in range(self.micro_batch_size)]
         self.counts["batches"] += 1
         return make_batch(np.stack(blocks), self.encoder.eos_id, self.cfg.per_document_attention)
 
-    def _next_block(self) -> np.ndarray:
+    def next_block(self) -> np.ndarray:
+        """The next `seq_len + 1` tokens of this reader's stream (a micro-batch row)."""
         while not self.packer.has_block():
             self.packer.add(self._next_document())
         return self.packer.take_block()

@@ -1,0 +1,150 @@
+"""Resume on a different number of ranks at the same global batch.
+
+Data: loaders of a 2-rank run are checkpointed between optimizer steps and resumed on 1, 3 and 4 ranks (and on
+other micro-batch sizes); every later optimizer step must hold exactly the rows (tokens) of the uninterrupted
+2-rank run, in the same order, so no document repeats or is skipped. Training: see `test_training_*` below.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from ntl_pretrain.config import load_recipe
+from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.data.commands import CORPUS
+from ntl_pretrain.data.reslice import ResumeRefused
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
+TOKENIZER = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+GLOBAL_ROWS, SAVED_STEPS, STEPS = 12, 2, 5
+
+
+def data_config(num_workers: int = 0):
+    recipe = load_recipe(TINY_RECIPE, ["data.seq_len=32", "data.shuffle_buffer=64", f"data.num_workers={num_workers}"])
+    return recipe.data
+
+
+def loaders(cfg, world: int, micro_batch_size: int) -> list:
+    grad_accum = GLOBAL_ROWS // (world * micro_batch_size)
+    return [
+        build_dataloader(
+            cfg,
+            TOKENIZER,
+            micro_batch_size=micro_batch_size,
+            dp_rank=rank,
+            dp_world_size=world,
+            seed=3,
+            grad_accum=grad_accum,
+        )  # fmt: skip
+        for rank in range(world)
+    ]
+
+
+def global_steps(rank_loaders: list, steps: int) -> list[torch.Tensor]:
+    """Each optimizer step's rows `[GLOBAL_ROWS, T+1]` (inputs plus last label), ranks in order."""
+    iterators = [iter(loader) for loader in rank_loaders]
+    grad_accum = GLOBAL_ROWS // sum(loader.micro_batch_size for loader in rank_loaders)
+    result = []
+    for _ in range(steps):
+        batches = [next(iterator) for iterator in iterators for _ in range(grad_accum)]
+        result.append(torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1) for b in batches]))
+    return result
+
+
+def through_checkpoint(states: list[dict]) -> list[dict]:
+    buffer = io.BytesIO()
+    torch.save(states, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def resumed(cfg, states: list[dict], world: int, micro_batch_size: int) -> list:
+    rank_loaders = loaders(cfg, world, micro_batch_size)
+    for loader in rank_loaders:
+        loader.load_world_state(through_checkpoint(states))
+    return rank_loaders
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Two ranks, micro-batch 2, 3 micro-batches per step: all steps, and the states after SAVED_STEPS."""
+    cfg = data_config()
+    reference = global_steps(loaders(cfg, 2, 2), STEPS)
+    saving = loaders(cfg, 2, 2)
+    global_steps(saving, SAVED_STEPS)
+    return reference, [loader.state_dict() for loader in saving]
+
+
+@pytest.mark.parametrize(("world", "micro_batch_size"), [(1, 4), (3, 2), (3, 1), (4, 3), (2, 3)])
+def test_resume_on_other_layout_continues_the_same_global_batches(uninterrupted, world, micro_batch_size):
+    reference, states = uninterrupted
+    got = global_steps(resumed(data_config(), states, world, micro_batch_size), STEPS - SAVED_STEPS)
+    for step, rows in enumerate(got, start=SAVED_STEPS):
+        assert torch.equal(rows, reference[step]), f"step {step}: rows differ from the uninterrupted 2-rank run"
+
+
+def test_resliced_run_resumes_again_on_yet_another_layout(uninterrupted):
+    """2 ranks -> 3 ranks for one step -> 1 rank: still the uninterrupted run's batches."""
+    reference, states = uninterrupted
+    cfg = data_config()
+    three = resumed(cfg, states, 3, 2)
+    global_steps(three, 1)
+    one = resumed(cfg, [loader.state_dict() for loader in three], 1, 6)
+    for step, rows in enumerate(global_steps(one, STEPS - SAVED_STEPS - 1), start=SAVED_STEPS + 1):
+        assert torch.equal(rows, reference[step])
+
+
+def test_resliced_run_resumes_inside_a_step_on_its_own_layout(uninterrupted):
+    reference, states = uninterrupted
+    cfg = data_config()
+    three = resumed(cfg, states, 3, 2)  # 2 micro-batches per rank and step
+    first_half = [next(iter(loader)) for loader in three]
+    again = resumed(cfg, [loader.state_dict() for loader in three], 3, 2)
+    second_half = [next(iter(loader)) for loader in again]
+    rows = [
+        torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1)
+        for pair in zip(first_half, second_half, strict=True)
+        for b in pair
+    ]
+    assert torch.equal(torch.cat(rows), reference[SAVED_STEPS])
+    with pytest.raises(ResumeRefused, match="into an optimizer step"):
+        resumed(cfg, [loader.state_dict() for loader in three], 1, 4)
+
+
+def test_refuses_another_global_batch_a_mid_step_state_or_other_data(uninterrupted):
+    _, states = uninterrupted
+    cfg = data_config()
+    smaller = build_dataloader(cfg, TOKENIZER, micro_batch_size=1, dp_rank=0, dp_world_size=3, seed=3, grad_accum=2)
+    with pytest.raises(ResumeRefused, match="12 sequences per optimizer step, this run takes 6"):
+        smaller.load_world_state(states)
+    two = loaders(cfg, 2, 2)
+    for loader in two:
+        next(iter(loader))  # one micro-batch of three
+    with pytest.raises(ResumeRefused, match="in the middle of an optimizer step"):
+        resumed(cfg, [loader.state_dict() for loader in two], 1, 4)
+    longer = load_recipe(TINY_RECIPE, ["data.seq_len=48"]).data
+    with pytest.raises(ResumeRefused, match="seq_len=32 was saved"):
+        resumed(longer, states, 1, 4)
+
+
+def test_workers_streams_continue_without_repeats_or_skips():
+    """1 rank x 2 workers (2 streams) -> 3 ranks: every saved stream continues at its next row."""
+    cfg = data_config(num_workers=2)
+    single = build_dataloader(cfg, TOKENIZER, micro_batch_size=2, dp_rank=0, dp_world_size=1, seed=3, grad_accum=6)
+    batches = iter(single)
+    for _ in range(6):
+        next(batches)
+    states = [single.state_dict()]
+    uninterrupted = [next(batches) for _ in range(12)]  # workers alternate: even batches are stream 0
+    streams = [torch.cat([b["input_ids"] for b in uninterrupted[k::2]]) for k in range(2)]
+    got = global_steps(resumed(data_config(), states, 3, 2), 2)
+    for step, rows in enumerate(got):
+        inputs = rows[:, :-1]
+        assert torch.equal(inputs[:6], streams[0][6 * step : 6 * step + 6])
+        assert torch.equal(inputs[6:], streams[1][6 * step : 6 * step + 6])
