@@ -26,6 +26,8 @@ def write(path: Path, data: dict) -> Path:
 def test_shipped_recipes_load_and_round_trip(recipe_path, tmp_path):
     """Every shipped recipe validates, and its dump (what a run directory holds) reloads to an equal recipe."""
     recipe = load_recipe(recipe_path)
+    world_size = 8 if recipe.train.precision == "bf16" else 2  # GPU recipes are sized for a node of 8
+    assert build_deepspeed_config(recipe, world_size)["zero_optimization"]["stage"] == 3
     dumped = tmp_path / "resolved.yaml"
     dumped.write_text(dump_recipe(recipe))
     assert load_recipe(dumped) == recipe
