@@ -1,0 +1,165 @@
+"""`ntl-pretrain plot RUN_DIR [RUN_DIR ...] -o OUT.png`: training and numeric metrics of runs on shared axes.
+
+Reads each run's metrics.jsonl: training records (loss, CE, NTL; smoothed with an exponential moving average),
+validation records (val_ce, val_ntl) and evaluation records (`eval/<set>/<metric>`, from `eval.every_steps`
+or `ntl-pretrain eval --log-metrics`). One panel per metric, one line per run; runs of the same group (e.g. the
+seeds of one study variant) share a colour. A metric measured once per run (a final evaluation) is drawn as
+one dot per run above its group's name instead. A training NTL that is zero throughout (a CE-only run has no NTL
+term) is left out rather than drawn as a flat line at 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+TRAIN_PANELS = {
+    "loss": "train loss (CE + λ·NTL)",
+    "ce": "train CE",
+    "ntl": "train NTL",
+    "val_ce": "validation CE",
+    "val_ntl": "validation NTL",
+}
+EVAL_METRICS = {
+    "exact_match": "exact match",
+    "mae": "MAE (log scale)",
+    "digit_accuracy": "digit accuracy",
+}
+SMOOTHED = {"loss", "ce", "ntl"}
+ZERO_MEANS_ABSENT = {"ntl", "val_ntl"}
+SMOOTHING = 0.9
+COLUMNS = 3
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    with path.open() as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records holding a finite number under `key`, in step order; the last record of
+    a step wins (e.g. `ntl-pretrain eval --log-metrics` after the trainer's own validation at the same step)."""
+    by_step = {
+        record["step"]: float(record[key])
+        for record in records
+        if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]) and record.get("step") is not None
+    }
+    steps = sorted(by_step)
+    return steps, [by_step[step] for step in steps]
+
+
+def smooth(values: list[float], factor: float = SMOOTHING) -> list[float]:
+    """Exponential moving average, debiased like Adam's so that the first points are not pulled to 0."""
+    average, out = 0.0, []
+    for index, value in enumerate(values, start=1):
+        average = factor * average + (1 - factor) * value
+        out.append(average / (1 - factor**index))
+    return out
+
+
+def panel_keys(runs: Sequence[list[dict]]) -> list[tuple[str, str]]:
+    """(metrics key, title) of every panel some run has data for."""
+    present = {key for records in runs for record in records for key in record}
+    panels = [(key, title) for key, title in TRAIN_PANELS.items() if key in present]
+    eval_sets = sorted({key.split("/")[1] for key in present if key.startswith("eval/") and key.count("/") == 2})
+    for eval_set in eval_sets:
+        for metric, title in EVAL_METRICS.items():
+            key = f"eval/{eval_set}/{metric}"
+            if key in present:
+                panels.append((key, f"{eval_set}: {title}"))
+    return panels
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
+    labels: Sequence[str] | None = None,
+    groups: Sequence[str] | None = None,
+) -> Path:
+    """Draw every panel for every run into one PNG; `groups` (one per run) picks the colours and legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [read_metrics(run_dir) for run_dir in run_dirs]
+    labels = list(labels) if labels else [Path(run_dir).name for run_dir in run_dirs]
+    groups = list(groups) if groups else labels
+    panels = panel_keys(runs)
+    if not panels:
+        raise ValueError(f"no plottable metrics in {[str(d) for d in run_dirs]}")
+    rows = -(-len(panels) // COLUMNS)
+    figure, axes = plt.subplots(rows, COLUMNS, figsize=(5 * COLUMNS, 3.4 * rows), squeeze=False)
+    colours = {group: f"C{index % 10}" for index, group in enumerate(dict.fromkeys(groups))}
+    for axis, (key, title) in zip(axes.flat, panels, strict=False):
+        _draw_panel(axis, key, title, runs, groups, colours)
+    for axis in list(axes.flat)[len(panels) :]:
+        axis.set_visible(False)
+    handles = [plt.Line2D([], [], color=colour, label=group) for group, colour in colours.items()]
+    figure.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 0.95))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def _draw_panel(axis, key: str, title: str, runs: list[list[dict]], groups: list[str], colours: dict) -> None:
+    drawn = [(series(records, key), group) for records, group in zip(runs, groups, strict=True)]
+    drawn = [((steps, values), group) for (steps, values), group in drawn if values]
+    if key in ZERO_MEANS_ABSENT:
+        drawn = [((steps, values), group) for (steps, values), group in drawn if any(values)]
+    if drawn and all(len(values) == 1 for (_, values), _ in drawn):
+        _draw_once_measured(axis, drawn, colours)
+    else:
+        for (steps, values), group in drawn:
+            values = smooth(values) if key in SMOOTHED else values
+            marker = "o" if len(values) <= 3 else None
+            axis.plot(steps, values, color=colours[group], alpha=0.75, linewidth=1.2, marker=marker)
+        axis.set_xlabel("step")
+    if key.endswith("/mae"):
+        axis.set_yscale("log")
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+
+
+def _draw_once_measured(axis, drawn: list, colours: dict) -> None:
+    """One dot per run at its group's position, spread sideways so that seeds do not hide each other."""
+    names = list(colours)
+    for index, ((_, values), group) in enumerate(drawn):
+        offset = 0.08 * (index % 5 - 2)
+        axis.scatter([names.index(group) + offset], values, color=colours[group], alpha=0.8, s=24)
+    axis.set_xticks(range(len(names)), names, fontsize=8)
+    axis.set_xlim(-0.5, len(names) - 0.5)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plot", help="loss, CE, NTL and numeric metrics of several runs in one PNG")
+    parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
+    parser.add_argument("-o", "--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--labels", nargs="+", default=None, help="legend label per run (default: folder name)")
+    parser.set_defaults(func=run_plot)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    if args.labels is not None and len(args.labels) != len(args.run_dirs):
+        raise SystemExit(f"--labels: {len(args.labels)} labels for {len(args.run_dirs)} runs")
+    print(plot_runs(args.run_dirs, args.out, labels=args.labels))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.plot")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plot", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

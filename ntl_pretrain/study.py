@@ -1,0 +1,296 @@
+"""`ntl-pretrain study`: train CE, CE+NTL-WAS and CE+NTL-MSE from scratch over several seeds, evaluate, report.
+
+Every (variant, seed) run is `ntl-pretrain train <recipes>/<variant>.yaml --nproc 1 seed=S` followed by
+`ntl-pretrain eval <run> --log-metrics`, each in its own process; `--jobs` runs that many at once, splitting
+the CPU threads between them. A run whose `study.json` exists is finished and is not repeated, so an
+interrupted study continues where it stopped. The report (markdown table of mean ± std over seeds, per-run
+figures, a plot) is written from whatever the runs measured: it states the comparison, not a conclusion
+chosen in advance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ntl_pretrain.plot import plot_runs
+
+VARIANTS = ("ce", "ntl-was", "ntl-mse")
+SEEDS = (0, 1, 2)
+BASELINE = "ce"
+SETS = ("arithmetic_interpolation", "arithmetic_extrapolation")
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    title: str
+    higher_is_better: bool
+    digits: int
+
+
+METRICS = (
+    *(
+        metric
+        for split in SETS
+        for metric in (
+            Metric(f"eval/{split}/exact_match", f"{split.split('_')[1]} exact match", True, 3),
+            Metric(f"eval/{split}/mae", f"{split.split('_')[1]} MAE", False, 1),
+            Metric(f"eval/{split}/log_mae", f"{split.split('_')[1]} log10(1+AE)", False, 2),
+            Metric(f"eval/{split}/digit_accuracy", f"{split.split('_')[1]} digit acc.", True, 3),
+        )
+    ),
+    Metric("val_ce", "val CE", False, 3),
+    Metric("val_ntl_was", "val NTL-WAS", False, 3),
+)
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    variant: str
+    seed: int
+    recipe: Path
+    run_dir: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}-seed{self.seed}"
+
+    @property
+    def done_file(self) -> Path:
+        return self.run_dir / "study.json"
+
+    def results(self) -> dict:
+        return json.loads((self.run_dir / "eval.json").read_text())
+
+    def timing(self) -> dict:
+        return json.loads(self.done_file.read_text())
+
+
+def plan(recipes: Path, variants: list[str], seeds: list[int], runs_dir: Path) -> list[StudyRun]:
+    runs = []
+    for variant in variants:
+        recipe = recipes / f"{variant}.yaml"
+        if not recipe.is_file():
+            raise FileNotFoundError(f"{recipe}: no recipe for variant {variant!r}")
+        runs += [StudyRun(variant, seed, recipe, runs_dir / f"{variant}-seed{seed}") for seed in seeds]
+    return runs
+
+
+def execute(run: StudyRun, overrides: list[str], eval_args: list[str], threads: int, logs: Path) -> None:
+    """Train from scratch (an unfinished earlier attempt is discarded), then evaluate the final checkpoint."""
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    logs.mkdir(parents=True, exist_ok=True)
+    with (logs / f"{run.name}.log").open("w") as log:
+        started = time.perf_counter()
+        train = [sys.executable, "-m", "ntl_pretrain.cli", "train", str(run.recipe), "--nproc", "1",
+                 f"seed={run.seed}", f"train.output_dir={run.run_dir}", *overrides]  # fmt: skip
+        subprocess.run(train, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+        trained = time.perf_counter()
+        evaluate = [sys.executable, "-m", "ntl_pretrain.evaluation", str(run.run_dir), "--log-metrics",
+                    "--out", str(run.run_dir / "eval.json"), *eval_args]  # fmt: skip
+        subprocess.run(evaluate, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    timing = {"train_s": trained - started, "eval_s": time.perf_counter() - trained}
+    run.done_file.write_text(json.dumps({"variant": run.variant, "seed": run.seed, **timing}) + "\n")
+
+
+def run_all(runs: list[StudyRun], overrides: list[str], eval_args: list[str], jobs: int, logs: Path) -> None:
+    pending = [run for run in runs if not run.done_file.is_file()]
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(execute, run, overrides, eval_args, threads, logs) for run in pending]
+        for run, future in zip(pending, futures, strict=True):
+            future.result()
+            print(f"study: {run.name} done", flush=True)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Over the finite values (MAE is NaN for a run none of whose answers parsed); NaN when there are none."""
+    finite = [value for value in values if math.isfinite(value)]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
+
+
+def by_variant(runs: list[StudyRun]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for run in runs:
+        grouped.setdefault(run.variant, []).append(run.results())
+    return grouped
+
+
+def _format(value: float, digits: int) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    if abs(value) >= 1e5:
+        return f"{value:.3g}"
+    return f"{value:,.{digits}f}"
+
+
+def results_table(grouped: dict[str, list[dict]]) -> list[str]:
+    header = "| variant | " + " | ".join(metric.title for metric in METRICS) + " |"
+    lines = [header, "|---|" + "---:|" * len(METRICS)]
+    for variant, results in grouped.items():
+        cells = []
+        for metric in METRICS:
+            mean, std = mean_std([result[metric.key] for result in results])
+            cells.append(f"{_format(mean, metric.digits)} ± {_format(std, metric.digits)}")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def per_run_table(runs: list[StudyRun]) -> list[str]:
+    lines = ["| run | " + " | ".join(metric.title for metric in METRICS) + " | train s | eval s |"]
+    lines.append("|---|" + "---:|" * (len(METRICS) + 2))
+    for run in runs:
+        results, timing = run.results(), run.timing()
+        cells = [_format(results[metric.key], metric.digits) for metric in METRICS]
+        cells += [f"{timing['train_s']:.0f}", f"{timing['eval_s']:.0f}"]
+        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def comparisons(grouped: dict[str, list[dict]]) -> list[str]:
+    """Each NTL variant against the CE baseline, metric by metric: the difference of means, and whether every
+    seed of one variant beats every seed of the other (with 3 seeds, the most this study can claim)."""
+    if BASELINE not in grouped:
+        return []
+    lines = []
+    for variant, results in grouped.items():
+        if variant == BASELINE:
+            continue
+        for metric in METRICS:
+            ours = [result[metric.key] for result in results if math.isfinite(result[metric.key])]
+            base = [result[metric.key] for result in grouped[BASELINE] if math.isfinite(result[metric.key])]
+            if not ours or not base:
+                continue
+            difference = statistics.fmean(ours) - statistics.fmean(base)
+            better = (difference > 0) == metric.higher_is_better and difference != 0
+            if metric.higher_is_better:
+                separated = min(ours) > max(base) or max(ours) < min(base)
+            else:
+                separated = max(ours) < min(base) or min(ours) > max(base)
+            verdict = "better" if better else ("worse" if difference != 0 else "equal")
+            spread = "every seed" if separated else "seed ranges overlap"
+            lines.append(
+                f"- {variant} vs {BASELINE}, {metric.title}: {verdict} by {_format(abs(difference), metric.digits)} "
+                f"({spread})"
+            )
+    return lines
+
+
+def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
+    from ntl_pretrain.config import load_recipe
+
+    recipe = load_recipe(runs[0].recipe, overrides)
+    model, train, data = recipe.model, recipe.train, recipe.data
+    architecture = ", ".join(f"{key} {value}" for key, value in model.config.items())
+    tokens = train.max_steps * (train.global_batch_size or 0) * data.seq_len
+    return [
+        f"- Model: `{model.model_type}` from scratch ({architecture}); tokenizer `{recipe.tokenizer.path}`.",
+        f"- Training: {train.max_steps} steps x {train.global_batch_size} sequences x {data.seq_len} tokens "
+        f"= {tokens:,} tokens, AdamW lr {recipe.optimizer.lr:g}, {recipe.schedule.kind} schedule, "
+        f"{train.precision}, one rank.",
+        f"- Data: {', '.join(source.path for source in data.sources)}.",
+        f"- Variants (`{runs[0].recipe.parent}/<variant>.yaml`): "
+        + "; ".join(sorted({_describe_variant(run.recipe, overrides) for run in runs}))
+        + f"; seeds {sorted({run.seed for run in runs})}.",
+    ]
+
+
+def _describe_variant(recipe_path: Path, overrides: list[str]) -> str:
+    from ntl_pretrain.config import load_recipe
+
+    ntl = load_recipe(recipe_path, overrides).loss.ntl
+    loss = "CE" if ntl.kind is None else f"CE + {ntl.weight:g} · NTL-{ntl.kind.upper()}"
+    return f"{recipe_path.stem} = {loss}"
+
+
+def write_report(runs: list[StudyRun], doc: Path, plot: Path, command: str, overrides: list[str]) -> None:
+    grouped = by_variant(runs)
+    plot_runs([run.run_dir for run in runs], plot, labels=[run.name for run in runs], groups=[r.variant for r in runs])
+    first = runs[0].results()
+    total = sum(run.timing()["train_s"] + run.timing()["eval_s"] for run in runs)
+    evaluated = int(first[f"eval/{SETS[0]}/examples"])
+    lines = [
+        "# Study: CE vs CE + NTL on generated arithmetic",
+        "",
+        f"Generated by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; do not edit by hand "
+        "(re-run the command). How the metrics are defined: [evaluation.md](evaluation.md).",
+        "",
+        "## Setup",
+        "",
+        *setup_lines(runs, overrides),
+        f"- Evaluation: the final checkpoint (fp32), greedy decoding of the first {evaluated} questions of "
+        "`arithmetic/interpolation.jsonl` (numbers like training: 1–4 integer digits) and "
+        "`arithmetic/extrapolation.jsonl` (5–6 digits); validation CE and NTL-WAS on `arithmetic/validation.jsonl` "
+        "(NTL-WAS is measured for every variant, also the CE-only one).",
+        f"- Compute: {len(runs)} runs, {total / 60:.1f} min of run time in total on this machine.",
+        "",
+        f"## Results: mean ± std over {len({run.seed for run in runs})} seeds",
+        "",
+        *results_table(grouped),
+        "",
+        "Exact match, digit accuracy: higher is better. MAE, log10(1 + absolute error), validation CE and NTL: lower "
+        "is better. MAE and log-error are over the answers that contain a number.",
+        "",
+        "## Against the CE baseline",
+        "",
+        *comparisons(grouped),
+        "",
+        f"![training curves and final metrics per run]({os.path.relpath(plot, doc.parent)})",
+        "",
+        "## Per run",
+        "",
+        *per_run_table(runs),
+        "",
+    ]
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text("\n".join(lines))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("study", help="CE vs CE+NTL: train every variant x seed, evaluate, report")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50")
+    parser.add_argument("--recipes", type=Path, default=Path("recipes/study"), help="folder of <variant>.yaml")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs/study"))
+    parser.add_argument("--doc", type=Path, default=Path("docs/study.md"))
+    parser.add_argument("--plot", type=Path, default=Path("docs/study.png"))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (each gets cpu_count/jobs threads)")
+    parser.add_argument("--max-examples", type=int, default=500, help="questions per evaluation set")
+    parser.set_defaults(func=run_study)
+
+
+def run_study(args: argparse.Namespace) -> int:
+    runs = plan(args.recipes, args.variants, args.seeds, args.runs_dir)
+    eval_args = ["--max-examples", str(args.max_examples)]
+    run_all(runs, args.overrides, eval_args, args.jobs, args.runs_dir / "logs")
+    command = "ntl-pretrain study " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["study"] else sys.argv[1:])
+    write_report(runs, args.doc, args.plot, command.strip(), args.overrides)
+    print(args.doc)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.study")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["study", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
