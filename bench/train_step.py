@@ -5,7 +5,7 @@ Two engines with the same recipe, initial weights and batches (one with `loss.nt
 machine noise hits both alike (the order flips every step). Printed: median step times, and the median of the
 per-step ratios (paired, so slow phases of the machine cancel).
 
-    python bench/train_step.py [RECIPE] [--steps 40] [key.path=value ...]
+    python bench/train_step.py [--recipe RECIPE] [--steps 40] [key.path=value ...]
 Defaults to recipes/tiny-cpu.yaml on one CPU process (DeepSpeed ZeRO-3, gloo); run it under `deepspeed
 --num_gpus N bench/train_step.py ...` for several ranks or GPUs.
 """
@@ -51,7 +51,7 @@ def timed_step(trainer: Trainer, batches: list[dict]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", nargs="?", default=str(REPO / "recipes" / "tiny-cpu.yaml"))
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-cpu.yaml"))
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
