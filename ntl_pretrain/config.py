@@ -105,7 +105,8 @@ class ScheduleConfig:
     warmup_steps: int = 0
     """Linear warmup from `warmup_start_ratio * lr` to lr (re-warms a pretrained model)."""
     warmup_start_ratio: float = 0.0
-    """Learning rate at step 0 as a fraction of the peak."""
+    """Warmup starts from this fraction of the peak; update k (0-based) of the warmup uses
+    `start + (1 - start) * (k + 1) / warmup_steps`, so no update is spent at the start value."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine and wsd)."""
     decay_fraction: float = 0.2
@@ -179,7 +180,7 @@ class LoggingConfig:
     wandb_run_name: str | None = None
     """W&B run name; null = W&B's default."""
     peak_flops_per_device: float | None = None
-    """Peak FLOP/s of one device for MFU; null = H100 bf16 dense (989e12) on CUDA, MFU 0 on CPU."""
+    """Peak FLOP/s of one device for MFU; null = H100 bf16 dense (989e12) on CUDA, no MFU (null) on CPU."""
 
 
 @dataclass
