@@ -21,9 +21,9 @@ from ntl_pretrain.loss.ce_ntl import LossOutput, _check_arguments, _no_numbers
 from ntl_pretrain.loss.fused import Targets, compute_dtype, forward_rows, logits_grad_rows, make_targets
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
-# A chunk's logits hold about this many elements (128 MiB in fp32) by default: enough rows for the matmuls to run at
+# A chunk's logits hold about this many elements (256 MiB in fp32) by default: enough rows for the matmuls to run at
 # full speed, few enough that the chunk stays far below the [N, V] logits it replaces.
-CHUNK_ELEMENTS = 1 << 25
+CHUNK_ELEMENTS = 1 << 26
 REDUCTIONS = ("sum", "mean")
 
 
@@ -191,16 +191,20 @@ class LinearCeNtl(torch.autograd.Function):
                 _accumulate_product(grad_weight_VH, grad_RV.T, hidden_RH)
         ce_N, ntl_N = _concat(ce_parts, hidden_NH, dtype), _concat(ntl_parts, hidden_NH, dtype)
         loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
-        if want_grads:
-            ctx.save_for_backward(grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype))
+        # Held on ctx rather than saved: backward scales them in place (a second [V, H] copy would double the
+        # weight gradient's memory) and hands them on, so the graph can be backpropagated once.
+        ctx.grads = (grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype)) if want_grads else (None, None)
         ctx.mark_non_differentiable(ce_N, ntl_N)
         return loss, ce_N, ntl_N
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce_N, _grad_ntl_N):
-        grad_hidden_NH, grad_weight_VH = ctx.saved_tensors
+        grad_hidden_NH, grad_weight_VH = ctx.grads
+        if grad_hidden_NH is None:
+            raise RuntimeError("linear_ce_ntl_loss was called without gradients enabled, or backpropagated twice")
+        ctx.grads = (None, None)
         grad_loss = grad_loss.to(grad_hidden_NH.dtype)
-        return grad_hidden_NH * grad_loss, grad_weight_VH * grad_loss, *([None] * 8)
+        return grad_hidden_NH.mul_(grad_loss), grad_weight_VH.mul_(grad_loss), *([None] * 8)
 
 
 def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, b_RH: torch.Tensor) -> None:

@@ -92,7 +92,7 @@ class VocabParallelHead(nn.Module):
         gradient between two owners. Untie them (`tie_word_embeddings: false`) or keep vocab_parallel_size 1.
         """
         output, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
-        if output.weight is embedding.weight:
+        if embedding is not None and output.weight is embedding.weight:
             raise ValueError(
                 "vocabulary parallelism needs an output layer of its own, but this model ties it to the input "
                 "embeddings: the embedding lookup needs the whole matrix on every rank, so slicing it saves "
