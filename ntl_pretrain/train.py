@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import checkpoint
+from ntl_pretrain import checkpoint, reshard
 from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.deepspeed_config import load_run
@@ -73,12 +73,14 @@ class Trainer:
             eps=recipe.optimizer.eps,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(recipe.schedule, recipe.train.max_steps))
+        ds_config = reshard.prepare_resume(self.resume_from, ds_config, self.world_size)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.grad_accum = ds_config["gradient_accumulation_steps"]
         self.loader = self._dataloader("train")
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
+        self.last_saved_step: int | None = None
         set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
         self.flops_per_token = model_flops_per_token(self.built.module.lm, recipe.data.seq_len)
 
@@ -99,40 +101,50 @@ class Trainer:
             dp_world_size=self.world_size,
             seed=self.recipe.seed,
             split=split,
+            grad_accum=self.grad_accum,
         )
 
     # ---- run -----------------------------------------------------------------------------------------------
 
     def train(self) -> None:
-        train = self.recipe.train
         self.resume()
-        self.logger = MetricsLogger(
+        self.logger = self._make_logger()
+        batches = iter(self.loader)
+        try:
+            while self.step < self.recipe.train.max_steps:
+                record = self.train_step([next(batches) for _ in range(self.grad_accum)])
+                self.logger.log(record)
+                self.logger.progress(record)
+                self._stop_if_nonfinite()
+                self._evaluate_and_save_when_due()
+            self._finish()
+        finally:
+            self.logger.close()
+
+    def _make_logger(self) -> MetricsLogger:
+        return MetricsLogger(
             str(self.output_dir),
             enabled=self.rank == 0,
-            total_steps=train.max_steps,
+            total_steps=self.recipe.train.max_steps,
             first_step=self.step,
             progress_bar=self.recipe.logging.progress_bar,
             wandb_settings=self._wandb_settings(),
         )
-        batches = iter(self.loader)
-        saved_step = self.step if self.step else None
-        try:
-            while self.step < train.max_steps:
-                record = self.train_step([next(batches) for _ in range(self.grad_accum)])
-                self.logger.log(record)
-                self.logger.progress(record)
-                if train.eval_every_steps and self.step % train.eval_every_steps == 0:
-                    self.logger.log(self.evaluate())
-                every = self.recipe.checkpoint.every_steps
-                if every and self.step % every == 0:
-                    self.save()
-                    saved_step = self.step
-            if saved_step != self.step:
-                self.save()
-            if train.eval_every_steps and self.step % train.eval_every_steps:
-                self.logger.log(self.evaluate())
-        finally:
-            self.logger.close()
+
+    def _evaluate_and_save_when_due(self) -> None:
+        eval_every, save_every = self.recipe.train.eval_every_steps, self.recipe.checkpoint.every_steps
+        if eval_every and self.step % eval_every == 0:
+            self.logger.log(self.evaluate())
+        if save_every and self.step % save_every == 0:
+            self.save()
+
+    def _finish(self) -> None:
+        """The last step is always checkpointed and, when evaluation is on, evaluated."""
+        if self.last_saved_step != self.step:
+            self.save()
+        eval_every = self.recipe.train.eval_every_steps
+        if eval_every and self.step % eval_every:
+            self.logger.log(self.evaluate())
 
     def _wandb_settings(self) -> dict | None:
         logging = self.recipe.logging
@@ -163,7 +175,7 @@ class Trainer:
         ce, ntl = sums[0].item() / max(num_tokens, 1), sums[1].item() / max(num_number_tokens, 1)
         self.step += 1
         self.tokens_seen += int(num_inputs)
-        self._guard_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
+        self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
         seconds = time.perf_counter() - started
         return self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
 
@@ -194,12 +206,15 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {key: batch[key].to(self.engine.device) for key in ("input_ids", "labels", "position_ids")}
 
-    def _guard_nonfinite(self, loss: float) -> None:
+    def _count_nonfinite(self, loss: float) -> None:
+        """DeepSpeed skips the update when the gradient norm is not finite; count those steps."""
         if math.isfinite(loss) and self.engine.was_step_applied():
             self.nonfinite_in_a_row = 0
             return
         self.skipped_steps += 1
         self.nonfinite_in_a_row += 1
+
+    def _stop_if_nonfinite(self) -> None:
         if self.nonfinite_in_a_row >= self.recipe.train.max_nonfinite_steps:
             raise NonFiniteLossError(
                 f"step {self.step}: {self.nonfinite_in_a_row} steps in a row had a non-finite "
@@ -292,6 +307,7 @@ class Trainer:
             "per_rank": per_rank,
         }
         root = checkpoint.checkpoints_root(self.output_dir)
+        self.last_saved_step = self.step
         return checkpoint.save(
             self.engine, root, self.step, client_state, self.recipe.checkpoint.keep_last, self._write_export_files
         )
@@ -305,16 +321,13 @@ class Trainer:
         folder = self.resume_from
         if folder is None:
             return
-        state = checkpoint.load(self.engine, folder)
-        if state["world_size"] != self.world_size:
-            raise RuntimeError(
-                f"train.resume: {folder} was saved with {state['world_size']} ranks, this run has "
-                f"{self.world_size}; the data-loader positions are per rank"
-            )
+        state = reshard.load(self.engine, folder)  # re-partitions weights and optimizer state for a new world size
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
-        mine = state["per_rank"][self.rank]
-        self.loader.load_state_dict(mine["data"])
-        checkpoint.set_rng_state(mine["rng"])
+        self.last_saved_step = self.step
+        per_rank = state["per_rank"]
+        self.loader.load_world_state([saved["data"] for saved in per_rank])
+        if state["world_size"] == self.world_size:  # on a new world size every rank keeps its fresh dropout seed
+            checkpoint.set_rng_state(per_rank[self.rank]["rng"])
 
 
 def _float_or_none(value) -> float | None:

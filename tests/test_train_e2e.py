@@ -7,6 +7,7 @@ SIGKILLed and resumed, and a CE-only run starts from the same initial weights.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -163,3 +164,15 @@ def test_ce_only_runs_the_same_path(tiny_run, ds_config, tmp_path):
     assert steps[1]["ce"] == pytest.approx(with_ntl[1]["ce"], abs=1e-6)  # same init, same data, same forward
     assert steps[2]["ce"] != pytest.approx(with_ntl[2]["ce"], abs=1e-6)  # the first update differed (no NTL)
     assert steps[10]["loss"] < steps[1]["loss"]
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(ds_config, tmp_path):
+    """An absurd learning rate breaks the weights at step 1; later steps are skipped until the guard stops."""
+    output_dir, log = tmp_path / "run", tmp_path / "log.txt"
+    extra = ("optimizer.lr=1e30", "schedule.warmup_steps=0", "train.max_nonfinite_steps=3")
+    process = launch(overrides(output_dir, ds_config, *extra), log)
+    assert process.wait(timeout=400) != 0
+    assert "3 steps in a row had a non-finite loss or gradient" in log.read_text()
+    steps, _ = records(output_dir)
+    assert sorted(steps) == [1, 2, 3, 4] and [steps[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 2, 3]
+    assert math.isfinite(steps[1]["loss"]) and steps[2]["loss"] in ("nan", "inf")

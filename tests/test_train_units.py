@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ntl_pretrain import checkpoint
 from ntl_pretrain.config import NtlConfig, ScheduleConfig
+from ntl_pretrain.metrics import MetricsLogger
 from ntl_pretrain.model import CausalLMWithLoss, DenseLossHead, model_flops_per_token, parameter_groups
 from ntl_pretrain.schedule import lr_multiplier
 
@@ -101,3 +105,36 @@ class TestCheckpointFolders:
         assert checkpoint.resolve_resume(str(tmp_path), "unused") == root / "step_100"  # a run directory
         with pytest.raises(FileNotFoundError, match="train.resume"):
             checkpoint.resolve_resume(str(tmp_path / "nothing"), "unused")
+
+
+def test_wandb_is_imported_only_when_asked_and_gets_numeric_records(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, record, step):
+            calls.append(("log", record, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: calls.append(kw) or FakeRun()))
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=2, first_step=0, progress_bar=False,
+                           wandb_settings={"project": "p", "mode": "offline"})  # fmt: skip
+    logger.log({"step": 1, "loss": 2.5, "mfu": None, "split": "validation", "grad_norm": float("nan")})
+    logger.close()
+    assert calls[0] == {"project": "p", "mode": "offline"} and calls[-1] == ("finish",)
+    assert calls[1][0] == "log" and calls[1][2] == 1 and calls[1][1]["loss"] == 2.5
+    assert "mfu" not in calls[1][1] and "split" not in calls[1][1]
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line == {"step": 1, "loss": 2.5, "mfu": None, "split": "validation", "grad_norm": "nan"}
+
+
+def test_wandb_missing_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(RuntimeError, match=r"ntl_pretrain\[wandb\]"):
+        MetricsLogger(str(tmp_path), enabled=True, total_steps=1, first_step=0, progress_bar=False,
+                      wandb_settings={"project": "p"})  # fmt: skip
+    disabled = MetricsLogger(str(tmp_path / "none"), enabled=False, total_steps=1, first_step=0, progress_bar=True,
+                             wandb_settings={"project": "p"})  # fmt: skip
+    disabled.log({"step": 1})  # other ranks: nothing written, nothing imported
+    assert not (tmp_path / "none").exists()
