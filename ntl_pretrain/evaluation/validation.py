@@ -1,7 +1,8 @@
 """Validation CE, perplexity and NTL of an HF causal LM on held-out sources.
 
 The held-out stream is packed exactly as in training (`ntl_pretrain.data`, split "validation"), so these
-numbers are comparable with the trainer's `val_ce`. NTL is measured with a fixed kind (WAS by default) whatever
+numbers are comparable with the trainer's `val_ce` (for one source; with several, each is packed on its own
+here, while the trainer packs them into one stream). NTL is measured with a fixed kind (WAS by default) whatever
 the model was trained with, so a CE-only model gets an NTL too. With a process group every rank reads its blocks
 of the stream (the loader gives every rank equally many batches) and the sums are all-reduced.
 
@@ -32,9 +33,42 @@ def validation_metrics(
     max_batches: int | None = None,
     ntl_kind: str = "was",
 ) -> dict[str, float]:
-    """`val_ce`, `val_perplexity`, `val_ntl_<kind>` and the token counts over all ranks; call on every rank."""
+    """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_tokens`, `val_number_tokens` over all sources and ranks,
+    and with several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart from arithmetic).
+    Each source is packed on its own; `max_batches` caps each source's micro-batches per rank. Call on every rank.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+        per_source = {
+            source.label: _source_sums(
+                model, tokenizer, source, number_vocab, seq_len, micro_batch_size, max_batches, ntl_kind
+            )  # fmt: skip
+            for source in sources
+        }
+    finally:
+        model.train(was_training)
+    metrics = _summary(sum(per_source.values()), "val_", ntl_kind)
+    if len(per_source) > 1:
+        for label, sums in per_source.items():
+            metrics.update(_summary(sums, f"val/{label}/", ntl_kind))
+    return metrics
+
+
+def _source_sums(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    source: SourceConfig,
+    number_vocab: NumberVocab,
+    seq_len: int,
+    micro_batch_size: int,
+    max_batches: int | None,
+    ntl_kind: str,
+) -> torch.Tensor:
+    """float64 [4]: summed CE, summed NTL, label tokens, number-label tokens of one source over all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    data = DataConfig(sources=sources, validation=sources, seq_len=seq_len)
+    data = DataConfig(sources=[source], validation=[source], seq_len=seq_len)
     loader = build_dataloader(
         data,
         tokenizer,
@@ -44,10 +78,7 @@ def validation_metrics(
         seed=0,
         split="validation",
     )
-    number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-    sums = torch.zeros(4, dtype=torch.float64)  # CE, NTL, label tokens, number-label tokens
-    was_training = model.training
-    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64)
     with torch.no_grad():
         for index, batch in enumerate(loader):
             if max_batches is not None and index == max_batches:
@@ -57,15 +88,18 @@ def validation_metrics(
             out = ce_ntl_loss(logits_BTV, batch["labels"].to(model.device), number_vocab, kind=ntl_kind, weight=1.0,
                               reduction="sum")  # fmt: skip
             sums += torch.stack([out.ce, out.ntl, out.num_tokens, out.num_number_tokens]).double().cpu()
-    model.train(was_training)
     if world > 1:
         dist.all_reduce(sums)
+    return sums
+
+
+def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str) -> dict[str, float]:
     ce, ntl, tokens, number_tokens = sums.tolist()
     mean_ce = ce / max(tokens, 1.0)
     return {
-        "val_ce": mean_ce,
-        "val_perplexity": math.exp(mean_ce),
-        f"val_ntl_{ntl_kind}": ntl / max(number_tokens, 1.0),
-        "val_tokens": tokens,
-        "val_number_tokens": number_tokens,
+        f"{prefix}ce": mean_ce,
+        f"{prefix}perplexity": math.exp(mean_ce),
+        f"{prefix}ntl_{ntl_kind}": ntl / max(number_tokens, 1.0),
+        f"{prefix}tokens": tokens,
+        f"{prefix}number_tokens": number_tokens,
     }

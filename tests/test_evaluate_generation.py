@@ -1,0 +1,243 @@
+"""Generation metrics and validation loss: against independent formulas, a one-by-one greedy loop, a scripted
+model with known answers, float64 references, and 2 gloo ranks against one process."""
+
+from __future__ import annotations
+
+import json
+import math
+from decimal import Decimal
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from float64_reference import reference_rows
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.evaluation import EvalConfig, QaSetConfig, generation_metrics, validation_metrics
+from ntl_pretrain.evaluation.generation import Answered, QaExample, generate_batch, prompt_ids, score, summarise
+from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.tokenizer import load_tokenizer
+
+TINY_TOKENIZER = "pkg:ntl_pretrain/corpus/tiny-tokenizer"
+VALIDATION = SourceConfig(
+    name="arithmetic", path="pkg:ntl_pretrain/corpus/arithmetic/validation.jsonl", template="{question} {answer}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_TOKENIZER)
+
+
+def tiny_model(tokenizer, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+# ---- metrics from sums --------------------------------------------------------------------------------------
+
+
+def aligned_digit_accuracy(predictions: list[str | None], references: list[str]) -> float:
+    """Independent of `place_digits`: align decimal strings at the point and compare character by character."""
+    right = total = 0
+    for prediction, reference in zip(predictions, references, strict=True):
+        ref_int, _, ref_frac = format(abs(Decimal(reference)).normalize(), "f").partition(".")
+        total += len(ref_int) + len(ref_frac)
+        if prediction is None:
+            continue
+        pred_int, _, pred_frac = format(abs(Decimal(prediction)).normalize(), "f").partition(".")
+        pred_int = pred_int.rjust(len(ref_int), "0")[-len(ref_int) :]
+        pred_frac = pred_frac.ljust(len(ref_frac), "0")[: len(ref_frac)]
+        right += sum(a == b for a, b in zip(ref_int + ref_frac, pred_int + pred_frac, strict=True))
+    return right / total
+
+
+def test_summary_matches_independent_formulas() -> None:
+    rng = np.random.default_rng(0)
+    references = [str(int(v)) for v in rng.integers(-5000, 5000, 40)] + ["12.5", "-0.75", "3.04"]
+    predictions: list[str | None] = []
+    for index, reference in enumerate(references):
+        if index % 7 == 3:
+            predictions.append(None)
+        elif index % 3 == 0:
+            predictions.append(reference)
+        else:
+            predictions.append(str(Decimal(reference) + Decimal(int(rng.integers(-300, 300))) / 4))
+    answered = [
+        Answered(QaExample("q", ref), "", None if pred is None else Decimal(pred))
+        for pred, ref in zip(predictions, references, strict=True)
+    ]
+    metrics = summarise(score(answered))
+
+    parsed = [(float(p), float(r)) for p, r in zip(predictions, references, strict=True) if p is not None]
+    y_hat, y = np.array([p for p, _ in parsed]), np.array([r for _, r in parsed])
+    exact = sum(p is not None and Decimal(p) == Decimal(r) for p, r in zip(predictions, references, strict=True))
+    assert metrics["examples"] == len(references)
+    assert metrics["exact_match"] == pytest.approx(exact / len(references))
+    assert metrics["unparseable"] == pytest.approx(predictions.count(None) / len(references))
+    assert metrics["mae"] == pytest.approx(np.abs(y_hat - y).mean())
+    assert metrics["log_mae"] == pytest.approx(np.log10(1 + np.abs(y_hat - y)).mean())
+    assert metrics["r2"] == pytest.approx(1 - ((y - y_hat) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+    assert metrics["digit_accuracy"] == pytest.approx(aligned_digit_accuracy(predictions, references))
+
+
+def test_summary_without_parseable_answers_is_nan_not_an_error() -> None:
+    metrics = summarise(score([Answered(QaExample("q", "12"), "none", None)]))
+    assert metrics["unparseable"] == 1.0 and metrics["exact_match"] == 0.0 and metrics["digit_accuracy"] == 0.0
+    assert math.isnan(metrics["mae"]) and math.isnan(metrics["r2"])
+
+
+# ---- generation ---------------------------------------------------------------------------------------------
+
+
+class ScriptedModel(torch.nn.Module):
+    """Answers each prompt with a fixed text (then EOS), the way `generate` returns: prompt followed by new ids."""
+
+    def __init__(self, tokenizer, script: dict[str, str]):
+        super().__init__()
+        self.tokenizer, self.script = tokenizer, script
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.calls = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **_):
+        self.calls += 1
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            prompt = self.tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m][1:])
+            new = self.tokenizer(self.script[prompt], add_special_tokens=False)["input_ids"] + [eos_token_id]
+            new = (new + [pad_token_id] * max_new_tokens)[:max_new_tokens]
+            rows.append(ids + new)
+        return torch.tensor(rows)
+
+
+def test_generation_metrics_on_scripted_answers(tokenizer, tmp_path) -> None:
+    records = [
+        ("What is 2 + 3?", "5", " 5"),
+        ("Subtract 4 from 1.", "-3", " -3 apples"),
+        ("What is 10 * 12?", "120", " 1,20"),  # "1,20" is not comma-grouped: parses as 1
+        ("Divide 9 by 2.", "4.5", " 4.50"),
+        ("What is 7 - 7?", "0", " nothing"),
+    ]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a, _ in records))
+    model = ScriptedModel(tokenizer, {q: out for q, _, out in records})
+    cfg = EvalConfig(qa_sets=[QaSetConfig(path=str(path), name="toy")], batch_size=2, max_examples=None)
+    metrics = generation_metrics(model, tokenizer, cfg)
+    assert model.calls == 3  # 5 prompts in batches of 2
+    assert metrics["eval/toy/exact_match"] == pytest.approx(3 / 5)
+    assert metrics["eval/toy/unparseable"] == pytest.approx(1 / 5)
+    assert metrics["eval/toy/mae"] == pytest.approx((0 + 0 + 119 + 0) / 4)
+    # digits: 5 (1/1), -3 (1/1), 120 vs 1 (0/3), 4.5 (2/2), 0 unparseable (0/1)
+    assert metrics["eval/toy/digit_accuracy"] == pytest.approx(4 / 8)
+    assert model.training  # restored
+
+
+def greedy_one_by_one(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """Reference decoding: no padding, no cache, argmax over the full forward at each step."""
+    ids = prompt_ids(tokenizer, prompt)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            logits_V = model(torch.tensor([ids + new])).logits[0, -1]
+        token = int(logits_V.argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        new.append(token)
+    return tokenizer.decode(new)
+
+
+def test_batched_left_padded_generation_equals_one_by_one_greedy(tokenizer) -> None:
+    model = tiny_model(tokenizer)
+    prompts = ["What is 2 + 3?", "Evaluate (897 + 5712) * 6.", "Hi", "Calculate 23440 divided by 80."]
+    cfg = EvalConfig(max_new_tokens=8)
+    with torch.no_grad():
+        batched = generate_batch(model, tokenizer, prompts, cfg, synced=False)
+    assert batched == [greedy_one_by_one(model, tokenizer, prompt, 8) for prompt in prompts]
+
+
+# ---- validation loss ----------------------------------------------------------------------------------------
+
+
+def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]:
+    """F.cross_entropy and the float64 NTL-WAS of design.md over the same packed batches."""
+    data = DataConfig(sources=[VALIDATION], validation=[VALIDATION], seq_len=64)
+    loader = build_dataloader(
+        data, tokenizer, micro_batch_size=4, dp_rank=0, dp_world_size=1, seed=0, split="validation"
+    )
+    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    ce = ntl = tokens = numbers = 0.0
+    for index, batch in enumerate(loader):
+        if index == max_batches:
+            break
+        with torch.no_grad():
+            logits_NV = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.flatten(0, 1)
+        labels_N = batch["labels"].flatten()
+        ce += F.cross_entropy(logits_NV.double(), labels_N, ignore_index=-100, reduction="sum").item()
+        _, ntl_N = reference_rows(logits_NV, labels_N, nv, "was", reweigh=False)
+        ntl += ntl_N.sum().item()
+        tokens += (labels_N != -100).sum().item()
+        numbers += ((labels_N != -100) & (nv.classes[labels_N.clamp(min=0)] >= 0)).sum().item()
+    return {"val_ce": ce / tokens, "val_ntl_was": ntl / numbers, "val_tokens": tokens, "val_number_tokens": numbers}
+
+
+def test_validation_metrics_match_float64_reference(tokenizer) -> None:
+    model = tiny_model(tokenizer)
+    got = validation_metrics(model, tokenizer, [VALIDATION], seq_len=64, micro_batch_size=4, max_batches=3)
+    expected = reference_validation(model, tokenizer, max_batches=3)
+    assert got["val_tokens"] == expected["val_tokens"] and got["val_number_tokens"] == expected["val_number_tokens"]
+    assert got["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)
+    assert got["val_ntl_was"] == pytest.approx(expected["val_ntl_was"], rel=1e-5)
+    assert got["val_perplexity"] == pytest.approx(math.exp(expected["val_ce"]), rel=1e-5)
+
+
+# ---- two ranks ----------------------------------------------------------------------------------------------
+
+QA_CFG = EvalConfig(max_examples=7, batch_size=2, max_new_tokens=6)  # 7 questions: ranks get 4 and 3
+
+
+def _metrics_on_this_process(validation_path: str) -> dict[str, float]:
+    tokenizer = load_tokenizer(TINY_TOKENIZER)
+    model = tiny_model(tokenizer)
+    metrics = generation_metrics(model, tokenizer, QA_CFG)
+    source = SourceConfig(name="held_out", path=validation_path, template="{question} {answer}")
+    metrics.update(validation_metrics(model, tokenizer, [source], seq_len=64, micro_batch_size=2))
+    return metrics
+
+
+def _check_ranks_agree_with(expected: dict[str, float], validation_path: str) -> None:
+    got = _metrics_on_this_process(validation_path)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, nan_ok=True), key
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_single_process_metrics(tmp_path) -> None:
+    from distributed import run_distributed
+
+    from ntl_pretrain.tokenizer import resolve_path
+
+    held_out = tmp_path / "held_out.jsonl"  # 50 records: an odd number of 64-token blocks, so ranks differ
+    held_out.write_text("".join(resolve_path(VALIDATION.path).read_text().splitlines(keepends=True)[:50]))
+    expected = _metrics_on_this_process(str(held_out))
+    assert expected["eval/arithmetic_interpolation/examples"] == 7
+    run_distributed(_check_ranks_agree_with, 2, expected, str(held_out))
