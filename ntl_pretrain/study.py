@@ -49,6 +49,7 @@ METRICS = (
             Metric(f"eval/{split}/mae", f"{split.split('_')[1]} MAE", False, 1),
             Metric(f"eval/{split}/log_mae", f"{split.split('_')[1]} log10(1+AE)", False, 2),
             Metric(f"eval/{split}/digit_accuracy", f"{split.split('_')[1]} digit acc.", True, 3),
+            Metric(f"eval/{split}/unparseable", f"{split.split('_')[1]} unparseable", False, 3),
         )
     ),
     Metric("val_ce", "val CE", False, 3),
@@ -139,56 +140,49 @@ def _format(value: float, digits: int) -> str:
     return f"{value:,.{digits}f}"
 
 
-def results_table(grouped: dict[str, list[dict]]) -> list[str]:
-    header = "| variant | " + " | ".join(metric.title for metric in METRICS) + " |"
-    lines = [header, "|---|" + "---:|" * len(METRICS)]
-    for variant, results in grouped.items():
+def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list[str]:
+    """One row per metric: mean ± std per variant, then each NTL variant's difference from the CE baseline."""
+    others = [variant for variant in grouped if variant != BASELINE] if BASELINE in grouped else []
+    header = ["metric", *grouped, *(f"{variant} − {BASELINE}" for variant in others)]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for metric in metrics:
         cells = []
-        for metric in METRICS:
+        for results in grouped.values():
             mean, std = mean_std([result[metric.key] for result in results])
             cells.append(f"{_format(mean, metric.digits)} ± {_format(std, metric.digits)}")
-        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+        cells += [_compare(metric, grouped[variant], grouped[BASELINE]) for variant in others]
+        lines.append(f"| {metric.title} | " + " | ".join(cells) + " |")
     return lines
 
 
-def per_run_table(runs: list[StudyRun]) -> list[str]:
-    lines = ["| run | " + " | ".join(metric.title for metric in METRICS) + " | train s | eval s |"]
-    lines.append("|---|" + "---:|" * (len(METRICS) + 2))
+def per_run_table(runs: list[StudyRun], metrics: list[Metric]) -> list[str]:
+    lines = ["| run | " + " | ".join(metric.title for metric in metrics) + " | train s | eval s |"]
+    lines.append("|---|" + "---:|" * (len(metrics) + 2))
     for run in runs:
         results, timing = run.results(), run.timing()
-        cells = [_format(results[metric.key], metric.digits) for metric in METRICS]
+        cells = [_format(results[metric.key], metric.digits) for metric in metrics]
         cells += [f"{timing['train_s']:.0f}", f"{timing['eval_s']:.0f}"]
         lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
     return lines
 
 
-def comparisons(grouped: dict[str, list[dict]]) -> list[str]:
-    """Each NTL variant against the CE baseline, metric by metric: the difference of means, and whether every
-    seed of one variant beats every seed of the other (with 3 seeds, the most this study can claim)."""
-    if BASELINE not in grouped:
-        return []
-    lines = []
-    for variant, results in grouped.items():
-        if variant == BASELINE:
-            continue
-        for metric in METRICS:
-            ours = [result[metric.key] for result in results if math.isfinite(result[metric.key])]
-            base = [result[metric.key] for result in grouped[BASELINE] if math.isfinite(result[metric.key])]
-            if not ours or not base:
-                continue
-            difference = statistics.fmean(ours) - statistics.fmean(base)
-            better = (difference > 0) == metric.higher_is_better and difference != 0
-            if metric.higher_is_better:
-                separated = min(ours) > max(base) or max(ours) < min(base)
-            else:
-                separated = max(ours) < min(base) or min(ours) > max(base)
-            verdict = "better" if better else ("worse" if difference != 0 else "equal")
-            spread = "every seed" if separated else "seed ranges overlap"
-            lines.append(
-                f"- {variant} vs {BASELINE}, {metric.title}: {verdict} by {_format(abs(difference), metric.digits)} "
-                f"({spread})"
-            )
-    return lines
+def _compare(metric: Metric, results: list[dict], baseline: list[dict]) -> str:
+    sign = 1.0 if metric.higher_is_better else -1.0
+    ours = [sign * r[metric.key] for r in results if math.isfinite(r.get(metric.key, math.nan))]
+    base = [sign * r[metric.key] for r in baseline if math.isfinite(r.get(metric.key, math.nan))]
+    if not ours or not base:
+        return "n/a"
+    gain = statistics.fmean(ours) - statistics.fmean(base)
+    mark = " (all)" if min(ours) > max(base) else " (none)" if max(ours) < min(base) else ""
+    return f"{'+' if gain >= 0 else '−'}{_format(abs(gain), metric.digits)}{mark}"
+
+
+def present_metrics(grouped: dict[str, list[dict]]) -> list[Metric]:
+    """The fixed columns, then per-source validation CE (`val/<source>/ce`) when the runs report it."""
+    keys = {key for results in grouped.values() for result in results for key in result}
+    sources = sorted({key.split("/")[1] for key in keys if key.startswith("val/") and key.endswith("/ce")})
+    extra = [Metric(f"val/{source}/ce", f"val CE {source}", False, 3) for source in sources]
+    return [metric for metric in METRICS if metric.key in keys] + extra
 
 
 def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
@@ -220,6 +214,7 @@ def _describe_variant(recipe_path: Path, overrides: list[str]) -> str:
 
 def write_report(runs: list[StudyRun], doc: Path, plot: Path, command: str, overrides: list[str]) -> None:
     grouped = by_variant(runs)
+    metrics = present_metrics(grouped)
     plot_runs([run.run_dir for run in runs], plot, labels=[run.name for run in runs], groups=[r.variant for r in runs])
     first = runs[0].results()
     total = sum(run.timing()["train_s"] + run.timing()["eval_s"] for run in runs)
@@ -241,20 +236,18 @@ def write_report(runs: list[StudyRun], doc: Path, plot: Path, command: str, over
         "",
         f"## Results: mean ± std over {len({run.seed for run in runs})} seeds",
         "",
-        *results_table(grouped),
+        *results_table(grouped, metrics),
         "",
         "Exact match, digit accuracy: higher is better. MAE, log10(1 + absolute error), validation CE and NTL: lower "
-        "is better. MAE and log-error are over the answers that contain a number.",
-        "",
-        "## Against the CE baseline",
-        "",
-        *comparisons(grouped),
+        "is better. MAE and log-error are over the answers that contain a number. The last columns are differences "
+        f"of means from {BASELINE}, signed so that + is better; (all): every seed beats every {BASELINE} seed, "
+        "(none): every seed is worse (with 3 seeds, the most this study can claim).",
         "",
         f"![training curves and final metrics per run]({os.path.relpath(plot, doc.parent)})",
         "",
         "## Per run",
         "",
-        *per_run_table(runs),
+        *per_run_table(runs, metrics),
         "",
     ]
     doc.parent.mkdir(parents=True, exist_ok=True)
