@@ -20,9 +20,10 @@ from pathlib import Path
 TRAIN_PANELS = {
     "loss": "train loss (CE + λ·NTL)",
     "ce": "train CE",
-    "ntl": "train NTL",
+    "ntl": "train NTL (each run's own kind)",
     "val_ce": "validation CE",
-    "val_ntl": "validation NTL",
+    "val_ntl": "validation NTL (each run's own kind)",
+    "val_ntl_was": "validation NTL-WAS (ntl-pretrain eval)",
 }
 EVAL_METRICS = {
     "exact_match": "exact match",
@@ -30,7 +31,7 @@ EVAL_METRICS = {
     "digit_accuracy": "digit accuracy",
 }
 SMOOTHED = {"loss", "ce", "ntl"}
-ZERO_MEANS_ABSENT = {"ntl", "val_ntl"}
+ZERO_MEANS_ABSENT = {"ntl", "val_ntl"}  # the trainer logs 0 for a run without an NTL term
 SMOOTHING = 0.9
 COLUMNS = 3
 
@@ -64,9 +65,9 @@ def smooth(values: list[float], factor: float = SMOOTHING) -> list[float]:
 
 def panel_keys(runs: Sequence[list[dict]]) -> list[tuple[str, str]]:
     """(metrics key, title) of every panel some run has data for."""
-    present = {key for records in runs for record in records for key in record}
+    present = dict.fromkeys(key for records in runs for record in records for key in record)  # first-seen order
     panels = [(key, title) for key, title in TRAIN_PANELS.items() if key in present]
-    eval_sets = sorted({key.split("/")[1] for key in present if key.startswith("eval/") and key.count("/") == 2})
+    eval_sets = dict.fromkeys(key.split("/")[1] for key in present if key.startswith("eval/") and key.count("/") == 2)
     for eval_set in eval_sets:
         for metric, title in EVAL_METRICS.items():
             key = f"eval/{eval_set}/{metric}"
