@@ -61,7 +61,7 @@ def measure(path: str, positions: int, hidden_size: int, vocab: int, chunk_size:
         "cpu_seconds": cpu_seconds,
         "max_rss": max_rss_bytes(),
         "rss_before": before,
-        "loss": float(loss),
+        "loss": float(loss.detach()),
     }
 
 

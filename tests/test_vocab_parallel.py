@@ -197,6 +197,25 @@ def check_head_cases() -> None:
         assert torch.equal(head.full_weight(), weight), f"{what}: full_weight must reassemble the matrix"
 
 
+def check_head_bf16_hidden_with_fp32_slice() -> None:
+    """The slice may stay fp32 (its own master copy) while the trunk runs in bf16: forward casts it."""
+    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, vocab_bounds
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    nv = synthetic_vocab()
+    weight = torch.randn(nv.vocab_size, HIDDEN, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    lo, hi = vocab_bounds(nv.vocab_size, world_size)[rank : rank + 2]
+    _, ref_weight_grad, (ce_sums, ntl_sums), scales, counts = dense_reference(nv, weight, "was", False, world_size)
+    head = VocabParallelHead(weight[lo:hi].float(), nv.vocab_size, dist.group.WORLD, nv, ntl_weight=NTL_WEIGHT)
+    hidden, labels = rank_inputs(nv, rank)
+    out = head(hidden.bfloat16(), labels, num_tokens=counts[0], num_number_tokens=counts[1])
+    out.loss.backward()
+    assert head.weight.grad.dtype == torch.float32
+    share = ce_sums[rank] * scales[0] + ntl_sums[rank] * scales[1]
+    torch.testing.assert_close(out.loss.double(), share.detach(), rtol=0.03, atol=0.03)
+    torch.testing.assert_close(head.weight.grad.double(), ref_weight_grad[lo:hi], rtol=0.05, atol=0.02)
+
+
 def check_head_from_output_layer() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -217,6 +236,7 @@ def check_head_from_output_layer() -> None:
 
 def check_head(with_transformers_model: bool) -> None:
     check_head_cases()
+    check_head_bf16_hidden_with_fp32_slice()
     if with_transformers_model:  # importing transformers costs seconds per rank: once is enough
         check_head_from_output_layer()
 
@@ -227,6 +247,19 @@ def test_vocab_bounds_are_even_and_cover_the_vocabulary():
     assert vocab_bounds(41, 3) == [0, 14, 28, 41]
     assert vocab_bounds(128256, 8) == [16032 * r for r in range(9)]
     assert vocab_bounds(10, 4) == [0, 3, 6, 8, 10]
+
+
+def test_assemble_output_matrix_from_saved_slices():
+    from ntl_pretrain.loss.vocab_parallel_head import assemble_output_matrix, vocab_bounds
+
+    matrix = torch.randn(10, 3)
+    bounds = vocab_bounds(10, 4)
+    slices = {lo: matrix[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)}
+    assert torch.equal(assemble_output_matrix(dict(reversed(slices.items())), 10), matrix)
+    with pytest.raises(ValueError, match="expected a slice at row 3"):
+        assemble_output_matrix({0: matrix[:3], 6: matrix[6:]}, 10)
+    with pytest.raises(ValueError, match="cover 8 rows"):
+        assemble_output_matrix({0: matrix[:8]}, 10)
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ all k·N positions a chunk at a time (`linear_ce_ntl_rows`, two all-reduces per 
 reduce-scatters the hidden-state gradient to the rank that owns each position. The matrix never moves.
 
 The slice is a plain parameter outside ZeRO-3 (ZeRO would treat it as a replica of one tensor): optimise it with
-its own optimizer, call `average_gradients` before stepping it, and `full_weight` reassembles the matrix for export.
+its own optimizer, call `average_gradients` before stepping it; `full_weight` (online, a collective) or
+`assemble_output_matrix` (offline, from saved slices) reassembles the matrix for export.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class VocabParallelHead(nn.Module):
         chunk_size: int | None = None,
     ):
         """`weight_slice` [Vr, H] are rows vocab_bounds(vocab_size, k)[r] : [r + 1] of the output matrix, r being
-        this rank's index in `group`."""
+        this rank's index in `group`. It may be kept in fp32 (its own master copy) while hidden states are bf16:
+        forward casts it to the hidden states' dtype."""
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         bounds = vocab_bounds(vocab_size, size)
@@ -129,9 +131,9 @@ class VocabParallelHead(nn.Module):
         if given_counts != (num_number_tokens is not None):
             raise ValueError("pass both num_tokens and num_number_tokens (the global batch's counts), or neither")
         rows = linear_ce_ntl_rows(
-            group_hidden_MH, self.weight, group_labels_M, self.number_vocab, self.kind, self.ntl_weight,
-            self.reweigh, self.ignore_index, "mean" if given_counts else "sum", self.chunk_size, self.group,
-            self.vocab_start, num_tokens, num_number_tokens,
+            group_hidden_MH, self.weight.to(hidden_BTH.dtype), group_labels_M, self.number_vocab, self.kind,
+            self.ntl_weight, self.reweigh, self.ignore_index, "mean" if given_counts else "sum", self.chunk_size,
+            self.group, self.vocab_start, num_tokens, num_number_tokens,
         )  # fmt: skip
         rank, positions = dist.get_rank(self.group), hidden_NH.shape[0]
         own = slice(rank * positions, (rank + 1) * positions)
@@ -162,6 +164,22 @@ class VocabParallelHead(nn.Module):
         gathered = padded.new_empty(size * longest, self.weight.shape[1])
         dist.all_gather_into_tensor(gathered, padded, group=self.group)
         return torch.cat([gathered[r * longest : r * longest + bounds[r + 1] - bounds[r]] for r in range(size)])
+
+
+def assemble_output_matrix(slices: dict[int, torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """The [V, H] matrix from the slices one vocabulary group saved, keyed by their first row (`vocab_start`);
+    for exporting a checkpoint offline, without a process group. Refuses gaps and overlaps."""
+    rows, parts = 0, []
+    for start in sorted(slices):
+        if start != rows:
+            raise ValueError(
+                f"output-matrix slices must tile [0, {vocab_size}): expected a slice at row {rows}, got {start}"
+            )
+        parts.append(slices[start])
+        rows += slices[start].shape[0]
+    if rows != vocab_size:
+        raise ValueError(f"output-matrix slices cover {rows} rows, the vocabulary has {vocab_size}")
+    return torch.cat(parts)
 
 
 def _gathered(weight: torch.Tensor):
