@@ -1,0 +1,55 @@
+"""`ntl-pretrain eval` on an HF folder: flags become the evaluation settings, the record matches the library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_evaluate_generation import TINY_TOKENIZER, tiny_model
+
+from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.evaluation import EvalConfig, QaSetConfig, generation_metrics, validation_metrics
+from ntl_pretrain.evaluation.commands import main
+from ntl_pretrain.evaluation.model_folder import resolve_target
+from ntl_pretrain.tokenizer import load_tokenizer, resolve_path
+
+QA = "pkg:ntl_pretrain/corpus/arithmetic/interpolation.jsonl"
+HELD_OUT = "pkg:ntl_pretrain/corpus/word_problems/validation.jsonl"
+
+
+def test_eval_command_on_an_hf_folder(tmp_path: Path) -> None:
+    tokenizer = load_tokenizer(TINY_TOKENIZER)
+    model = tiny_model(tokenizer)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "eval.json"
+    args = [str(folder), "--qa", QA, "--max-examples", "6", "--max-new-tokens", "5", "--batch-size", "4",
+            "--validation", HELD_OUT, "--template", "{question} {answer}", "--seq-len", "64",
+            "--max-validation-batches", "2", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads(out.read_text())
+
+    cfg = EvalConfig(qa_sets=[QaSetConfig(path=QA)], max_examples=6, max_new_tokens=5, batch_size=4)
+    expected = generation_metrics(model, tokenizer, cfg)
+    source = SourceConfig(path=str(resolve_path(HELD_OUT)), template="{question} {answer}")
+    expected.update(validation_metrics(model, tokenizer, [source], seq_len=64, max_batches=2))
+    assert record["step"] is None and record["split"] == "eval"
+    for key, value in expected.items():
+        assert record[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+
+
+def test_targets_resolve_to_folders_or_checkpoints(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert resolve_target(hf).hf_folder == hf
+    step = tmp_path / "run" / "checkpoints" / "step_40"
+    (step / "hf_config").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_40")
+    for path in (tmp_path / "run", tmp_path / "run" / "checkpoints", step):
+        target = resolve_target(path)
+        assert (target.checkpoint, target.step, target.run_dir) == (step, 40, tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="neither an HF model folder"):
+        resolve_target(tmp_path / "nothing")

@@ -1,0 +1,67 @@
+"""`ntl-pretrain plot`: which series it reads from metrics.jsonl, and that it writes a PNG of the panels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ntl_pretrain.plot import main, panel_keys, read_metrics, series, smooth
+
+
+def write_run(folder: Path, records: list[dict]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return folder
+
+
+def training_records(steps: int, ntl: float) -> list[dict]:
+    return [{"step": s, "loss": 3.0 / s + 0.3 * ntl, "ce": 3.0 / s, "ntl": ntl} for s in range(1, steps + 1)]
+
+
+def test_series_keeps_finite_values_in_step_order_and_the_last_record_of_a_step() -> None:
+    records = [
+        {"step": 3, "val_ce": 1.0},
+        {"step": 1, "val_ce": 2.0},
+        {"step": 2, "val_ce": "nan"},  # how metrics.jsonl stores a non-finite float
+        {"step": 3, "val_ce": 0.5},  # a later record for step 3 (e.g. eval --log-metrics) wins
+        {"step": 4, "loss": 1.0},
+        {"step": None, "val_ce": 9.0},
+    ]
+    assert series(records, "val_ce") == ([1, 3], [2.0, 0.5])
+
+
+def test_smooth_is_a_debiased_moving_average() -> None:
+    values = [4.0, 2.0, 6.0]
+    expected, average = [], 0.0
+    for index, value in enumerate(values, start=1):
+        average = 0.5 * average + 0.5 * value
+        expected.append(average / (1 - 0.5**index))
+    assert smooth(values, 0.5) == pytest.approx(expected)
+    assert smooth([7.0, 7.0, 7.0]) == pytest.approx([7.0, 7.0, 7.0])  # a constant stays put
+
+
+def test_panels_follow_the_metrics_present() -> None:
+    runs = [
+        training_records(3, 0.0) + [{"step": 3, "val_ce": 1.0, "eval/interp/exact_match": 0.5, "eval/interp/mae": 2.0}],
+        training_records(3, 1.0) + [{"step": 3, "eval/extrap/digit_accuracy": 0.1}],
+    ]
+    keys = [key for key, _ in panel_keys(runs)]
+    assert keys == ["loss", "ce", "ntl", "val_ce", "eval/interp/exact_match", "eval/interp/mae",
+                    "eval/extrap/digit_accuracy"]  # fmt: skip
+
+
+def test_plot_command_writes_a_png(tmp_path: Path) -> None:
+    ce = write_run(tmp_path / "ce", training_records(30, 0.0) + [{"step": 30, "eval/a/exact_match": 0.2}])
+    ntl = write_run(tmp_path / "ntl", training_records(30, 1.5) + [{"step": 30, "eval/a/exact_match": 0.3}])
+    out = tmp_path / "plots" / "runs.png"
+    assert main([str(ce), str(ntl), "-o", str(out), "--labels", "CE", "CE+NTL"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(read_metrics(ce)) == 31
+
+
+def test_plot_refuses_runs_without_metrics(tmp_path: Path) -> None:
+    empty = write_run(tmp_path / "empty", [{"step": 1, "note": "nothing numeric"}])
+    with pytest.raises(ValueError, match="no plottable metrics"):
+        main([str(empty), "-o", str(tmp_path / "x.png")])

@@ -1,0 +1,91 @@
+"""The study: its recipes differ only in the loss, its report states what the runs measured, and one real run
+(train + eval) agrees with the trainer's own validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from ntl_pretrain.config import load_recipe
+from ntl_pretrain.deepspeed_config import load_run
+from ntl_pretrain.study import METRICS, StudyRun, execute, plan, write_report
+
+STUDY_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "study"
+
+
+def test_study_variants_differ_only_in_the_loss() -> None:
+    recipes = {variant: load_recipe(STUDY_RECIPES / f"{variant}.yaml") for variant in ("ce", "ntl-was", "ntl-mse")}
+    assert [(r.loss.ntl.kind, r.loss.ntl.weight) for r in recipes.values()] == [(None, 0.3), ("was", 0.3), ("mse", 0.3)]
+    shared = []
+    for recipe in recipes.values():
+        fields = dataclasses.asdict(recipe)
+        del fields["loss"]
+        fields["train"].pop("output_dir")
+        shared.append(fields)
+    assert shared[0] == shared[1] == shared[2]
+    load_run(STUDY_RECIPES / "ntl-was.yaml", [], world_size=1)  # the DeepSpeed config resolves too
+
+
+def test_plan_names_runs_and_refuses_unknown_variants(tmp_path: Path) -> None:
+    runs = plan(STUDY_RECIPES, ["ce", "ntl-was"], [0, 1], tmp_path)
+    assert [run.name for run in runs] == ["ce-seed0", "ce-seed1", "ntl-was-seed0", "ntl-was-seed1"]
+    with pytest.raises(FileNotFoundError, match="ntl-huber"):
+        plan(STUDY_RECIPES, ["ntl-huber"], [0], tmp_path)
+
+
+def fake_results(exact: float, mae: float, seed: int) -> dict:
+    results = {metric.key: 0.5 for metric in METRICS}
+    results.update({"eval/arithmetic_interpolation/exact_match": exact, "eval/arithmetic_interpolation/mae": mae})
+    results["eval/arithmetic_interpolation/examples"] = 100.0
+    return results | {"seed": seed}
+
+
+def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
+    measured = {"ce": [(0.10, 50.0), (0.12, 40.0), (0.11, 45.0)], "ntl-was": [(0.20, 30.0), (0.13, 60.0), (0.18, 35.0)]}
+    runs = []
+    for variant, seeds in measured.items():
+        for seed, (exact, mae) in enumerate(seeds):
+            run = StudyRun(variant, seed, STUDY_RECIPES / f"{variant}.yaml", tmp_path / f"{variant}-seed{seed}")
+            run.run_dir.mkdir()
+            (run.run_dir / "eval.json").write_text(json.dumps(fake_results(exact, mae, seed)))
+            (run.run_dir / "study.json").write_text(json.dumps({"train_s": 60.0, "eval_s": 10.0}))
+            steps = [{"step": s, "loss": 2.0 / s, "ce": 2.0 / s, "ntl": 0.0} for s in (1, 2, 3)]
+            (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+            runs.append(run)
+    doc, plot = tmp_path / "docs" / "study.md", tmp_path / "docs" / "study.png"
+    write_report(runs, doc, plot, "ntl-pretrain study", [])
+    text = doc.read_text()
+    assert plot.is_file() and "](study.png)" in text
+
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines()}
+    exact_row, mae_row = rows["interpolation exact match"], rows["interpolation MAE"]
+    ce_exact = [e for e, _ in measured["ce"]]
+    was_exact = [e for e, _ in measured["ntl-was"]]
+    assert exact_row[1] == f"{statistics.fmean(ce_exact):.3f} ± {statistics.stdev(ce_exact):.3f}"
+    assert exact_row[2] == f"{statistics.fmean(was_exact):.3f} ± {statistics.stdev(was_exact):.3f}"
+    # every ntl-was seed has a higher exact match than every ce seed; MAE ranges overlap (lower is better)
+    assert exact_row[3].rstrip(" |") == f"+{statistics.fmean(was_exact) - statistics.fmean(ce_exact):.3f} (all)"
+    mae_gain = statistics.fmean(m for _, m in measured["ce"]) - statistics.fmean(m for _, m in measured["ntl-was"])
+    assert mae_row[3].rstrip(" |") == f"+{mae_gain:.1f}"
+    assert "6 runs, 7.0 min" in text
+
+
+@pytest.mark.slow
+def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_path: Path) -> None:
+    run = StudyRun("ntl-was", 0, STUDY_RECIPES / "ntl-was.yaml", tmp_path / "ntl-was-seed0")
+    overrides = ["train.max_steps=2", "train.eval_every_steps=2", "train.eval_max_batches=null",
+                 "model.config.num_hidden_layers=1"]  # fmt: skip
+    execute(run, overrides, ["--max-examples", "8", "--max-new-tokens", "4"], threads=2, logs=tmp_path / "logs")
+    results = run.results()
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    trainer_validation = next(r for r in records if r.get("split") == "validation")
+    assert results["step"] == trainer_validation["step"] == 2
+    assert results["val_ce"] == pytest.approx(trainer_validation["val_ce"], rel=1e-5)
+    assert results["val_ntl_was"] == pytest.approx(trainer_validation["val_ntl"], rel=1e-5)
+    assert results["eval/arithmetic_interpolation/examples"] == 8
+    assert records[-1]["split"] == "eval"  # --log-metrics appended the evaluation for `ntl-pretrain plot`
+    assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s"}
