@@ -95,6 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber"], default="was")
     parser.add_argument("--out", type=Path, default=None, help="also write the record to this JSON file")
     parser.add_argument("--log-metrics", action="store_true", help="append the record to the run's metrics.jsonl")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     parser.set_defaults(func=run_eval)
 
 
