@@ -191,13 +191,19 @@ def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
     recipe = load_recipe(runs[0].recipe, overrides)
     model, train, data = recipe.model, recipe.train, recipe.data
     architecture = ", ".join(f"{key} {value}" for key, value in model.config.items())
-    tokens = train.max_steps * (train.global_batch_size or 0) * data.seq_len
+    if recipe.init_from is None:
+        start = f"`{model.model_type}` from scratch ({architecture}); tokenizer `{recipe.tokenizer.path}`"
+    else:
+        start = f"continued pretraining from `{recipe.init_from}` (its own tokenizer)"
+    sequences = train.global_batch_size or (train.global_batch_tokens or 0) // data.seq_len
     return [
-        f"- Model: `{model.model_type}` from scratch ({architecture}); tokenizer `{recipe.tokenizer.path}`.",
-        f"- Training: {train.max_steps} steps x {train.global_batch_size} sequences x {data.seq_len} tokens "
-        f"= {tokens:,} tokens, AdamW lr {recipe.optimizer.lr:g}, {recipe.schedule.kind} schedule, "
-        f"{train.precision}, one rank.",
-        f"- Data: {', '.join(source.path for source in data.sources)}.",
+        f"- Model: {start}.",
+        f"- Training: {train.max_steps} steps x {sequences} sequences x {data.seq_len} tokens "
+        f"= {train.max_steps * sequences * data.seq_len:,} tokens, AdamW lr {recipe.optimizer.lr:g}, "
+        f"{recipe.schedule.kind} schedule, {train.precision}, one rank.",
+        f"- Data: {', '.join(f'`{source.path}`' for source in data.sources)}.",
+        f"- Validation (CE, and NTL-WAS for every variant, also the CE-only one): "
+        f"{', '.join(f'`{source.path}`' for source in data.validation)}.",
         f"- Variants (`{runs[0].recipe.parent}/<variant>.yaml`): "
         + "; ".join(sorted({_describe_variant(run.recipe, overrides) for run in runs}))
         + f"; seeds {sorted({run.seed for run in runs})}.",
@@ -230,8 +236,7 @@ def write_report(runs: list[StudyRun], doc: Path, plot: Path, command: str, over
         *setup_lines(runs, overrides),
         f"- Evaluation: the final checkpoint (fp32), greedy decoding of the first {evaluated} questions of "
         "`arithmetic/interpolation.jsonl` (numbers like training: 1–4 integer digits) and "
-        "`arithmetic/extrapolation.jsonl` (5–6 digits); validation CE and NTL-WAS on `arithmetic/validation.jsonl` "
-        "(NTL-WAS is measured for every variant, also the CE-only one).",
+        "`arithmetic/extrapolation.jsonl` (5–6 digits).",
         f"- Compute: {len(runs)} runs, {total / 60:.1f} min of run time in total on this machine.",
         "",
         f"## Results: mean ± std over {len({run.seed for run in runs})} seeds",
