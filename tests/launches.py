@@ -1,0 +1,108 @@
+"""DeepSpeed launches of the tiny recipe shared by the multi-node and world-size resume tests.
+
+The 2-"node" run (two `--no_ssh` launchers on this machine, one rank each) is both what `test_multinode.py` checks
+and the uninterrupted 2-rank run that `test_resume_world_size.py` resumes from; it is cached for the session so
+that the expensive launch happens once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 6  # micro-batch 1: 6, 3 and 2 micro-batches per step on 1, 2 and 3 ranks
+RUNNER = [sys.executable, "-m", "deepspeed.launcher.runner"]
+LAUNCH_TIMEOUT_S = 400
+_session_runs: dict[str, Path] = {}
+
+
+def recipe_overrides(output_dir: Path, ds_config: Path) -> list[str]:
+    return [
+        f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", f"train.max_steps={STEPS}",
+        "data.seq_len=32", "train.micro_batch_size=1", f"train.global_batch_size={GLOBAL_BATCH}",
+        f"checkpoint.every_steps={SAVE_AT}", "checkpoint.keep_last=2", "train.eval_every_steps=0",
+        "logging.progress_bar=false", "train.resume=auto",
+    ]  # fmt: skip
+
+
+def partition_all_config(folder: Path) -> Path:
+    """ZeRO-3 that partitions every parameter of the tiny model (the shipped config keeps small ones whole)."""
+    config = json.loads((REPO / "configs" / "zero3.json").read_text())
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = folder / "zero3_partition_all.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def start(launcher_args: list[str], output_dir: Path, ds_config: Path, log: Path) -> subprocess.Popen:
+    command = [*RUNNER, *launcher_args, "--module", "ntl_pretrain.train", str(TINY),
+               *recipe_overrides(output_dir, ds_config)]  # fmt: skip
+    return subprocess.Popen(command, cwd=REPO, env=environment(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_all(processes: list[subprocess.Popen], logs: list[Path]) -> None:
+    for process, log in zip(processes, logs, strict=True):
+        assert process.wait(timeout=LAUNCH_TIMEOUT_S) == 0, log.read_text()[-4000:]
+
+
+def single_launcher_run(output_dir: Path, ds_config: Path, ranks: int) -> Path:
+    """One `deepspeed --num_gpus ranks` launcher (on CPU, the count is processes)."""
+    log = output_dir.parent / f"{output_dir.name}.log"
+    wait_all([start(["--num_gpus", str(ranks), "--master_port", str(free_port())], output_dir, ds_config, log)], [log])
+    return output_dir
+
+
+def two_node_commands(hostfile: Path, port: int) -> list[list[str]]:
+    """The launcher arguments of node 0 and node 1: both on this machine, told apart by the hostfile's two names."""
+    return [
+        [
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            "--node_rank",
+            str(rank),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+        ]  # fmt: skip
+        for rank in (0, 1)
+    ]
+
+
+def two_node_run(tmp_path_factory) -> Path:
+    """Session-cached run of two `--no_ssh` launchers with one rank each (world size 2)."""
+    if "two_node" not in _session_runs:
+        folder = tmp_path_factory.mktemp("two_node")
+        hostfile = folder / "hostfile"
+        hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+        ds_config, output_dir = partition_all_config(folder), folder / "run"
+        logs = [folder / f"node{rank}.log" for rank in (0, 1)]
+        nodes = [
+            start(args, output_dir, ds_config, log)
+            for args, log in zip(two_node_commands(hostfile, free_port()), logs, strict=True)
+        ]
+        wait_all(nodes, logs)
+        _session_runs["two_node"] = output_dir
+    return _session_runs["two_node"]
+
+
+def step_records(output_dir: Path) -> dict[int, dict]:
+    """The last record of each step (a resumed run appends the steps it repeats)."""
+    records = {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split") is None:
+            records[record["step"]] = record
+    return records
