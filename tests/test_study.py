@@ -55,6 +55,7 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
             (run.run_dir / "study.json").write_text(json.dumps({"train_s": 60.0, "eval_s": 10.0}))
             steps = [{"step": s, "loss": 2.0 / s, "ce": 2.0 / s, "ntl": 0.0} for s in (1, 2, 3)]
             (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+            (run.run_dir / "recipe.yaml").write_text("{}")
             runs.append(run)
     doc, plot = tmp_path / "docs" / "study.md", tmp_path / "docs" / "study.png"
     write_report(runs, doc, plot, "ntl-pretrain study", [])
