@@ -10,7 +10,7 @@ share of the questions and the sums are all-reduced. Every rank calls `generate`
 `synced_gpus`, because a ZeRO-3 forward gathers parameters collectively: a rank that stopped early would hang
 the others.
 
-Shapes: B prompts in a batch, P padded prompt length, G generated tokens.
+Shapes: B prompts in a batch, P padded prompt length, N = P + generated tokens.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def generate_batch(
     for row, ids in enumerate(encoded):
         input_ids_BP[row, width - len(ids) :] = torch.tensor(ids)
         mask_BP[row, width - len(ids) :] = 1
-    output_BPG = model.generate(
+    output_BN = model.generate(
         input_ids=input_ids_BP.to(model.device),
         attention_mask=mask_BP.to(model.device),
         max_new_tokens=cfg.max_new_tokens,
@@ -137,7 +137,7 @@ def generate_batch(
         use_cache=True,
         synced_gpus=synced,
     )
-    return [_until_eos(row.tolist(), tokenizer) for row in output_BPG[:, width:].cpu()]
+    return [_until_eos(row.tolist(), tokenizer) for row in output_BN[:, width:].cpu()]
 
 
 def _until_eos(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> str:
