@@ -1,15 +1,27 @@
-"""`ntl-pretrain`: train (wraps the deepspeed launcher), export, convert-gguf, data."""
+"""`ntl-pretrain`: train (wraps the deepspeed launcher), export, convert-gguf; eval, plot, study and data come
+from the modules that own them."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 
 from ntl_pretrain.config import RecipeError, dump_recipe
+
+OWN_COMMANDS = ("train", "export", "convert-gguf")
+# Commands whose modules own them (each module has `register(subparsers)`).
+DELEGATED_COMMANDS = {
+    "eval": "ntl_pretrain.evaluation.commands",
+    "plot": "ntl_pretrain.plot",
+    "study": "ntl_pretrain.study",
+    "data": "ntl_pretrain.data.commands",
+}
 
 
 def free_port() -> int:
@@ -68,7 +80,9 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argparse.ArgumentParser:
+    """This module's commands plus the `delegated` ones (importing those takes seconds, so `main` asks only for
+    the one that will run)."""
     parser = argparse.ArgumentParser(prog="ntl-pretrain", description="Pretraining with CE + λ·NTL on DeepSpeed")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -93,14 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     convert.set_defaults(func=run_convert_gguf)
 
-    from ntl_pretrain.data.commands import register as register_data_commands
-
-    register_data_commands(commands)
+    for name in delegated:
+        importlib.import_module(DELEGATED_COMMANDS[name]).register(commands)
     return parser
 
 
+def _delegated_to_register(argv: list[str]) -> list[str]:
+    """The delegated command named on the command line; all of them when none is (`--help`, a typo)."""
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command in OWN_COMMANDS:
+        return []
+    return [command] if command in DELEGATED_COMMANDS else list(DELEGATED_COMMANDS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_delegated_to_register(argv))
     # Overrides may follow options (`train R --nproc 2 a.b=1`), which argparse cannot take as positionals.
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -164,3 +164,11 @@ def test_every_field_has_a_docstring():
             if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
         }
         assert documented == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+
+
+def test_cli_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    usage = capsys.readouterr().out
+    for command in ("train", "export", "convert-gguf", "eval", "plot", "study", "data"):
+        assert command in usage
