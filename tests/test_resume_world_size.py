@@ -63,6 +63,11 @@ def global_steps(rank_loaders: list, steps: int) -> list[torch.Tensor]:
     return result
 
 
+def take(loader, count: int) -> list[dict]:
+    iterator = iter(loader)
+    return [next(iterator) for _ in range(count)]
+
+
 def through_checkpoint(states: list[dict]) -> list[dict]:
     buffer = io.BytesIO()
     torch.save(states, buffer)
@@ -137,6 +142,18 @@ def test_refuses_another_global_batch_a_mid_step_state_or_other_data(uninterrupt
     longer = load_recipe(TINY_RECIPE, ["data.seq_len=48"]).data
     with pytest.raises(ResumeRefused, match="seq_len=32 was saved"):
         resumed(longer, states, 1, 4)
+
+
+def test_same_ranks_with_another_global_batch_continue_each_ranks_stream(uninterrupted):
+    """Changing only grad_accum keeps every rank's own stream (the data path of a batch-size change)."""
+    reference, states = uninterrupted
+    cfg = data_config()
+    twice = [build_dataloader(cfg, TOKENIZER, micro_batch_size=2, dp_rank=rank, dp_world_size=2, seed=3, grad_accum=1)
+             for rank in range(2)]  # fmt: skip
+    for loader in twice:
+        loader.load_world_state(through_checkpoint(states))
+    rank1_rows = torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1) for b in take(twice[1], 3)])
+    assert torch.equal(rank1_rows, reference[SAVED_STEPS][6:])  # rank 1's half of the next 12-row step
 
 
 def test_workers_streams_continue_without_repeats_or_skips():

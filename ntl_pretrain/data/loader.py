@@ -175,8 +175,9 @@ class PackedLoader:
     def load_world_state(self, states: list[dict]) -> None:
         """Resume from the states of every rank of the saved run (`states[rank]`), whatever its layout.
 
-        The saved layout resumes exactly as `load_state_dict`. Another number of ranks, workers or micro-batch
-        size at the same global batch continues every saved stream where it stopped (see `reslice.py`). A
+        The saved ranks, workers and micro-batch size resume exactly as `load_state_dict`. Another number of
+        ranks, workers or micro-batch size at the same global batch continues every saved stream where it stopped
+        (see `reslice.py`). A
         different corpus, seq_len or global batch, or a layout change in the middle of an optimizer step, raises
         `ResumeRefused` rather than restart or reshuffle the data.
         """
@@ -187,12 +188,13 @@ class PackedLoader:
                     f"data loader state: {key}={saved.get(key)!r} was saved, this run has {self._layout()[key]!r}; "
                     f"the data stream can only continue on the same corpus and sequence length"
                 )
-        same_layout = len(states) == self.dp_world_size and all(
-            saved.get(key) == value for key, value in {**self._layout(), **self._global_batch()}.items()
+        same_ranks = len(states) == self.dp_world_size and all(
+            saved.get(key) == value for key, value in self._layout().items()
         )
-        if same_layout and "readers" in saved:
+        if same_ranks and "readers" in saved:  # each rank's own stream continues, whatever the global batch
             self.load_state_dict(states[self.dp_rank])
             return
+        same_layout = same_ranks and all(saved.get(key) == value for key, value in self._global_batch().items())
         into_step = states[self.dp_rank]["into_step"] if same_layout else 0
         self.sliced = self._sliced_streams(*positions_from_ranks(states, allow_inside_step=same_layout))
         self.sliced.skip(into_step)
