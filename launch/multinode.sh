@@ -4,7 +4,7 @@
 # With ssh between nodes: run once, on the first node of the hostfile; DeepSpeed starts the others via pdsh.
 #   HOSTFILE=launch/hostfile launch/multinode.sh recipes/llama3-8b-cpt.yaml
 # Without ssh: run on every node at the same time with its NODE_RANK (0 = the first line of the hostfile) and
-# the same MASTER_ADDR (the first node's address); this is what launch/slurm.sbatch does.
+# the same MASTER_ADDR (the first node's address); launch/slurm/train.sbatch starts one such launcher per node.
 #   NODE_RANK=1 MASTER_ADDR=gpu-node-01 HOSTFILE=launch/hostfile launch/multinode.sh recipes/llama3-8b-cpt.yaml
 set -euo pipefail
 RECIPE=$1
