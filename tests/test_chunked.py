@@ -112,6 +112,26 @@ def test_only_loss_is_differentiable_and_given_counts_normalise_mean():
     assert (out.num_tokens, out.num_number_tokens) == (summed.num_tokens, summed.num_number_tokens)
 
 
+def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=9)
+    (h,) = leaves(hidden, dtype=torch.float64)
+    linear_ce_ntl_loss(h, weight, labels, nv, chunk_size=4).loss.backward()
+    (h_ref, w_ref) = leaves(hidden, weight, dtype=torch.float64)
+    float64_reference(h_ref, w_ref, labels, nv, "was", False, "mean")[0].backward()
+    assert weight.grad is None
+    assert_close_relative(h.grad, h_ref.grad, 1e-6, "hidden grad")
+
+
+def test_backpropagating_twice_is_refused():
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=10)
+    loss = linear_ce_ntl_loss(*leaves(hidden, weight, dtype=torch.float64), labels, nv).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        loss.backward()
+
+
 def test_without_gradients_gives_the_same_loss():
     nv = synthetic_vocab()
     hidden, weight, labels = make_inputs(nv, seed=6)

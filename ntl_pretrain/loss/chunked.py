@@ -170,10 +170,10 @@ class LinearCeNtl(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, t: Targets, shard: NumberShard, kind, reweigh, g_ce_N, g_ntl_N, rows, group):
-        want_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
         dtype = compute_dtype(hidden_NH)
-        grad_hidden_NH = torch.zeros_like(hidden_NH) if want_grads else None
-        grad_weight_VH = torch.zeros_like(weight_VH, dtype=dtype) if want_grads else None
+        grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=dtype) if want_weight else None
         ce_parts, ntl_parts = [], []
         for start in range(0, hidden_NH.shape[0], rows):
             chunk = slice(start, start + rows)
@@ -182,29 +182,30 @@ class LinearCeNtl(torch.autograd.Function):
             ce_R, ntl_R, stats_R = forward_rows(z_RV, t_R, shard, kind, reweigh, group)
             ce_parts.append(ce_R)
             ntl_parts.append(ntl_R)
-            if want_grads:
+            if want_hidden or want_weight:
                 logits_grad_rows(
                     z_RV, z_RV, t_R, stats_R, slice(None), g_ce_N[chunk], g_ntl_N[chunk], shard, kind, reweigh
-                )
+                )  # z_RV now holds d loss / d logits
                 grad_RV = z_RV.to(hidden_NH.dtype)
-                torch.mm(grad_RV, weight_VH, out=grad_hidden_NH[chunk])
-                _accumulate_product(grad_weight_VH, grad_RV.T, hidden_RH)
+                if want_hidden:
+                    torch.mm(grad_RV, weight_VH, out=grad_hidden_NH[chunk])
+                if want_weight:
+                    _accumulate_product(grad_weight_VH, grad_RV.T, hidden_RH)
         ce_N, ntl_N = _concat(ce_parts, hidden_NH, dtype), _concat(ntl_parts, hidden_NH, dtype)
         loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
         # Held on ctx rather than saved: backward scales them in place (a second [V, H] copy would double the
         # weight gradient's memory) and hands them on, so the graph can be backpropagated once.
-        ctx.grads = (grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype)) if want_grads else (None, None)
+        ctx.grads = (grad_hidden_NH, None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype))
         ctx.mark_non_differentiable(ce_N, ntl_N)
         return loss, ce_N, ntl_N
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce_N, _grad_ntl_N):
-        grad_hidden_NH, grad_weight_VH = ctx.grads
-        if grad_hidden_NH is None:
-            raise RuntimeError("linear_ce_ntl_loss was called without gradients enabled, or backpropagated twice")
-        ctx.grads = (None, None)
-        grad_loss = grad_loss.to(grad_hidden_NH.dtype)
-        return grad_hidden_NH.mul_(grad_loss), grad_weight_VH.mul_(grad_loss), *([None] * 8)
+        if ctx.grads is None:
+            raise RuntimeError("linear_ce_ntl_loss gradients were formed for one backward pass; it ran twice")
+        grads, ctx.grads = ctx.grads, None
+        scaled = [None if grad is None else grad.mul_(grad_loss.to(grad.dtype)) for grad in grads]
+        return *scaled, *([None] * 8)
 
 
 def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, b_RH: torch.Tensor) -> None:
