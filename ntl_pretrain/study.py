@@ -177,6 +177,23 @@ def _compare(metric: Metric, results: list[dict], baseline: list[dict]) -> str:
     return f"{'+' if gain >= 0 else '−'}{_format(abs(gain), metric.digits)}{mark}"
 
 
+def low_accuracy_notes(grouped: dict[str, list[dict]], threshold: float = 0.05) -> list[str]:
+    """Say so when no variant answers more than `threshold` of a set exactly: differences in exact match are then
+    a handful of questions, and the error and digit metrics carry what signal there is."""
+    notes = []
+    for split in SETS:
+        key = f"eval/{split}/exact_match"
+        best = max((mean_std([r[key] for r in results])[0] for results in grouped.values()), default=math.nan)
+        if math.isfinite(best) and best < threshold:
+            notes.append(
+                f"- {split}: the best variant's mean exact match is {best:.1%} (of "
+                f"{int(next(iter(grouped.values()))[0][f'eval/{split}/examples'])} questions): at this budget the "
+                "models have not learned the task, so exact-match differences are a few questions; compare the error "
+                "and digit metrics instead."
+            )
+    return notes
+
+
 def present_metrics(grouped: dict[str, list[dict]]) -> list[Metric]:
     """The fixed columns, then per-source validation CE (`val/<source>/ce`) when the runs report it."""
     keys = {key for results in grouped.values() for result in results for key in result}
@@ -223,6 +240,7 @@ def write_report(
 ) -> None:
     grouped = by_variant(runs)
     metrics = present_metrics(grouped)
+    notes = low_accuracy_notes(grouped)
     plot_runs([run.run_dir for run in runs], plot, labels=[run.name for run in runs], groups=[r.variant for r in runs])
     first = runs[0].results()
     total = sum(run.timing()["train_s"] + run.timing()["eval_s"] for run in runs)
@@ -251,6 +269,7 @@ def write_report(
         f"of means from {BASELINE}, signed so that + is better; (all): every seed beats every {BASELINE} seed, "
         "(none): every seed is worse (with 3 seeds, the most this study can claim).",
         "",
+        *(["Caveats:", "", *notes, ""] if notes else []),
         f"![training curves and final metrics per run]({os.path.relpath(plot, doc.parent)})",
         "",
         "## Per run",

@@ -12,7 +12,7 @@ import pytest
 
 from ntl_pretrain.config import load_recipe
 from ntl_pretrain.deepspeed_config import load_run
-from ntl_pretrain.study import METRICS, StudyRun, execute, plan, write_report
+from ntl_pretrain.study import METRICS, SETS, StudyRun, execute, low_accuracy_notes, plan, write_report
 
 STUDY_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "study"
 
@@ -73,6 +73,14 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     mae_gain = statistics.fmean(m for _, m in measured["ce"]) - statistics.fmean(m for _, m in measured["ntl-was"])
     assert mae_row[3].rstrip(" |") == f"+{mae_gain:.1f}"
     assert "6 runs, 7.0 min" in text
+    assert "Caveats" not in text  # exact match of 10-50%: the models learned something
+
+
+def test_caveat_when_no_variant_learned_the_task() -> None:
+    grouped = {variant: [fake_results(exact, 1.0, 0) | {f"eval/{SETS[1]}/exact_match": 0.4}] for variant, exact in
+               (("ce", 0.01), ("ntl-was", 0.03))}  # fmt: skip
+    notes = low_accuracy_notes(grouped)
+    assert len(notes) == 1 and notes[0].startswith(f"- {SETS[0]}: the best variant's mean exact match is 3.0%")
 
 
 @pytest.mark.slow
