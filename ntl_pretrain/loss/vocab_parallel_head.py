@@ -91,15 +91,16 @@ class VocabParallelHead(nn.Module):
 
         Tied input embeddings are refused: the embedding lookup needs the whole matrix on every rank anyway,
         so slicing the shared tensor would gather it whole each step regardless and split one parameter's
-        gradient between two owners. Untie them (`tie_word_embeddings: false`) or keep vocab_parallel_size 1.
+        gradient between two owners. Untie them first (a separate output layer initialised from a copy of the
+        embedding) or keep vocab_parallel_size 1.
         """
         output, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
         if embedding is not None and output.weight is embedding.weight:
             raise ValueError(
                 "vocabulary parallelism needs an output layer of its own, but this model ties it to the input "
                 "embeddings: the embedding lookup needs the whole matrix on every rank, so slicing it saves "
-                "nothing and would split one parameter's gradient between two owners. Untie them (model config "
-                "tie_word_embeddings: false, the head then starts from a copy) or set loss.vocab_parallel_size: 1"
+                "nothing and would split one parameter's gradient between two owners. Untie them first (a separate "
+                "output layer initialised from a copy of the embedding) or set loss.vocab_parallel_size: 1"
             )
         vocab_size = output.weight.ds_shape[0] if hasattr(output.weight, "ds_shape") else output.weight.shape[0]
         bounds = vocab_bounds(vocab_size, dist.get_world_size(group))
@@ -122,14 +123,14 @@ class VocabParallelHead(nn.Module):
         states the gradient of that share and the weight slice the gradient of the whole group's loss.
         ce, ntl: this rank's detached sums; num_tokens, num_number_tokens: this rank's counts.
         """
+        given_counts = num_tokens is not None
+        if given_counts != (num_number_tokens is not None):
+            raise ValueError("pass both num_tokens and num_number_tokens (the global batch's counts), or neither")
         hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
         labels_N = labels_BT.reshape(-1)
         group_hidden_MH = GatherPositions.apply(hidden_NH, self.group)
         group_labels_M = labels_N.new_empty(group_hidden_MH.shape[0])
         dist.all_gather_into_tensor(group_labels_M, labels_N.contiguous(), group=self.group)
-        given_counts = num_tokens is not None
-        if given_counts != (num_number_tokens is not None):
-            raise ValueError("pass both num_tokens and num_number_tokens (the global batch's counts), or neither")
         rows = linear_ce_ntl_rows(
             group_hidden_MH, self.weight.to(hidden_BTH.dtype), group_labels_M, self.number_vocab, self.kind,
             self.ntl_weight, self.reweigh, self.ignore_index, "mean" if given_counts else "sum", self.chunk_size,
