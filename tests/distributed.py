@@ -2,7 +2,8 @@
 
     run_distributed(check_something, 3, arg1, arg2)
 
-spawns 3 processes; each initialises the default group on a free localhost port, calls
+spawns 3 processes; each sets the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, so
+DeepSpeed works inside), initialises the default group on a free localhost port, calls
 `check_something(arg1, arg2)` (which reads its rank from torch.distributed) and tears the group down. An exception
 on any rank fails the call with that rank's traceback. Spawning costs a few seconds per call, so run many cases
 inside one call rather than one call per case.
@@ -10,6 +11,7 @@ inside one call rather than one call per case.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,6 +39,10 @@ def run_distributed(fn: Callable[..., None], world_size: int, *args) -> None:
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
     torch.set_num_threads(THREADS_PER_RANK)
+    # What a launcher would set: DeepSpeed reads these even when the process group already exists.
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         fn(*args)
