@@ -53,3 +53,17 @@ def test_targets_resolve_to_folders_or_checkpoints(tmp_path: Path) -> None:
         assert (target.checkpoint, target.step, target.run_dir) == (step, 40, tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="neither an HF model folder"):
         resolve_target(tmp_path / "nothing")
+
+
+def test_eval_config_checks_name_the_key() -> None:
+    from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
+
+    EvalConfig().check()
+    for qa in EvalConfig().qa_sets:
+        qa.check()
+    with pytest.raises(ValueError, match="^path: no such file"):
+        QaSetConfig(path="pkg:ntl_pretrain/corpus/arithmetic/missing.jsonl").check()
+    with pytest.raises(ValueError, match="^prompt_template:"):
+        EvalConfig(prompt_template="Q:").check()
+    with pytest.raises(ValueError, match="^qa_sets: several sets"):
+        EvalConfig(qa_sets=[QaSetConfig(path=QA), QaSetConfig(path=QA)]).check()

@@ -20,6 +20,10 @@ class QaSetConfig:
     def check(self) -> None:
         if not self.path:
             raise ValueError("path: required")
+        from ntl_pretrain.tokenizer import resolve_path
+
+        if not resolve_path(self.path).is_file():
+            raise ValueError(f"path: no such file {self.path!r}")
 
     @property
     def label(self) -> str:
