@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.loss.ce_ntl import LossOutput, _check_arguments, _no_numbers
-from ntl_pretrain.loss.fused import Targets, compute_dtype, forward_rows, logits_grad_rows, make_targets
+from ntl_pretrain.loss.fused import (
+    Targets,
+    compute_dtype,
+    forward_rows,
+    logits_grad_rows,
+    make_targets,
+    number_columns_grad,
+)
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 # A chunk's logits hold about this many elements (256 MiB in fp32) by default: enough rows for the matmuls to run at
@@ -183,8 +190,9 @@ class LinearCeNtl(torch.autograd.Function):
             ce_parts.append(ce_R)
             ntl_parts.append(ntl_R)
             if want_hidden or want_weight:
+                number_grad_RK = number_columns_grad(z_RV, t_R, stats_R, g_ntl_N[chunk], shard, kind, reweigh)
                 logits_grad_rows(
-                    z_RV, z_RV, t_R, stats_R, slice(None), g_ce_N[chunk], g_ntl_N[chunk], shard, kind, reweigh
+                    z_RV, z_RV, t_R, stats_R, g_ce_N[chunk], g_ntl_N[chunk], number_grad_RK, shard, reweigh
                 )  # z_RV now holds d loss / d logits
                 grad_RV = z_RV.to(hidden_NH.dtype)
                 if want_hidden:

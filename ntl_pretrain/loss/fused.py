@@ -127,23 +127,29 @@ def _row_chunks(num_rows: int, num_columns: int) -> list[slice]:
     return [slice(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
 
 
-def _class_logits(z_RV: torch.Tensor, shard: NumberShard, number_class_R: torch.Tensor):
-    """Logits of the local number tokens and whether each is in the row's label class: [R, K] each."""
-    z_RK = z_RV.index_select(1, shard.local_ids)
-    in_class_RK = shard.classes[None, :] == number_class_R[:, None]
-    return z_RK, in_class_RK
+def _class_logits(z_NK: torch.Tensor, t: Targets, shard: NumberShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """Number-token logits with the columns outside each row's label class at -inf, and the class mask."""
+    in_class_NK = shard.classes[None, :] == t.number_class[:, None]
+    return z_NK.masked_fill(~in_class_NK, -math.inf), in_class_NK
 
 
-def _local_partials(z_RV: torch.Tensor, shard: NumberShard, t: Targets, rows: slice) -> tuple[torch.Tensor, ...]:
-    """This shard's per-row partials: (lse, class lse, z_t, sum q|v-y|/s, sum q v) with local normalisers."""
+def _ce_partials(z_RV: torch.Tensor, t_R: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's log-sum-exp and target logit (0 where another shard owns the target) per row."""
     lse = torch.logsumexp(z_RV, dim=1)
-    z_target = torch.where(t.owned[rows], z_RV.gather(1, t.column[rows, None]).squeeze(1), 0.0)
-    z_RK, in_class_RK = _class_logits(z_RV, shard, t.number_class[rows])
-    z_RK = z_RK.masked_fill(~in_class_RK, -math.inf)
-    class_lse = torch.logsumexp(z_RK, dim=1)
-    q_RK = torch.exp(z_RK - _finite_or_zero(class_lse)[:, None])
-    distance_RK = (shard.values[None, :] - t.value[rows, None]).abs() / t.scale[rows, None]
-    return lse, class_lse, z_target, (q_RK * distance_RK).sum(1), (q_RK * shard.values[None, :]).sum(1)
+    return lse, torch.where(t_R.owned, z_RV.gather(1, t_R.column[:, None]).squeeze(1), 0.0)
+
+
+def _class_partials(z_NK: torch.Tensor, t: Targets, shard: NumberShard, kind: str | None) -> tuple[torch.Tensor, ...]:
+    """This shard's per-row class log-sum-exp, sum q|v-y|/s and sum q v (q normalised over the local class).
+    All rows at once: the [N, K] work is ~1% of the logits', and a few large kernels beat many small ones."""
+    z_NK, _ = _class_logits(z_NK, t, shard)
+    class_lse = torch.logsumexp(z_NK, dim=1)
+    q_NK = z_NK.sub_(_finite_or_zero(class_lse)[:, None]).exp_()  # 0 outside the class
+    zeros = torch.zeros_like(class_lse)
+    if kind == "was":
+        distance_NK = (shard.values[None, :] - t.value[:, None]).abs_().div_(t.scale[:, None])
+        return class_lse, distance_NK.mul_(q_NK).sum(1), zeros
+    return class_lse, zeros, q_NK @ shard.values.to(q_NK.dtype)
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -177,9 +183,14 @@ def forward_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
     """Per-position CE [N] and NTL [N] (zero where they do not apply) and the stats backward needs."""
     dtype = compute_dtype(logits_NV)
-    parts = [_local_partials(logits_NV[rows].to(dtype), shard, t, rows) for rows in _row_chunks(*logits_NV.shape)]
-    partials = tuple(torch.cat(column) for column in zip(*parts, strict=True)) if parts else _empty_partials(logits_NV)
-    lse, class_lse, z_target, expected_distance, expected = _combine(partials, group)
+    chunks = [_ce_partials(logits_NV[rows].to(dtype), t.select(rows)) for rows in _row_chunks(*logits_NV.shape)]
+    empty = logits_NV.new_zeros(0, dtype=dtype)
+    lse, z_target = (torch.cat(column) for column in zip(*chunks, strict=True)) if chunks else (empty, empty)
+    z_NK = logits_NV.index_select(1, shard.local_ids).to(dtype)
+    class_lse, distance_sum, value_sum = _class_partials(z_NK, t, shard, kind)
+    lse, class_lse, z_target, expected_distance, expected = _combine(
+        (lse, class_lse, z_target, distance_sum, value_sum), group
+    )
     ce = torch.where(t.valid, lse - z_target, 0.0)
     if kind == "was":
         ntl_raw = expected_distance
@@ -192,61 +203,64 @@ def forward_rows(
     return ce, ntl, RowStats(lse, class_lse, ntl_raw, expected, class_mass)
 
 
-def _empty_partials(logits_NV: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    empty = logits_NV.new_zeros(0, dtype=compute_dtype(logits_NV))
-    return (empty,) * 5
+def number_columns_grad(
+    z_NV: torch.Tensor,
+    t: Targets,
+    stats: RowStats,
+    grad_ntl_N: torch.Tensor,
+    shard: NumberShard,
+    kind: str | None,
+    reweigh: bool,
+) -> torch.Tensor | None:
+    """[N, K] gradient on this shard's number-token columns: NTL's own term plus reweighing's +p_j on the class;
+    None when there is none (CE only, or a shard without number tokens)."""
+    if kind is None or shard.local_ids.numel() == 0:
+        return None
+    z_NK, in_class_NK = _class_logits(z_NV.index_select(1, shard.local_ids).to(stats.lse.dtype), t, shard)
+    q_NK = torch.exp(z_NK - stats.class_lse[:, None])  # 0 outside the class
+    value, scale, ntl_raw = t.value[:, None], t.scale[:, None], stats.ntl_raw[:, None]
+    if kind == "was":
+        slope_NK = (shard.values[None, :] - value).abs_().div_(scale).sub_(ntl_raw)
+    else:
+        expected = stats.expected[:, None]
+        slope_NK = (shard.values[None, :] - expected).mul_(_error_slope((expected - value) / scale, kind) / scale)
+    grad_NK = slope_NK.mul_(q_NK)
+    if reweigh:
+        p_NK = torch.exp(z_NK - stats.lse[:, None])
+        grad_NK = grad_NK.mul_(stats.class_mass[:, None]).add_(p_NK.mul_(ntl_raw - t.cap[:, None]))
+    return grad_NK.mul_(torch.where(t.is_number, grad_ntl_N, 0.0)[:, None])
 
 
 def logits_grad_rows(
     z_RV: torch.Tensor,
     out_RV: torch.Tensor,
-    t: Targets,
-    stats: RowStats,
-    rows: slice,
+    t_R: Targets,
+    stats_R: RowStats,
     grad_ce_R: torch.Tensor,
     grad_ntl_R: torch.Tensor,
+    number_grad_RK: torch.Tensor | None,
     shard: NumberShard,
-    kind: str | None,
     reweigh: bool,
 ) -> None:
-    """Write d(sum_i grad_ce_i CE_i + grad_ntl_i NTL_i)/dz for the chunk `rows` into `out_RV` (any float dtype).
+    """Write d(sum_i grad_ce_i CE_i + grad_ntl_i NTL_i)/dz for a chunk of rows into `out_RV` (any float dtype),
+    given those rows' `number_columns_grad`.
 
-    `out_RV` may be `z_RV` itself (the chunked head overwrites its logits with their gradient): every read of the
-    logits happens before the first write."""
-    g_ce = torch.where(t.valid[rows], grad_ce_R, 0.0)
-    g_ntl = torch.where(t.is_number[rows], grad_ntl_R, 0.0)
-    lse = stats.lse[rows]
-    ntl_raw, mass, cap = stats.ntl_raw[rows], stats.class_mass[rows], t.cap[rows]
-    has_class_grad = kind is not None and shard.local_ids.numel() > 0
-    class_grad_RK = _class_grad(z_RV, t, stats, rows, g_ntl, shard, kind, reweigh) if has_class_grad else None
+    `out_RV` may be `z_RV` itself (the chunked head overwrites its logits with their gradient)."""
+    g_ce = torch.where(t_R.valid, grad_ce_R, 0.0)
     # Full-vocabulary part: softmax times the CE weight, minus reweighing's d m / d z_j = -p_j m on every column.
-    row_weight = g_ce - g_ntl * (ntl_raw - cap) * mass if reweigh else g_ce
+    if reweigh:
+        g_ntl = torch.where(t_R.is_number, grad_ntl_R, 0.0)
+        row_weight = g_ce - g_ntl * (stats_R.ntl_raw - t_R.cap) * stats_R.class_mass
+    else:
+        row_weight = g_ce
     work = out_RV if out_RV.dtype == z_RV.dtype else torch.empty_like(z_RV)
-    torch.sub(z_RV, lse[:, None], out=work)
+    torch.sub(z_RV, stats_R.lse[:, None], out=work)
     work.exp_().mul_(row_weight[:, None])
-    work.scatter_add_(1, t.column[rows, None], -(g_ce * t.owned[rows])[:, None])
-    if class_grad_RK is not None:
-        work.index_add_(1, shard.local_ids, class_grad_RK)
+    work.scatter_add_(1, t_R.column[:, None], -(g_ce * t_R.owned)[:, None])
+    if number_grad_RK is not None:
+        work.index_add_(1, shard.local_ids, number_grad_RK)
     if work is not out_RV:
         out_RV.copy_(work)
-
-
-def _class_grad(z_RV, t: Targets, stats: RowStats, rows: slice, g_ntl, shard: NumberShard, kind: str, reweigh: bool):
-    """[R, K] gradient on the number-token columns: NTL's own term plus reweighing's +p_j on the class."""
-    z_RK, in_class_RK = _class_logits(z_RV, shard, t.number_class[rows])
-    q_RK = torch.where(in_class_RK, torch.exp(z_RK - stats.class_lse[rows, None]), 0.0)
-    value, scale, ntl_raw = t.value[rows, None], t.scale[rows, None], stats.ntl_raw[rows, None]
-    if kind == "was":
-        slope_RK = (shard.values[None, :] - value).abs() / scale - ntl_raw
-    else:
-        expected = stats.expected[rows, None]
-        slope_RK = _error_slope((expected - value) / scale, kind) / scale * (shard.values[None, :] - expected)
-    grad_RK = q_RK * slope_RK
-    if reweigh:
-        mass, cap = stats.class_mass[rows, None], t.cap[rows, None]
-        p_RK = torch.where(in_class_RK, torch.exp(z_RK - stats.lse[rows, None]), 0.0)
-        grad_RK = mass * grad_RK + (ntl_raw - cap) * p_RK
-    return g_ntl[:, None] * grad_RK
 
 
 class FusedCeNtl(torch.autograd.Function):
@@ -264,18 +278,19 @@ class FusedCeNtl(torch.autograd.Function):
         (logits_NV,) = ctx.saved_tensors
         t, stats, shard, kind, reweigh = ctx.extras
         dtype = compute_dtype(logits_NV)
+        grad_ce_N, grad_ntl_N = grad_ce_N.to(dtype), grad_ntl_N.to(dtype)
+        number_grad_NK = number_columns_grad(logits_NV, t, stats, grad_ntl_N, shard, kind, reweigh)
         grad_NV = torch.empty_like(logits_NV)
         for rows in _row_chunks(*logits_NV.shape):
             logits_grad_rows(
                 logits_NV[rows].to(dtype),
                 grad_NV[rows],
-                t,
-                stats,
-                rows,
-                grad_ce_N[rows].to(dtype),
-                grad_ntl_N[rows].to(dtype),
+                t.select(rows),
+                stats.select(rows),
+                grad_ce_N[rows],
+                grad_ntl_N[rows],
+                None if number_grad_NK is None else number_grad_NK[rows],
                 shard,
-                kind,
                 reweigh,
             )
         return grad_NV, None, None, None, None, None
