@@ -48,10 +48,10 @@ def ce_ntl_loss(
     counts (a batch without number labels has ntl = 0); to normalise over a global batch, take "sum" and divide
     by the counts summed over it.
     """
-    _check_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start)
+    check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start)
     num_columns = logits.shape[-1]
     logits_NV = logits.reshape(-1, num_columns)
-    shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else _no_numbers(logits.device)
+    shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
     targets = make_targets(
         labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns, compute_dtype(logits)
     )
@@ -66,12 +66,14 @@ def ce_ntl_loss(
     return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_number_tokens)
 
 
-def _no_numbers(device: torch.device) -> NumberShard:
+def no_number_shard(device: torch.device) -> NumberShard:
+    """The shard a CE-only loss (kind=None) runs with: no number columns, so the class work is empty."""
     empty = torch.zeros(0, device=device)
     return NumberShard(vocab=None, local_ids=empty.long(), values=empty, classes=empty.long(), class_spread=empty)
 
 
-def _check_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start) -> None:
+def check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start) -> None:
+    """Raise an error that says what was expected for any argument `ce_ntl_loss` cannot take."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
     if reduction not in REDUCTIONS:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.loss.ce_ntl import LossOutput, _check_arguments, _no_numbers
+from ntl_pretrain.loss.ce_ntl import LossOutput, check_loss_arguments, no_number_shard
 from ntl_pretrain.loss.fused import (
     Targets,
     compute_dtype,
@@ -123,9 +123,9 @@ def linear_ce_ntl_rows(
     labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size)
     logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)
-    _check_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start)
+    check_loss_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start)
     vocab_end = vocab_start + weight.shape[0]
-    shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else _no_numbers(hidden.device)
+    shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else no_number_shard(hidden.device)
     dtype = compute_dtype(hidden)
     targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype)
     counts = targets.valid.sum(), targets.is_number.sum()
