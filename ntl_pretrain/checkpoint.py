@@ -5,7 +5,7 @@ rewrites the `latest` pointer (temp file + `os.replace`). A kill at any moment t
 naming a complete checkpoint. Old checkpoints beyond `keep_last` are deleted after the pointer moves.
 
 Each published folder also holds what export needs without the recipe: `hf_config/` (config.json),
-`tokenizer/` and `recipe.yaml`.
+`tokenizer/` and `recipe.yaml`; with a vocabulary-parallel output layer, every rank's slice (`vocab_parallel/`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,14 +49,25 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, root: Path, step: int, client_state: dict, keep_last: int, write_extras) -> Path:
-    """Save on all ranks, publish on rank 0; `write_extras(folder)` adds the export files (rank 0)."""
+def save(
+    engine,
+    root: Path,
+    step: int,
+    client_state: dict,
+    keep_last: int,
+    write_extras: Callable[[Path], None],
+    write_rank_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Save on all ranks, publish on rank 0; `write_extras(folder)` adds the export files (rank 0),
+    `write_rank_files(folder)` state the engine does not hold (every rank), both before the folder is published."""
     tag, temp_tag = f"step_{step}", f"step_{step}.tmp"
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(root / temp_tag, ignore_errors=True)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=temp_tag, client_state={CLIENT_STATE_KEY: client_state}, save_latest=False)
+    if write_rank_files is not None:
+        write_rank_files(root / temp_tag)
     if rank == 0:
         write_extras(root / temp_tag)
     dist.barrier()

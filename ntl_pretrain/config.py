@@ -74,6 +74,14 @@ class NtlConfig:
 class LossConfig:
     ntl: NtlConfig = field(default_factory=NtlConfig)
     """The Number Token Loss term."""
+    vocab_parallel_size: int = 1
+    """k > 1: groups of k consecutive data-parallel ranks share the output layer by vocabulary rows
+    (`VocabParallelHead`), so no rank gathers the whole [V, H] matrix; must divide the world size; needs an untied
+    output layer. 1 = the dense head under ZeRO-3."""
+
+    def check(self) -> None:
+        if self.vocab_parallel_size < 1:
+            raise ValueError("vocab_parallel_size: must be >= 1")
 
 
 @dataclass

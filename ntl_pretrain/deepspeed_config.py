@@ -42,6 +42,16 @@ def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
     return global_sequences // per_pass
 
 
+def check_vocab_parallel_size(recipe: Recipe, world_size: int) -> None:
+    """Vocabulary groups are k consecutive data-parallel ranks, so k must divide the world size."""
+    k = recipe.loss.vocab_parallel_size
+    if world_size % k:
+        raise RecipeError(
+            f"loss.vocab_parallel_size: {k} does not divide the world size ({world_size} ranks); vocabulary groups "
+            f"are {k} consecutive ranks"
+        )
+
+
 def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     path = resolve_path(recipe.deepspeed.config)
     try:
@@ -54,6 +64,7 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     stage = config.get("zero_optimization", {}).get("stage")
     if stage != 3:
         raise RecipeError(f"{path}: zero_optimization.stage: this recipe trains under ZeRO-3, got {stage}")
+    check_vocab_parallel_size(recipe, world_size)
     gas = grad_accum_steps(recipe, world_size)
     config.update(
         train_micro_batch_size_per_gpu=recipe.train.micro_batch_size,

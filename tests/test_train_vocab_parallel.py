@@ -1,0 +1,160 @@
+"""`loss.vocab_parallel_size: 2` in the tiny recipe on 2 CPU ranks (real deepspeed launcher, ZeRO-3 partitioning
+every tensor, fp32, gloo): the same loss curve and gradient norms as the dense run (clipping active), per-rank
+slices in the checkpoints, a resume that continues the curve, and an export that is a plain HF model.
+
+One module fixture launches the dense and the vocabulary-parallel run once; the tests read their outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ntl_pretrain.config import RecipeError, load_recipe
+from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.deepspeed_config import build_deepspeed_config
+from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.vocab_parallel import check_resume, saved_layout
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+STEPS, SAVE_EVERY, MICRO_BATCH = 10, 5, 4
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+
+
+def overrides(output_dir: Path, ds_config: Path, k: int) -> list[str]:
+    return [
+        f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", f"train.max_steps={STEPS}",
+        "data.seq_len=64", f"train.micro_batch_size={MICRO_BATCH}", "train.global_batch_size=16",  # 2 micro-batches
+        f"checkpoint.every_steps={SAVE_EVERY}", "checkpoint.keep_last=2", f"train.eval_every_steps={STEPS}",
+        "train.eval_max_batches=3", "logging.progress_bar=false", "train.resume=auto",
+        f"loss.vocab_parallel_size={k}",
+    ]  # fmt: skip
+
+
+def train(args: list[str], log: Path) -> None:
+    command = [sys.executable, "-m", "ntl_pretrain.cli", "train", str(TINY), "--nproc", "2", *args]
+    with log.open("w") as out:
+        done = subprocess.run(command, cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT, timeout=400)
+    assert done.returncode == 0, log.read_text()[-4000:]
+
+
+def records(output_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Last step record and last eval record per step."""
+    steps, evals = {}, {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        (evals if record.get("split") == "validation" else steps)[record["step"]] = record
+    return steps, evals
+
+
+@pytest.fixture(scope="module")
+def ds_config(tmp_path_factory) -> Path:
+    config = json.loads((REPO / "configs" / "zero3.json").read_text())
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp_path_factory.mktemp("ds") / "zero3_partition_all.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ds_config) -> dict[int, Path]:
+    """Output folders of the dense (k = 1) and the vocabulary-parallel (k = 2) run of the same recipe."""
+    folder = tmp_path_factory.mktemp("vocab_parallel")
+    for k in (1, 2):
+        train(overrides(folder / f"k{k}", ds_config, k), folder / f"k{k}.log")
+    return {k: folder / f"k{k}" for k in (1, 2)}
+
+
+def test_loss_curve_and_grad_norms_equal_the_dense_run(runs):
+    dense, dense_evals = records(runs[1])
+    parallel, parallel_evals = records(runs[2])
+    assert sorted(parallel) == list(range(1, STEPS + 1))
+    assert max(dense[s]["grad_norm"] for s in dense) > 1.0  # clipping at 1.0 acts, so its norm must be the whole one
+    assert dense[STEPS]["loss"] < dense[1]["loss"] - 0.2  # the curve moves
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "ce", "ntl", "grad_norm"):
+            assert parallel[step][key] == pytest.approx(dense[step][key], rel=1e-4), (step, key)
+        assert parallel[step]["lr"] == dense[step]["lr"]
+    assert parallel_evals[STEPS]["val_ce"] == pytest.approx(dense_evals[STEPS]["val_ce"], rel=1e-4)
+
+
+def test_checkpoint_holds_every_ranks_slice(runs):
+    step_folder = runs[2] / "checkpoints" / f"step_{STEPS}"
+    assert saved_layout(step_folder) == {"vocab_parallel_size": 2, "world_size": 2, "vocab_size": 2048}
+    slices = [torch.load(step_folder / "vocab_parallel" / f"rank_{r:05d}.pt", weights_only=True) for r in (0, 1)]
+    assert [s["vocab_start"] for s in slices] == [0, 1024]
+    assert [tuple(s["weight"].shape) for s in slices] == [(1024, 64), (1024, 64)]
+    assert all(s["optimizer"]["state"][0]["step"] == STEPS for s in slices)
+
+
+def test_resume_continues_the_loss_curve(runs, ds_config, tmp_path):
+    """Resuming step 5 (trunk shards, slices, both optimizers and schedules) repeats steps 6..10 exactly."""
+    output_dir = tmp_path / "resumed"
+    shutil.copytree(runs[2] / "checkpoints" / f"step_{SAVE_EVERY}", output_dir / "checkpoints" / f"step_{SAVE_EVERY}")
+    train(overrides(output_dir, ds_config, 2), tmp_path / "log.txt")
+    expected, _ = records(runs[2])
+    got, _ = records(output_dir)
+    assert sorted(got) == list(range(SAVE_EVERY + 1, STEPS + 1))
+    for step in got:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6, rel=0), step
+        assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-5), step
+
+
+def test_resume_with_another_layout_is_refused(runs):
+    step_folder = runs[2] / "checkpoints" / f"step_{STEPS}"
+    with pytest.raises(ValueError, match="trained with loss.vocab_parallel_size=2; resume it with the same value"):
+        check_resume(step_folder, 1, 2)
+    with pytest.raises(ValueError, match="saved by 2 ranks .* on 4 ranks is not supported"):
+        check_resume(step_folder, 2, 4)
+    with pytest.raises(ValueError, match="vocab_parallel_size=1; resume it with the same value"):
+        check_resume(runs[1] / "checkpoints" / f"step_{STEPS}", 2, 2)
+    check_resume(step_folder, 2, 2)
+
+
+def test_k_must_divide_the_world_size():
+    recipe = load_recipe(TINY, ["loss.vocab_parallel_size=3", "train.global_batch_size=null"])
+    with pytest.raises(RecipeError, match="loss.vocab_parallel_size: 3 does not divide the world size"):
+        build_deepspeed_config(recipe, 4)
+    assert build_deepspeed_config(recipe, 6)["train_batch_size"] == 6 * 8
+    with pytest.raises(RecipeError, match="loss.vocab_parallel_size: must be >= 1"):
+        load_recipe(TINY, ["loss.vocab_parallel_size=0"])
+
+
+def test_export_reassembles_the_output_layer(runs, tmp_path):
+    """The exported folder is a plain HF model: its lm_head is the saved slices joined, and plain transformers on
+    the batches each rank evaluated gives the validation CE and NTL the vocabulary-parallel run logged."""
+    step_folder, out = runs[2] / "checkpoints" / f"step_{STEPS}", tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "export", str(step_folder), str(out)], check=True,
+                   cwd=REPO, env=ENV)  # fmt: skip
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values())
+    slices = [torch.load(step_folder / "vocab_parallel" / f"rank_{r:05d}.pt", weights_only=True) for r in (0, 1)]
+    assert torch.equal(model.lm_head.weight, torch.cat([s["weight"] for s in slices]))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    recipe = load_recipe(runs[2] / "recipe.yaml")
+    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    sums = torch.zeros(4, dtype=torch.float64)
+    for rank in range(2):
+        loader = build_dataloader(recipe.data, tokenizer, micro_batch_size=MICRO_BATCH, dp_rank=rank, dp_world_size=2,
+                                  seed=recipe.seed, split="validation")  # fmt: skip
+        for _, batch in zip(range(recipe.train.eval_max_batches), loader, strict=False):
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            got = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
+            sums += torch.tensor([got.ce, got.ntl, got.num_tokens, got.num_number_tokens], dtype=torch.float64)
+    logged = records(runs[2])[1][STEPS]
+    assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
+    assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
+    assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
