@@ -158,3 +158,40 @@ def test_export_reassembles_the_output_layer(runs, tmp_path):
     assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
     assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
     assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
+
+
+def check_generation_with_sharded_output_layer() -> None:
+    """Each rank prompts differently (other lengths, another number of new tokens until all stop): the stand-in
+    output layer gives the dense model's logits and greedy tokens."""
+    import copy
+
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ntl_pretrain.config import NtlConfig
+    from ntl_pretrain.model import VocabParallelOutputLayer, vocab_parallel_head
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, tie_word_embeddings=False, eos_token_id=36)  # fmt: skip
+    dense = LlamaForCausalLM(config).eval()
+    sharded = copy.deepcopy(dense)
+    head = vocab_parallel_head(sharded, dist.new_group([0, 1]), None, NtlConfig(kind=None))
+    assert isinstance(sharded.get_output_embeddings(), VocabParallelOutputLayer)
+    assert "lm_head.weight" not in dict(sharded.named_parameters()) and head.weight.shape == (19 - dist.get_rank(), 16)
+    prompt = torch.randint(
+        0, 36, (2, 3 + 2 * dist.get_rank()), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(prompt).logits, dense(prompt).logits)
+        new_tokens = 4 + 3 * dist.get_rank()
+        settings = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+        expected = dense.generate(prompt, **settings)
+        got = sharded.generate(prompt, synced_gpus=True, **settings)
+    assert torch.equal(got, expected)
+
+
+def test_generation_through_the_sharded_output_layer():
+    from distributed import run_distributed
+
+    run_distributed(check_generation_with_sharded_output_layer, 2)
