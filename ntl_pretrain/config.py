@@ -19,6 +19,7 @@ from typing import Literal
 import yaml
 
 from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.evaluation.config import EvalConfig
 
 HfConfigValue = int | float | str | bool | list[int] | list[float] | list[str] | None
 OVERRIDE_ORIGIN = "command-line override"
@@ -218,6 +219,8 @@ class Recipe:
     """Checkpoint cadence and retention."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Progress bar, W&B, MFU."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Generation metrics on question/answer sets during training (see ntl_pretrain.evaluation)."""
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     """DeepSpeed JSON config."""
     seed: int = 0

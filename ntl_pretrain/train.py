@@ -26,6 +26,7 @@ from ntl_pretrain import checkpoint, reshard, vocab_parallel
 from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.deepspeed_config import load_run
+from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
 from ntl_pretrain.schedule import lr_multiplier
@@ -144,6 +145,9 @@ class Trainer:
         eval_every, save_every = self.recipe.train.eval_every_steps, self.recipe.checkpoint.every_steps
         if eval_every and self.step % eval_every == 0:
             self.logger.log(self.evaluate())
+        generate_every = self.recipe.eval.every_steps
+        if generate_every and self.step % generate_every == 0:
+            self.logger.log(self.generation_eval())
         if save_every and self.step % save_every == 0:
             self.save()
 
@@ -154,6 +158,9 @@ class Trainer:
         eval_every = self.recipe.train.eval_every_steps
         if eval_every and self.step % eval_every:
             self.logger.log(self.evaluate())
+        generate_every = self.recipe.eval.every_steps
+        if generate_every and self.step % generate_every:
+            self.logger.log(self.generation_eval())
 
     def _wandb_settings(self) -> dict | None:
         logging = self.recipe.logging
@@ -276,6 +283,11 @@ class Trainer:
             "val_tokens": int(tokens),
             "val_number_tokens": int(number_tokens),
         }
+
+    def generation_eval(self) -> dict:
+        """Greedy answers to the recipe's question/answer sets (`eval:`): exact match, MAE, R², digit accuracy."""
+        metrics = generation_metrics(self.engine.module.lm, self.tokenizer, self.recipe.eval)
+        return {"step": self.step, "split": "eval", **metrics}
 
     def _lockstep(self, loader) -> Iterator[dict]:
         """Yield batches until every rank is exhausted; a rank that runs out first feeds all-ignored batches,

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ntl_pretrain.config import load_recipe
 from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
 
@@ -37,7 +38,8 @@ def overrides(output_dir: Path, ds_config: Path, *extra: str) -> list[str]:
         f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", f"train.max_steps={STEPS}",
         f"data.seq_len={SEQ_LEN}", "train.micro_batch_size=4", f"train.global_batch_size={GLOBAL_BATCH}",  # 2 micro
         f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2", "train.eval_every_steps=25",
-        "train.eval_max_batches=3", "logging.progress_bar=false", "train.resume=auto", *extra,
+        "train.eval_max_batches=3", "eval.every_steps=25", "eval.max_examples=4", "eval.max_new_tokens=6",
+        "logging.progress_bar=false", "train.resume=auto", *extra,
     ]  # fmt: skip
 
 
@@ -53,13 +55,15 @@ def run_to_end(args: list[str], log: Path) -> None:
     assert process.wait(timeout=400) == 0, log.read_text()[-4000:]
 
 
-def records(output_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """Last step record and last eval record per step (a resumed run appends repeated steps)."""
-    steps, evals = {}, {}
+def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
+    """Last record per step of one kind: training steps (split None), "validation" or generation "eval" (a
+    resumed run appends repeated steps)."""
+    found = {}
     for line in (output_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        (evals if record.get("split") == "validation" else steps)[record["step"]] = record
-    return steps, evals
+        if record.get("split") == split:
+            found[record["step"]] = record
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,7 @@ def tiny_run(tmp_path_factory, ds_config) -> Path:
 
 
 def test_loss_decreases_with_ntl_logged(tiny_run):
-    steps, evals = records(tiny_run)
+    steps, evals = records(tiny_run), records(tiny_run, "validation")
     assert sorted(steps) == list(range(1, STEPS + 1)) and sorted(evals) == [25, 50]
     assert all(STEP_KEYS <= set(r) for r in steps.values())
     losses = [steps[s]["loss"] for s in range(1, STEPS + 1)]
@@ -101,12 +105,19 @@ def test_run_directory_holds_resolved_recipe_and_last_checkpoints(tiny_run, ds_c
     assert {"hf_config", "tokenizer", "recipe.yaml"} <= {p.name for p in (root / "step_50").iterdir()}
 
 
-def test_export_reproduces_the_engines_validation_loss(tiny_run, tmp_path):
-    """The exported HF model, run by plain transformers on exactly the batches each rank evaluated, gives the
-    CE and NTL the ZeRO-3 engine logged for the same weights."""
-    out = tmp_path / "hf"
+@pytest.fixture(scope="module")
+def exported(tiny_run, tmp_path_factory) -> Path:
+    """The last checkpoint exported to an HF folder by `ntl-pretrain export`."""
+    out = tmp_path_factory.mktemp("export") / "hf"
     subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "export", str(tiny_run / "checkpoints" / "step_50"),
                     str(out)], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    return out
+
+
+def test_export_reproduces_the_engines_validation_loss(tiny_run, exported):
+    """The exported HF model, run by plain transformers on exactly the batches each rank evaluated, gives the
+    CE and NTL the ZeRO-3 engine logged for the same weights."""
+    out = exported
     assert (out / "model.safetensors").is_file()
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -122,10 +133,24 @@ def test_export_reproduces_the_engines_validation_loss(tiny_run, tmp_path):
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
             out_ = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
             sums += torch.tensor([out_.ce, out_.ntl, out_.num_tokens, out_.num_number_tokens], dtype=torch.float64)
-    logged = records(tiny_run)[1][STEPS]
+    logged = records(tiny_run, "validation")[STEPS]
     assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
     assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
     assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
+
+
+def test_generation_metrics_during_training_equal_the_exported_models(tiny_run, exported):
+    """`eval.every_steps` logs greedy-answer metrics computed by the 2 ZeRO-3 ranks together; the exported model
+    answering the same questions alone in one process scores the same."""
+    logged = records(tiny_run, "eval")
+    assert sorted(logged) == [25, 50]
+    recipe = load_recipe(tiny_run / "recipe.yaml")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(exported), AutoTokenizer.from_pretrained(exported)
+    expected = generation_metrics(model, tokenizer, recipe.eval)
+    got = {key: value for key, value in logged[STEPS].items() if key.startswith("eval/")}
+    assert got.keys() == expected.keys() and len(got) >= 12
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert got["eval/arithmetic_interpolation/examples"] == 4
 
 
 def test_sigkill_and_resume_logs_identical_losses(tiny_run, ds_config, tmp_path):
@@ -144,8 +169,8 @@ def test_sigkill_and_resume_logs_identical_losses(tiny_run, ds_config, tmp_path)
     assert (root / (root / "latest").read_text()).is_dir()  # the pointer names a complete checkpoint
 
     run_to_end(overrides(output_dir, ds_config), tmp_path / "resumed.txt")
-    expected, expected_evals = records(tiny_run)
-    got, got_evals = records(output_dir)
+    expected, expected_evals = records(tiny_run), records(tiny_run, "validation")
+    got, got_evals = records(output_dir), records(output_dir, "validation")
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6, rel=0), (step, killed_mid_save)
@@ -157,8 +182,7 @@ def test_ce_only_runs_the_same_path(tiny_run, ds_config, tmp_path):
     output_dir = tmp_path / "run"
     extra = ("loss.ntl.kind=null", "train.max_steps=10", "train.eval_every_steps=null")
     run_to_end(overrides(output_dir, ds_config, *extra), tmp_path / "log.txt")
-    steps, _ = records(output_dir)
-    with_ntl, _ = records(tiny_run)
+    steps, with_ntl = records(output_dir), records(tiny_run)
     assert sorted(steps) == list(range(1, 11))
     assert all(r["ntl"] == 0 and r["loss"] == r["ce"] and r["number_token_fraction"] == 0 for r in steps.values())
     assert steps[1]["ce"] == pytest.approx(with_ntl[1]["ce"], abs=1e-6)  # same init, same data, same forward
@@ -173,6 +197,6 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(ds_config, tmp_path):
     process = launch(overrides(output_dir, ds_config, *extra), log)
     assert process.wait(timeout=400) != 0
     assert "3 steps in a row had a non-finite loss or gradient" in log.read_text()
-    steps, _ = records(output_dir)
+    steps = records(output_dir)
     assert sorted(steps) == [1, 2, 3, 4] and [steps[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 2, 3]
     assert math.isfinite(steps[1]["loss"]) and steps[2]["loss"] in ("nan", "inf")
