@@ -127,10 +127,9 @@ def _row_chunks(num_rows: int, num_columns: int) -> list[slice]:
     return [slice(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
 
 
-def _class_logits(z_NK: torch.Tensor, t: Targets, shard: NumberShard) -> tuple[torch.Tensor, torch.Tensor]:
-    """Number-token logits with the columns outside each row's label class at -inf, and the class mask."""
-    in_class_NK = shard.classes[None, :] == t.number_class[:, None]
-    return z_NK.masked_fill(~in_class_NK, -math.inf), in_class_NK
+def _class_logits(z_NK: torch.Tensor, t: Targets, shard: NumberShard) -> torch.Tensor:
+    """Number-token logits with the columns outside each row's label class at -inf."""
+    return torch.where(shard.classes[None, :] == t.number_class[:, None], z_NK, -math.inf)
 
 
 def _ce_partials(z_RV: torch.Tensor, t_R: Targets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,14 +141,19 @@ def _ce_partials(z_RV: torch.Tensor, t_R: Targets) -> tuple[torch.Tensor, torch.
 def _class_partials(z_NK: torch.Tensor, t: Targets, shard: NumberShard, kind: str | None) -> tuple[torch.Tensor, ...]:
     """This shard's per-row class log-sum-exp, sum q|v-y|/s and sum q v (q normalised over the local class).
     All rows at once: the [N, K] work is ~1% of the logits', and a few large kernels beat many small ones."""
-    z_NK, _ = _class_logits(z_NK, t, shard)
-    class_lse = torch.logsumexp(z_NK, dim=1)
-    q_NK = z_NK.sub_(_finite_or_zero(class_lse)[:, None]).exp_()  # 0 outside the class
-    zeros = torch.zeros_like(class_lse)
+    zeros = z_NK.new_zeros(z_NK.shape[0])
+    if z_NK.shape[1] == 0:  # CE only, or a shard without number tokens
+        return zeros - math.inf, zeros, zeros
+    z_NK = _class_logits(z_NK, t, shard)
+    class_max = _finite_or_zero(z_NK.amax(dim=1))
+    e_NK = z_NK.sub_(class_max[:, None]).exp_()  # 0 outside the class
+    class_sum = e_NK.sum(1)
+    class_lse = class_max + class_sum.log()  # -inf where this shard holds none of the class
+    inverse_sum = torch.where(class_sum > 0, class_sum, 1.0).reciprocal()
     if kind == "was":
-        distance_NK = (shard.values[None, :] - t.value[:, None]).abs_().div_(t.scale[:, None])
-        return class_lse, distance_NK.mul_(q_NK).sum(1), zeros
-    return class_lse, zeros, q_NK @ shard.values.to(q_NK.dtype)
+        distance_NK = (shard.values[None, :] - t.value[:, None]).abs_()
+        return class_lse, torch.linalg.vecdot(e_NK, distance_NK) * inverse_sum / t.scale, zeros
+    return class_lse, zeros, (e_NK @ shard.values.to(e_NK.dtype)) * inverse_sum
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -216,19 +220,22 @@ def number_columns_grad(
     None when there is none (CE only, or a shard without number tokens)."""
     if kind is None or shard.local_ids.numel() == 0:
         return None
-    z_NK, in_class_NK = _class_logits(z_NV.index_select(1, shard.local_ids).to(stats.lse.dtype), t, shard)
-    q_NK = torch.exp(z_NK - stats.class_lse[:, None])  # 0 outside the class
-    value, scale, ntl_raw = t.value[:, None], t.scale[:, None], stats.ntl_raw[:, None]
-    if kind == "was":
-        slope_NK = (shard.values[None, :] - value).abs_().div_(scale).sub_(ntl_raw)
-    else:
-        expected = stats.expected[:, None]
-        slope_NK = (shard.values[None, :] - expected).mul_(_error_slope((expected - value) / scale, kind) / scale)
-    grad_NK = slope_NK.mul_(q_NK)
-    if reweigh:
-        p_NK = torch.exp(z_NK - stats.lse[:, None])
-        grad_NK = grad_NK.mul_(stats.class_mass[:, None]).add_(p_NK.mul_(ntl_raw - t.cap[:, None]))
-    return grad_NK.mul_(torch.where(t.is_number, grad_ntl_N, 0.0)[:, None])
+    z_NK = _class_logits(z_NV.index_select(1, shard.local_ids).to(stats.lse.dtype), t, shard)
+    grad_ntl_N = torch.where(t.is_number, grad_ntl_N, 0.0)
+    q_NK = (z_NK - stats.class_lse[:, None]).exp_()  # 0 outside the class
+    if kind == "was":  # q_j (|v_j - y| / s - L)
+        slope_NK = (shard.values[None, :] - t.value[:, None]).abs_().sub_((stats.ntl_raw * t.scale)[:, None])
+        slope_weight_N = 1 / t.scale
+    else:  # f'(e) / s · q_j (v_j - E[v]), e = (E[v] - y) / s
+        slope_NK = shard.values[None, :] - stats.expected[:, None]
+        slope_weight_N = _error_slope((stats.expected - t.value) / t.scale, kind) / t.scale
+    if not reweigh:
+        return slope_NK.mul_(q_NK).mul_((grad_ntl_N * slope_weight_N)[:, None])
+    # Reweighed: m · dL/dz_j + (L - c) p_j on the class (its -m p_j part is in the full-vocabulary term).
+    p_NK = z_NK.sub_(stats.lse[:, None]).exp_()
+    grad_NK = slope_NK.mul_(q_NK).mul_((stats.class_mass * slope_weight_N)[:, None])
+    grad_NK.add_(p_NK.mul_((stats.ntl_raw - t.cap)[:, None]))
+    return grad_NK.mul_(grad_ntl_N[:, None])
 
 
 def logits_grad_rows(
