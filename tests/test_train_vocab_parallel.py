@@ -38,8 +38,8 @@ def overrides(output_dir: Path, ds_config: Path, k: int) -> list[str]:
         f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", f"train.max_steps={STEPS}",
         "data.seq_len=64", f"train.micro_batch_size={MICRO_BATCH}", "train.global_batch_size=16",  # 2 micro-batches
         f"checkpoint.every_steps={SAVE_EVERY}", "checkpoint.keep_last=2", f"train.eval_every_steps={STEPS}",
-        "train.eval_max_batches=3", "logging.progress_bar=false", "train.resume=auto",
-        f"loss.vocab_parallel_size={k}",
+        "train.eval_max_batches=3", f"eval.every_steps={STEPS}", "eval.max_examples=8", "eval.max_new_tokens=6",
+        "logging.progress_bar=false", "train.resume=auto", f"loss.vocab_parallel_size={k}",
     ]  # fmt: skip
 
 
@@ -50,13 +50,14 @@ def train(args: list[str], log: Path) -> None:
     assert done.returncode == 0, log.read_text()[-4000:]
 
 
-def records(output_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """Last step record and last eval record per step."""
-    steps, evals = {}, {}
+def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
+    """Last record per step of `split` (None: training steps; "validation"; "eval": generation metrics)."""
+    found = {}
     for line in (output_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        (evals if record.get("split") == "validation" else steps)[record["step"]] = record
-    return steps, evals
+        if record.get("split") == split:
+            found[record["step"]] = record
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,7 @@ def runs(tmp_path_factory, ds_config) -> dict[int, Path]:
 
 
 def test_loss_curve_and_grad_norms_equal_the_dense_run(runs):
-    dense, dense_evals = records(runs[1])
-    parallel, parallel_evals = records(runs[2])
+    dense, parallel = records(runs[1]), records(runs[2])
     assert sorted(parallel) == list(range(1, STEPS + 1))
     assert max(dense[s]["grad_norm"] for s in dense) > 1.0  # clipping at 1.0 acts, so its norm must be the whole one
     assert dense[STEPS]["loss"] < dense[1]["loss"] - 0.2  # the curve moves
@@ -87,7 +87,15 @@ def test_loss_curve_and_grad_norms_equal_the_dense_run(runs):
         for key in ("loss", "ce", "ntl", "grad_norm"):
             assert parallel[step][key] == pytest.approx(dense[step][key], rel=1e-4), (step, key)
         assert parallel[step]["lr"] == dense[step]["lr"]
-    assert parallel_evals[STEPS]["val_ce"] == pytest.approx(dense_evals[STEPS]["val_ce"], rel=1e-4)
+    dense_eval, parallel_eval = records(runs[1], "validation")[STEPS], records(runs[2], "validation")[STEPS]
+    assert parallel_eval["val_ce"] == pytest.approx(dense_eval["val_ce"], rel=1e-4)
+
+
+def test_generation_metrics_equal_the_dense_run(runs):
+    """The trainer's greedy-answer metrics go through the HF model, whose output layer is now the stand-in."""
+    dense, parallel = ({k: v for k, v in records(run, "eval")[STEPS].items() if k != "split"} for run in runs.values())
+    assert "eval/arithmetic_interpolation/digit_accuracy" in dense and dense.keys() == parallel.keys()
+    assert parallel == pytest.approx(dense, rel=1e-6)
 
 
 def test_checkpoint_holds_every_ranks_slice(runs):
@@ -104,8 +112,7 @@ def test_resume_continues_the_loss_curve(runs, ds_config, tmp_path):
     output_dir = tmp_path / "resumed"
     shutil.copytree(runs[2] / "checkpoints" / f"step_{SAVE_EVERY}", output_dir / "checkpoints" / f"step_{SAVE_EVERY}")
     train(overrides(output_dir, ds_config, 2), tmp_path / "log.txt")
-    expected, _ = records(runs[2])
-    got, _ = records(output_dir)
+    expected, got = records(runs[2]), records(output_dir)
     assert sorted(got) == list(range(SAVE_EVERY + 1, STEPS + 1))
     for step in got:
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6, rel=0), step
@@ -154,7 +161,7 @@ def test_export_reassembles_the_output_layer(runs, tmp_path):
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
             got = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
             sums += torch.tensor([got.ce, got.ntl, got.num_tokens, got.num_number_tokens], dtype=torch.float64)
-    logged = records(runs[2])[1][STEPS]
+    logged = records(runs[2], "validation")[STEPS]
     assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
     assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
     assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
