@@ -243,6 +243,11 @@ class Recipe:
                 f"train.global_batch_tokens: {self.train.global_batch_tokens} is not a multiple of "
                 f"data.seq_len={self.data.seq_len}"
             )
+        if self.loss.vocab_parallel_size > 1 and self.model.config.get("tie_word_embeddings") is True:
+            raise ValueError(
+                "loss.vocab_parallel_size: needs an output layer of its own; model.config.tie_word_embeddings: true "
+                "ties it to the input embedding (docs/vocab-parallel.md explains why that is refused)"
+            )
 
 
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:

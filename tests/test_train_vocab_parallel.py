@@ -130,13 +130,15 @@ def test_resume_with_another_layout_is_refused(runs):
     check_resume(step_folder, 2, 2)
 
 
-def test_k_must_divide_the_world_size():
+def test_recipe_checks():
     recipe = load_recipe(TINY, ["loss.vocab_parallel_size=3", "train.global_batch_size=null"])
     with pytest.raises(RecipeError, match="loss.vocab_parallel_size: 3 does not divide the world size"):
         build_deepspeed_config(recipe, 4)
     assert build_deepspeed_config(recipe, 6)["train_batch_size"] == 6 * 8
     with pytest.raises(RecipeError, match="loss.vocab_parallel_size: must be >= 1"):
         load_recipe(TINY, ["loss.vocab_parallel_size=0"])
+    with pytest.raises(RecipeError, match="loss.vocab_parallel_size: needs an output layer of its own"):
+        load_recipe(TINY, ["loss.vocab_parallel_size=2", "model.config.tie_word_embeddings=true"])
 
 
 def test_export_reassembles_the_output_layer(runs, tmp_path):
