@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -149,7 +150,8 @@ def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list
         cells = []
         for results in grouped.values():
             mean, std = mean_std([result[metric.key] for result in results])
-            cells.append(f"{_format(mean, metric.digits)} ± {_format(std, metric.digits)}")
+            spread = f" ± {_format(std, metric.digits)}" if len(results) > 1 else ""
+            cells.append(_format(mean, metric.digits) + spread)
         cells += [_compare(metric, grouped[variant], grouped[BASELINE]) for variant in others]
         lines.append(f"| {metric.title} | " + " | ".join(cells) + " |")
     return lines
@@ -173,7 +175,9 @@ def _compare(metric: Metric, results: list[dict], baseline: list[dict]) -> str:
     if not ours or not base:
         return "n/a"
     gain = statistics.fmean(ours) - statistics.fmean(base)
-    mark = " (all)" if min(ours) > max(base) else " (none)" if max(ours) < min(base) else ""
+    mark = ""
+    if len(ours) > 1 and len(base) > 1:  # one seed against one says nothing about the spread
+        mark = " (all)" if min(ours) > max(base) else " (none)" if max(ours) < min(base) else ""
     return f"{'+' if gain >= 0 else '−'}{_format(abs(gain), metric.digits)}{mark}"
 
 
@@ -241,6 +245,7 @@ def write_report(
     grouped = by_variant(runs)
     metrics = present_metrics(grouped)
     notes = low_accuracy_notes(grouped)
+    seeds = len({run.seed for run in runs})
     plot_runs([run.run_dir for run in runs], plot, labels=[run.name for run in runs], groups=[r.variant for r in runs])
     first = runs[0].results()
     total = sum(run.timing()["train_s"] + run.timing()["eval_s"] for run in runs)
@@ -260,14 +265,19 @@ def write_report(
         f"- Compute: {len(runs)} runs, {total / 60:.1f} min of run time in total; {_wall_clock(runs) / 60:.1f} min "
         "from the first run's start to the last run's end.",
         "",
-        f"## Results: mean ± std over {len({run.seed for run in runs})} seeds",
+        f"## Results: mean ± std over {seeds} seeds" if seeds > 1 else "## Results: one seed",
         "",
         *results_table(grouped, metrics),
         "",
         "Exact match, digit accuracy: higher is better. MAE, log10(1 + absolute error), validation CE and NTL: lower "
         "is better. MAE and log-error are over the answers that contain a number. The last columns are differences "
-        f"of means from {BASELINE}, signed so that + is better; (all): every seed beats every {BASELINE} seed, "
-        "(none): every seed is worse (with 3 seeds, the most this study can claim).",
+        f"of means from {BASELINE}, signed so that + is better"
+        + (
+            f"; (all): every seed beats every {BASELINE} seed, (none): every seed is worse (with {seeds} seeds, the "
+            "most this study can claim)."
+            if seeds > 1
+            else "; with one seed, a difference says nothing about its spread over seeds."
+        ),
         "",
         *(["Caveats:", "", *notes, ""] if notes else []),
         f"![training curves and final metrics per run]({os.path.relpath(plot, doc.parent)})",
@@ -306,7 +316,7 @@ def run_study(args: argparse.Namespace) -> int:
     runs = plan(args.recipes, args.variants, args.seeds, args.runs_dir)
     eval_args = ["--max-examples", str(args.max_examples)]
     run_all(runs, args.overrides, eval_args, args.jobs, args.runs_dir / "logs")
-    command = "ntl-pretrain study " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["study"] else sys.argv[1:])
+    command = shlex.join(["ntl-pretrain", "study", *(sys.argv[2:] if sys.argv[1:2] == ["study"] else sys.argv[1:])])
     write_report(runs, args.doc, args.plot, command.strip(), args.overrides, args.title)
     print(args.doc)
     return 0
