@@ -190,7 +190,7 @@ class LinearCeNtl(torch.autograd.Function):
             ce_parts.append(ce_R)
             ntl_parts.append(ntl_R)
             if want_hidden or want_weight:
-                number_grad_RK = number_columns_grad(z_RV, t_R, stats_R, g_ntl_N[chunk], shard, kind, reweigh)
+                number_grad_RK = number_columns_grad(t_R, stats_R, g_ntl_N[chunk], shard, kind, reweigh)
                 logits_grad_rows(
                     z_RV, z_RV, t_R, stats_R, g_ce_N[chunk], g_ntl_N[chunk], number_grad_RK, shard, reweigh
                 )  # z_RV now holds d loss / d logits

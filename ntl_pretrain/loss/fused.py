@@ -58,6 +58,7 @@ class RowStats:
     ntl_raw: torch.Tensor  # NTL before reweighing
     expected: torch.Tensor  # sum_j q_j v_j
     class_mass: torch.Tensor  # m, full-softmax mass on C(t)
+    number_logits: torch.Tensor  # [N, K] this shard's number-token logits (1% of the logits: kept, not re-gathered)
 
     def select(self, rows: slice) -> RowStats:
         return RowStats(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
@@ -150,10 +151,12 @@ def _class_partials(z_NK: torch.Tensor, t: Targets, shard: NumberShard, kind: st
     class_sum = e_NK.sum(1)
     class_lse = class_max + class_sum.log()  # -inf where this shard holds none of the class
     inverse_sum = torch.where(class_sum > 0, class_sum, 1.0).reciprocal()
+    # Row sums by ATen reductions, not BLAS (vecdot, matmul): their results must not depend on the process
+    # (a resumed run reproduces the uninterrupted one to the bit).
     if kind == "was":
         distance_NK = (shard.values[None, :] - t.value[:, None]).abs_()
-        return class_lse, torch.linalg.vecdot(e_NK, distance_NK) * inverse_sum / t.scale, zeros
-    return class_lse, zeros, (e_NK @ shard.values.to(e_NK.dtype)) * inverse_sum
+        return class_lse, distance_NK.mul_(e_NK).sum(1) * inverse_sum / t.scale, zeros
+    return class_lse, zeros, e_NK.mul_(shard.values[None, :]).sum(1) * inverse_sum
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -187,10 +190,14 @@ def forward_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
     """Per-position CE [N] and NTL [N] (zero where they do not apply) and the stats backward needs."""
     dtype = compute_dtype(logits_NV)
-    chunks = [_ce_partials(logits_NV[rows].to(dtype), t.select(rows)) for rows in _row_chunks(*logits_NV.shape)]
+    z_NK = logits_NV.new_empty((logits_NV.shape[0], shard.local_ids.numel()), dtype=dtype)
+    chunks = []
+    for rows in _row_chunks(*logits_NV.shape):
+        z_RV = logits_NV[rows].to(dtype)
+        chunks.append(_ce_partials(z_RV, t.select(rows)))
+        torch.index_select(z_RV, 1, shard.local_ids, out=z_NK[rows])  # while the chunk is in cache
     empty = logits_NV.new_zeros(0, dtype=dtype)
     lse, z_target = (torch.cat(column) for column in zip(*chunks, strict=True)) if chunks else (empty, empty)
-    z_NK = logits_NV.index_select(1, shard.local_ids).to(dtype)
     class_lse, distance_sum, value_sum = _class_partials(z_NK, t, shard, kind)
     lse, class_lse, z_target, expected_distance, expected = _combine(
         (lse, class_lse, z_target, distance_sum, value_sum), group
@@ -204,11 +211,10 @@ def forward_rows(
     ntl = ntl_raw * class_mass + t.cap * (1 - class_mass) if reweigh else ntl_raw
     ntl = torch.where(t.is_number, ntl, 0.0)
     class_lse = torch.where(t.is_number, class_lse, 0.0)
-    return ce, ntl, RowStats(lse, class_lse, ntl_raw, expected, class_mass)
+    return ce, ntl, RowStats(lse, class_lse, ntl_raw, expected, class_mass, z_NK)
 
 
 def number_columns_grad(
-    z_NV: torch.Tensor,
     t: Targets,
     stats: RowStats,
     grad_ntl_N: torch.Tensor,
@@ -220,7 +226,7 @@ def number_columns_grad(
     None when there is none (CE only, or a shard without number tokens)."""
     if kind is None or shard.local_ids.numel() == 0:
         return None
-    z_NK = _class_logits(z_NV.index_select(1, shard.local_ids).to(stats.lse.dtype), t, shard)
+    z_NK = _class_logits(stats.number_logits, t, shard)
     grad_ntl_N = torch.where(t.is_number, grad_ntl_N, 0.0)
     q_NK = (z_NK - stats.class_lse[:, None]).exp_()  # 0 outside the class
     if kind == "was":  # q_j (|v_j - y| / s - L)
@@ -286,7 +292,7 @@ class FusedCeNtl(torch.autograd.Function):
         t, stats, shard, kind, reweigh = ctx.extras
         dtype = compute_dtype(logits_NV)
         grad_ce_N, grad_ntl_N = grad_ce_N.to(dtype), grad_ntl_N.to(dtype)
-        number_grad_NK = number_columns_grad(logits_NV, t, stats, grad_ntl_N, shard, kind, reweigh)
+        number_grad_NK = number_columns_grad(t, stats, grad_ntl_N, shard, kind, reweigh)
         grad_NV = torch.empty_like(logits_NV)
         for rows in _row_chunks(*logits_NV.shape):
             logits_grad_rows(
