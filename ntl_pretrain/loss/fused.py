@@ -226,22 +226,21 @@ def number_columns_grad(
     None when there is none (CE only, or a shard without number tokens)."""
     if kind is None or shard.local_ids.numel() == 0:
         return None
-    z_NK = _class_logits(stats.number_logits, t, shard)
-    grad_ntl_N = torch.where(t.is_number, grad_ntl_N, 0.0)
-    q_NK = (z_NK - stats.class_lse[:, None]).exp_()  # 0 outside the class
-    if kind == "was":  # q_j (|v_j - y| / s - L)
+    q_NK = _class_logits(stats.number_logits, t, shard).sub_(stats.class_lse[:, None]).exp_()  # 0 off the class
+    if kind == "was":  # dL/dz_j = q_j (|v_j - y| / s - L)
         slope_NK = (shard.values[None, :] - t.value[:, None]).abs_().sub_((stats.ntl_raw * t.scale)[:, None])
         slope_weight_N = 1 / t.scale
-    else:  # f'(e) / s · q_j (v_j - E[v]), e = (E[v] - y) / s
+    else:  # dL/dz_j = f'(e) / s · q_j (v_j - E[v]), e = (E[v] - y) / s
         slope_NK = shard.values[None, :] - stats.expected[:, None]
         slope_weight_N = _error_slope((stats.expected - t.value) / t.scale, kind) / t.scale
-    if not reweigh:
-        return slope_NK.mul_(q_NK).mul_((grad_ntl_N * slope_weight_N)[:, None])
-    # Reweighed: m · dL/dz_j + (L - c) p_j on the class (its -m p_j part is in the full-vocabulary term).
-    p_NK = z_NK.sub_(stats.lse[:, None]).exp_()
-    grad_NK = slope_NK.mul_(q_NK).mul_((stats.class_mass * slope_weight_N)[:, None])
-    grad_NK.add_(p_NK.mul_((stats.ntl_raw - t.cap)[:, None]))
-    return grad_NK.mul_(grad_ntl_N[:, None])
+    row_weight_N = torch.where(t.is_number, grad_ntl_N, 0.0)
+    if reweigh:
+        # m·dL/dz_j + (L - c)·p_j on the class (its -m·p_j part is in the full-vocabulary term), with p_j = m·q_j.
+        slope_NK.mul_(slope_weight_N[:, None]).add_((stats.ntl_raw - t.cap)[:, None])
+        row_weight_N = row_weight_N * stats.class_mass
+    else:
+        row_weight_N = row_weight_N * slope_weight_N
+    return slope_NK.mul_(q_NK).mul_(row_weight_N[:, None])
 
 
 def logits_grad_rows(
