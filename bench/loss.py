@@ -1,16 +1,15 @@
 """Forward+backward time and peak memory of the loss on logits, side by side (issue 2's targets).
 
-    python bench/loss.py [--positions 2048] [--repeats 5]
+    python bench/loss.py [--positions 2048] [--repeats 7]
 
-At Llama-3's vocabulary (V = 128,256; its 1,110 number tokens come in 1-3 digit chunks) and ~10% number labels,
-each method runs in its own process so that its peak resident memory (max RSS) is its own:
+At Llama-3's vocabulary (V = 128,256; its 1,110 number tokens come in 1-3 digit chunks) and ~10% number labels:
   a  F.cross_entropy
   b  F.cross_entropy + ntloss.NTLoss (the reference package; digit tokens only)
   c  ce_ntl_loss(kind="was")
   d  ce_ntl_loss(kind=None)
-The methods run interleaved for several rounds and each reports its fastest step (the machine is shared and
-noisy; the minimum is the least disturbed measurement). Prints step time, max RSS and the growth of RSS during
-the steps, then the ratios c/a, c/b, c/d.
+Time: one process runs the four methods round-robin, step after step, and keeps each one's fastest step, so that
+the machine's noise (it is shared) falls on all of them alike. Memory: each method runs once in its own process,
+whose peak resident memory (max RSS) is then its own. Prints both and the ratios c/a, c/b, c/d.
 """
 
 from __future__ import annotations
@@ -57,52 +56,64 @@ def make_step(method: str, vocab_size: int):
     return nv, lambda logits, labels: ce_ntl_loss(logits, labels, nv, kind=kind, weight=0.3).loss
 
 
-def run_one(method: str, positions: int, repeats: int, vocab_size: int) -> dict:
+def make_batch(nv, positions: int, vocab_size: int):
     import torch
 
     torch.manual_seed(0)
-    nv, step = make_step(method, vocab_size)
     logits = torch.randn(positions, vocab_size).mul_(2).requires_grad_(True)
     labels = torch.randint(0, len(nv.values), (positions,))
     numbers = torch.rand(positions) < 0.1
     labels[numbers] = nv.number_ids[torch.randint(0, len(nv.number_ids), (int(numbers.sum()),))]
+    return logits, labels, float(numbers.float().mean())
+
+
+def timed_step(step, logits, labels) -> float:
+    logits.grad = None
+    start = time.perf_counter()
+    step(logits, labels).backward()
+    return time.perf_counter() - start
+
+
+def time_round_robin(positions: int, repeats: int, vocab_size: int) -> dict:
+    steps = {method: make_step(method, vocab_size) for method in METHODS}
+    logits, labels, number_fraction = make_batch(steps["c"][0], positions, vocab_size)
+    times = {method: [] for method in METHODS}
+    for _ in range(repeats + 1):  # the first round warms up
+        for method, (_, step) in steps.items():
+            times[method].append(timed_step(step, logits, labels))
+    return {"time": {method: min(t[1:]) for method, t in times.items()}, "number_fraction": number_fraction}
+
+
+def peak_memory(method: str, positions: int, vocab_size: int) -> dict:
+    nv, step = make_step(method, vocab_size)
+    logits, labels, _ = make_batch(nv, positions, vocab_size)
     before = max_rss_mb()
-    times = []
-    for _ in range(repeats + 1):
-        logits.grad = None
-        start = time.perf_counter()
-        step(logits, labels).backward()
-        times.append(time.perf_counter() - start)
-    return {
-        "time": min(times[1:]),
-        "peak_rss_mb": max_rss_mb(),
-        "step_rss_growth_mb": max_rss_mb() - before,
-        "number_fraction": float(numbers.float().mean()),
-    }
+    timed_step(step, logits, labels)
+    return {"peak_rss_mb": max_rss_mb(), "step_rss_growth_mb": max_rss_mb() - before}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--positions", type=int, default=2048)
     parser.add_argument("--vocab-size", type=int, default=128_256)
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per process, after one warm-up")
-    parser.add_argument("--rounds", type=int, default=3, help="processes per method, interleaved")
-    parser.add_argument("--only", choices=sorted(METHODS), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round")
+    parser.add_argument("--memory-of", choices=sorted(METHODS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.only:
-        print(json.dumps(run_one(args.only, args.positions, args.repeats, args.vocab_size)))
+    if args.memory_of:
+        print(json.dumps(peak_memory(args.memory_of, args.positions, args.vocab_size)))
         return
-    runs = {method: [] for method in METHODS}
-    for _ in range(args.rounds):
-        for method in METHODS:
-            command = [sys.executable, __file__, "--only", method, "--positions", str(args.positions),
-                       "--vocab-size", str(args.vocab_size), "--repeats", str(args.repeats)]
-            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-            runs[method].append(json.loads(output.strip().splitlines()[-1]))
-    results = {method: {key: min(r[key] for r in rs) for key in rs[0]} for method, rs in runs.items()}
-    print(f"N={args.positions} positions, V={args.vocab_size}, fp32 CPU, "
-          f"{results['c']['number_fraction']:.1%} number labels, "
-          f"fastest fwd+bwd of {args.rounds} processes x {args.repeats} steps")
+    memory = {}
+    for method in METHODS:
+        command = [sys.executable, __file__, "--memory-of", method, "--positions", str(args.positions),
+                   "--vocab-size", str(args.vocab_size)]  # fmt: skip
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        memory[method] = json.loads(output.strip().splitlines()[-1])
+    timing = time_round_robin(args.positions, args.repeats, args.vocab_size)
+    results = {method: {"time": timing["time"][method], **memory[method]} for method in METHODS}
+    print(
+        f"N={args.positions} positions, V={args.vocab_size}, fp32 CPU, {timing['number_fraction']:.1%} number "
+        f"labels; time: fastest fwd+bwd of {args.repeats} round-robin rounds in one process"
+    )
     print(f"{'':4}{'method':36}{'time s':>9}{'max RSS MB':>12}{'step growth MB':>16}")
     for method, name in METHODS.items():
         r = results[method]
