@@ -41,9 +41,9 @@ class Targets:
     column: torch.Tensor  # int64: label's column in this shard (0 when not owned)
     owned: torch.Tensor  # bool: this shard holds the label's column
     number_class: torch.Tensor  # int64: label's class, -1 when not a number
-    value: torch.Tensor  # float32: label's value y (0 when not a number)
-    scale: torch.Tensor  # float32: label's scale s (1 when not a number)
-    cap: torch.Tensor  # float32: reweigh constant c of the label's class (0 when not a number)
+    value: torch.Tensor  # compute dtype: label's value y (0 when not a number)
+    scale: torch.Tensor  # compute dtype: label's scale s (1 when not a number)
+    cap: torch.Tensor  # compute dtype: reweigh constant c of the label's class (0 when not a number)
 
     def select(self, rows: slice) -> Targets:
         return Targets(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
@@ -51,12 +51,13 @@ class Targets:
 
 @dataclass(frozen=True)
 class RowStats:
-    """Per-position totals over the whole vocabulary, all [N] fp32; what backward needs besides the logits."""
+    """Per-position totals over the whole vocabulary ([N], compute dtype) and the number-token logits: what
+    backward needs besides the logits."""
 
     lse: torch.Tensor  # logsumexp over the vocabulary
     class_lse: torch.Tensor  # logsumexp over C(t) (0 where not a number)
     ntl_raw: torch.Tensor  # NTL before reweighing
-    expected: torch.Tensor  # sum_j q_j v_j
+    expected: torch.Tensor  # sum_j q_j v_j (expectation kinds; 0 for WAS, which does not need it)
     class_mass: torch.Tensor  # m, full-softmax mass on C(t)
     number_logits: torch.Tensor  # [N, K] this shard's number-token logits (1% of the logits: kept, not re-gathered)
 
