@@ -1,4 +1,5 @@
-"""DeepSpeed launches of the tiny recipe shared by the multi-node and world-size resume tests.
+"""DeepSpeed launches of the tiny recipe shared by the multi-node and world-size resume tests, and helpers that
+every test of a tiny-recipe run uses (the partition-everything ZeRO-3 config, metrics.jsonl records).
 
 The 2-"node" run (two `--no_ssh` launchers on this machine, one rank each) is both what `test_multinode.py` checks
 and the uninterrupted 2-rank run that `test_resume_world_size.py` resumes from; it is cached for the session so
@@ -39,6 +40,17 @@ def partition_all_config(folder: Path) -> Path:
     path = folder / "zero3_partition_all.json"
     path.write_text(json.dumps(config))
     return path
+
+
+def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
+    """Last record per step of one kind in a run's metrics.jsonl: training steps (split None), "validation" or
+    generation "eval" (a resumed run appends repeated steps)."""
+    found = {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split") == split:
+            found[record["step"]] = record
+    return found
 
 
 def environment() -> dict[str, str]:

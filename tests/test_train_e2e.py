@@ -6,7 +6,6 @@ SIGKILLed and resumed, and a CE-only run starts from the same initial weights.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launches import partition_all_config, records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ntl_pretrain.config import load_recipe
@@ -55,25 +55,9 @@ def run_to_end(args: list[str], log: Path) -> None:
     assert process.wait(timeout=400) == 0, log.read_text()[-4000:]
 
 
-def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
-    """Last record per step of one kind: training steps (split None), "validation" or generation "eval" (a
-    resumed run appends repeated steps)."""
-    found = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split") == split:
-            found[record["step"]] = record
-    return found
-
-
 @pytest.fixture(scope="module")
 def ds_config(tmp_path_factory) -> Path:
-    """ZeRO-3 that partitions every parameter of the tiny model (the shipped config keeps small ones whole)."""
-    config = json.loads((REPO / "configs" / "zero3.json").read_text())
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    path = tmp_path_factory.mktemp("ds") / "zero3_partition_all.json"
-    path.write_text(json.dumps(config))
-    return path
+    return partition_all_config(tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launches import partition_all_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
@@ -141,10 +142,7 @@ def worker(out_path: str, ds_config: str) -> None:
 
 @pytest.mark.slow
 def test_grad_accumulation_and_world_size_leave_loss_and_update_unchanged(tmp_path):
-    config = json.loads((REPO / "configs" / "zero3.json").read_text())
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every tensor
-    ds_config = tmp_path / "zero3.json"
-    ds_config.write_text(json.dumps(config))
+    ds_config = partition_all_config(tmp_path)
     out = tmp_path / "summary.json"
     from ntl_pretrain.cli import free_port
 

@@ -7,7 +7,6 @@ One module fixture launches the dense and the vocabulary-parallel run once; the 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launches import partition_all_config, records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ntl_pretrain.config import RecipeError, load_recipe
@@ -50,23 +50,9 @@ def train(args: list[str], log: Path) -> None:
     assert done.returncode == 0, log.read_text()[-4000:]
 
 
-def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
-    """Last record per step of `split` (None: training steps; "validation"; "eval": generation metrics)."""
-    found = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split") == split:
-            found[record["step"]] = record
-    return found
-
-
 @pytest.fixture(scope="module")
 def ds_config(tmp_path_factory) -> Path:
-    config = json.loads((REPO / "configs" / "zero3.json").read_text())
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    path = tmp_path_factory.mktemp("ds") / "zero3_partition_all.json"
-    path.write_text(json.dumps(config))
-    return path
+    return partition_all_config(tmp_path_factory.mktemp("ds"))
 
 
 @pytest.fixture(scope="module")
