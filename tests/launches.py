@@ -53,6 +53,36 @@ def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
     return found
 
 
+def assert_model_reproduces_logged_validation(
+    model, tokenizer, run_dir: Path, step: int, micro_batch_size: int, ranks: int = 2
+) -> None:
+    """Plain transformers, run on exactly the validation batches each of the run's `ranks` ranks evaluated, gives
+    the CE and NTL the run logged at `step`."""
+    import pytest
+    import torch
+
+    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.data import build_dataloader
+    from ntl_pretrain.loss import ce_ntl_loss
+    from ntl_pretrain.numbers import NumberVocab
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    sums = torch.zeros(4, dtype=torch.float64)
+    for rank in range(ranks):
+        loader = build_dataloader(recipe.data, tokenizer, micro_batch_size=micro_batch_size, dp_rank=rank,
+                                  dp_world_size=ranks, seed=recipe.seed, split="validation")  # fmt: skip
+        for _, batch in zip(range(recipe.train.eval_max_batches), loader, strict=False):
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            out = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
+            sums += torch.tensor([out.ce, out.ntl, out.num_tokens, out.num_number_tokens], dtype=torch.float64)
+    logged = records(run_dir, "validation")[step]
+    assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
+    assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
+    assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
+
+
 def environment() -> dict[str, str]:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 

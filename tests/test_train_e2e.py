@@ -15,15 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from launches import partition_all_config, records
+from launches import assert_model_reproduces_logged_validation, partition_all_config, records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ntl_pretrain.config import load_recipe
-from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.evaluation import generation_metrics
-from ntl_pretrain.loss import ce_ntl_loss
-from ntl_pretrain.numbers import NumberVocab
 
 pytestmark = pytest.mark.slow
 
@@ -106,21 +102,7 @@ def test_export_reproduces_the_engines_validation_loss(tiny_run, exported):
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     tokenizer = AutoTokenizer.from_pretrained(out)
-    recipe = load_recipe(tiny_run / "recipe.yaml")
-    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-    sums = torch.zeros(4, dtype=torch.float64)
-    for rank in range(2):
-        loader = build_dataloader(recipe.data, tokenizer, micro_batch_size=4, dp_rank=rank, dp_world_size=2,
-                                  seed=recipe.seed, split="validation")  # fmt: skip
-        for _, batch in zip(range(recipe.train.eval_max_batches), loader, strict=False):
-            with torch.no_grad():
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            out_ = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
-            sums += torch.tensor([out_.ce, out_.ntl, out_.num_tokens, out_.num_number_tokens], dtype=torch.float64)
-    logged = records(tiny_run, "validation")[STEPS]
-    assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
-    assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
-    assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
+    assert_model_reproduces_logged_validation(model, tokenizer, tiny_run, STEPS, micro_batch_size=4)
 
 
 def test_generation_metrics_during_training_equal_the_exported_models(tiny_run, exported):

@@ -15,14 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from launches import partition_all_config, records
+from launches import assert_model_reproduces_logged_validation, partition_all_config, records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ntl_pretrain.config import RecipeError, load_recipe
-from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.deepspeed_config import build_deepspeed_config
-from ntl_pretrain.loss import ce_ntl_loss
-from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.vocab_parallel import check_resume, saved_layout
 
 pytestmark = pytest.mark.slow
@@ -138,21 +135,7 @@ def test_export_reassembles_the_output_layer(runs, tmp_path):
     slices = [torch.load(step_folder / "vocab_parallel" / f"rank_{r:05d}.pt", weights_only=True) for r in (0, 1)]
     assert torch.equal(model.lm_head.weight, torch.cat([s["weight"] for s in slices]))
     tokenizer = AutoTokenizer.from_pretrained(out)
-    recipe = load_recipe(runs[2] / "recipe.yaml")
-    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-    sums = torch.zeros(4, dtype=torch.float64)
-    for rank in range(2):
-        loader = build_dataloader(recipe.data, tokenizer, micro_batch_size=MICRO_BATCH, dp_rank=rank, dp_world_size=2,
-                                  seed=recipe.seed, split="validation")  # fmt: skip
-        for _, batch in zip(range(recipe.train.eval_max_batches), loader, strict=False):
-            with torch.no_grad():
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            got = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
-            sums += torch.tensor([got.ce, got.ntl, got.num_tokens, got.num_number_tokens], dtype=torch.float64)
-    logged = records(runs[2], "validation")[STEPS]
-    assert [logged["val_tokens"], logged["val_number_tokens"]] == [int(sums[2]), int(sums[3])]
-    assert sums[0] / sums[2] == pytest.approx(logged["val_ce"], rel=1e-5)
-    assert sums[1] / sums[3] == pytest.approx(logged["val_ntl"], rel=1e-5)
+    assert_model_reproduces_logged_validation(model, tokenizer, runs[2], STEPS, micro_batch_size=MICRO_BATCH)
 
 
 def check_generation_with_sharded_output_layer() -> None:
