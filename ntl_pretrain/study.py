@@ -30,7 +30,6 @@ from ntl_pretrain.plot import plot_runs
 VARIANTS = ("ce", "ntl-was", "ntl-mse")
 SEEDS = (0, 1, 2)
 BASELINE = "ce"
-SETS = ("arithmetic_interpolation", "arithmetic_extrapolation")
 
 
 @dataclass(frozen=True)
@@ -41,21 +40,28 @@ class Metric:
     digits: int
 
 
-METRICS = (
-    *(
-        metric
-        for split in SETS
-        for metric in (
-            Metric(f"eval/{split}/exact_match", f"{split.split('_')[1]} exact match", True, 3),
-            Metric(f"eval/{split}/mae", f"{split.split('_')[1]} MAE", False, 1),
-            Metric(f"eval/{split}/log_mae", f"{split.split('_')[1]} log10(1+AE)", False, 2),
-            Metric(f"eval/{split}/digit_accuracy", f"{split.split('_')[1]} digit acc.", True, 3),
-            Metric(f"eval/{split}/unparseable", f"{split.split('_')[1]} unparseable", False, 3),
-        )
-    ),
-    Metric("val_ce", "val CE", False, 3),
-    Metric("val_ntl_was", "val NTL-WAS", False, 3),
+# Per question/answer set `<set>` (the labels of the recipe's eval.qa_sets, e.g. `addition_interpolation`).
+GENERATION_METRICS = (
+    ("exact_match", "exact match", True, 3),
+    ("mae", "MAE", False, 1),
+    ("log_mae", "log10(1+AE)", False, 2),
+    ("digit_accuracy", "digit acc.", True, 3),
+    ("unparseable", "unparseable", False, 3),
 )
+VALIDATION_METRICS = (Metric("val_ce", "val CE", False, 3), Metric("val_ntl_was", "val NTL-WAS", False, 3))
+
+
+def qa_sets(results: dict) -> list[str]:
+    """The question/answer sets an evaluation scored, in its order (every set reports `eval/<set>/examples`)."""
+    return [key.split("/")[1] for key in results if key.startswith("eval/") and key.endswith("/examples")]
+
+
+def generation_metrics(sets: list[str]) -> list[Metric]:
+    return [
+        Metric(f"eval/{qa_set}/{name}", f"{qa_set} {title}", higher, digits)
+        for qa_set in sets
+        for name, title, higher, digits in GENERATION_METRICS
+    ]
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,50 @@ def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list
     return lines
 
 
+def training_evaluations(run: StudyRun) -> dict[int, dict]:
+    """The trainer's periodic generation metrics (`eval.every_steps`) by step; the final `ntl-pretrain eval`
+    record (which names its `model`) is not one of them."""
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r for r in records if r.get("split") == "eval" and "model" not in r}
+
+
+def learning_curve_table(runs: list[StudyRun], key: str, digits: int = 3) -> list[str]:
+    """`key` at every step the trainer evaluated, mean ± std over each variant's seeds; [] when it never did."""
+    curves: dict[str, list[dict[int, dict]]] = {}
+    for run in runs:
+        curves.setdefault(run.variant, []).append(training_evaluations(run))
+    steps = sorted({step for per_seed in curves.values() for evaluations in per_seed for step in evaluations})
+    if not steps:
+        return []
+    lines = ["| variant | " + " | ".join(f"step {step}" for step in steps) + " |", "|---|" + "---:|" * len(steps)]
+    for variant, per_seed in curves.items():
+        cells = []
+        for step in steps:
+            mean, std = mean_std([e[step][key] for e in per_seed if step in e and key in e[step]])
+            cells.append(
+                f"{_format(mean, digits)} ± {_format(std, digits)}" if len(per_seed) > 1 else _format(mean, digits)
+            )
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def learning_curve_section(runs: list[StudyRun]) -> list[str]:
+    """Exact match of each question set during training: when the final numbers tie, how fast each loss got there."""
+    sets = qa_sets(runs[0].results())
+    tables = [(qa_set, learning_curve_table(runs, f"eval/{qa_set}/exact_match")) for qa_set in sets]
+    tables = [(qa_set, table) for qa_set, table in tables if table]
+    if not tables:
+        return []
+    first = next(evaluation for run in runs for evaluation in training_evaluations(run).values())
+    examples = first.get(f"eval/{sets[0]}/examples", math.nan)
+    lines = ["## During training: exact match", "",
+             f"The trainer's own evaluation (`eval.every_steps`) on the first {_format(examples, 0)} questions of "
+             "each set, mean ± std over seeds.", ""]  # fmt: skip
+    for qa_set, table in tables:
+        lines += [f"{qa_set}:", "", *table, ""]
+    return lines
+
+
 def per_run_table(runs: list[StudyRun], metrics: list[Metric]) -> list[str]:
     lines = ["| run | " + " | ".join(metric.title for metric in metrics) + " | train s | eval s |"]
     lines.append("|---|" + "---:|" * (len(metrics) + 2))
@@ -185,13 +235,14 @@ def low_accuracy_notes(grouped: dict[str, list[dict]], threshold: float = 0.05) 
     """Say so when no variant answers more than `threshold` of a set exactly: differences in exact match are then
     a handful of questions, and the error and digit metrics carry what signal there is."""
     notes = []
-    for split in SETS:
-        key = f"eval/{split}/exact_match"
+    first = next(iter(grouped.values()))[0]
+    for qa_set in qa_sets(first):
+        key = f"eval/{qa_set}/exact_match"
         best = max((mean_std([r[key] for r in results])[0] for results in grouped.values()), default=math.nan)
         if math.isfinite(best) and best < threshold:
             notes.append(
-                f"- {split}: the best variant's mean exact match is {best:.1%} (of "
-                f"{int(next(iter(grouped.values()))[0][f'eval/{split}/examples'])} questions): at this budget the "
+                f"- {qa_set}: the best variant's mean exact match is {best:.1%} (of "
+                f"{int(first[f'eval/{qa_set}/examples'])} questions): at this budget the "
                 "models have not learned the task, so exact-match differences are a few questions; compare the error "
                 "and digit metrics instead."
             )
@@ -199,11 +250,13 @@ def low_accuracy_notes(grouped: dict[str, list[dict]], threshold: float = 0.05) 
 
 
 def present_metrics(grouped: dict[str, list[dict]]) -> list[Metric]:
-    """The fixed columns, then per-source validation CE (`val/<source>/ce`) when the runs report it."""
+    """Generation metrics per question set, validation CE and NTL, then per-source validation CE
+    (`val/<source>/ce`) when the runs report it."""
     keys = {key for results in grouped.values() for result in results for key in result}
     sources = sorted({key.split("/")[1] for key in keys if key.startswith("val/") and key.endswith("/ce")})
     extra = [Metric(f"val/{source}/ce", f"val CE {source}", False, 3) for source in sources]
-    return [metric for metric in METRICS if metric.key in keys] + extra
+    fixed = [*generation_metrics(qa_sets(next(iter(grouped.values()))[0])), *VALIDATION_METRICS]
+    return [metric for metric in fixed if metric.key in keys] + extra
 
 
 def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
@@ -231,6 +284,16 @@ def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
     ]
 
 
+def evaluation_line(run: StudyRun) -> str:
+    """Which questions were asked: the sets the evaluation reports, with the files the run's recipe names."""
+    from ntl_pretrain.config import load_recipe
+
+    results = run.results()
+    paths = {qa.label: qa.path for qa in load_recipe(run.recipe).eval.qa_sets}
+    asked = [f"{int(results[f'eval/{name}/examples'])} of `{paths.get(name, name)}`" for name in qa_sets(results)]
+    return f"- Evaluation: the final checkpoint (fp32), greedy decoding of the first {' and '.join(asked)}."
+
+
 def _describe_variant(recipe_path: Path, overrides: list[str]) -> str:
     from ntl_pretrain.config import load_recipe
 
@@ -247,9 +310,7 @@ def write_report(
     notes = low_accuracy_notes(grouped)
     seeds = len({run.seed for run in runs})
     plot_runs([run.run_dir for run in runs], plot, labels=[run.name for run in runs], groups=[r.variant for r in runs])
-    first = runs[0].results()
     total = sum(run.timing()["train_s"] + run.timing()["eval_s"] for run in runs)
-    evaluated = int(first[f"eval/{SETS[0]}/examples"])
     lines = [
         f"# Study: {title}",
         "",
@@ -259,9 +320,7 @@ def write_report(
         "## Setup",
         "",
         *setup_lines(runs, overrides),
-        f"- Evaluation: the final checkpoint (fp32), greedy decoding of the first {evaluated} questions of "
-        "`arithmetic/interpolation.jsonl` (numbers like training: 1–4 integer digits) and "
-        "`arithmetic/extrapolation.jsonl` (5–6 digits).",
+        evaluation_line(runs[0]),
         f"- Compute: {len(runs)} runs, {total / 60:.1f} min of run time in total; {_wall_clock(runs) / 60:.1f} min "
         "from the first run's start to the last run's end.",
         "",
@@ -282,6 +341,7 @@ def write_report(
         *(["Caveats:", "", *notes, ""] if notes else []),
         f"![training curves and final metrics per run]({os.path.relpath(plot, doc.parent)})",
         "",
+        *learning_curve_section(runs),
         "## Per run",
         "",
         *per_run_table(runs, metrics),
@@ -307,8 +367,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--doc", type=Path, default=Path("docs/study.md"))
     parser.add_argument("--plot", type=Path, default=Path("docs/study.png"))
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each gets cpu_count/jobs threads)")
-    parser.add_argument("--max-examples", type=int, default=500, help="questions per evaluation set")
-    parser.add_argument("--title", default="CE vs CE + NTL on generated arithmetic, from scratch")
+    parser.add_argument("--max-examples", type=int, default=1000, help="questions per evaluation set")
+    parser.add_argument("--title", default="CE vs CE + NTL on two-digit addition, from scratch")
     parser.set_defaults(func=run_study)
 
 

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from ntl_pretrain.data import commands
 from ntl_pretrain.data.arithmetic import make_set
-from ntl_pretrain.data.commands import CORPUS
+from ntl_pretrain.data.commands import CORPUS, TOKENIZER_SETS
 from ntl_pretrain.data.prose import split_book
 from ntl_pretrain.data.tiny_tokenizer import train_and_save
 
@@ -67,6 +67,22 @@ def test_extrapolation_uses_larger_numbers_and_generation_is_deterministic():
         assert make_set(set_name, SIZES, seed=6) != splits
 
 
+def test_addition_is_compact_exact_and_holds_out_interpolation_and_larger_operands():
+    sizes = {"train": 3000, "validation": 300, "interpolation": 500, "extrapolation": 200}
+    splits = make_set("addition", sizes, seed=0)
+    operands = {}
+    for split, examples in splits.items():
+        assert len(examples) == sizes[split]
+        pairs = [re.fullmatch(r"(\d+)\+(\d+)=", e["question"]).groups() for e in examples]
+        assert [int(e["answer"]) for e in examples] == [int(a) + int(b) for a, b in pairs]
+        operands[split] = [int(n) for pair in pairs for n in pair]
+    for split in ("train", "validation", "interpolation"):
+        assert max(operands[split]) < 100 and min(operands[split]) < 10  # one and two digits
+    assert min(operands["extrapolation"]) >= 100 and max(operands["extrapolation"]) < 1000
+    questions = [{e["question"] for e in examples} for examples in splits.values()]
+    assert sum(map(len, questions)) == len(set().union(*questions))  # 4,000 distinct of the 10,000 sums
+
+
 def test_committed_corpus_is_small_and_regenerates_byte_for_byte(tmp_path):
     total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
     assert total < 3_000_000
@@ -99,7 +115,7 @@ def test_tiny_tokenizer_loads_offline_and_spells_numbers_in_digits(monkeypatch):
 
 
 def test_tiny_tokenizer_retrains_byte_for_byte(tmp_path):
-    train_and_save(sorted(CORPUS.glob("*/train.jsonl")), tmp_path)
+    train_and_save([CORPUS / name / "train.jsonl" for name in TOKENIZER_SETS], tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (CORPUS / "tiny-tokenizer" / name).read_bytes(), name
 

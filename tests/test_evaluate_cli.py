@@ -67,3 +67,45 @@ def test_eval_config_checks_name_the_key() -> None:
         EvalConfig(prompt_template="Q:").check()
     with pytest.raises(ValueError, match="^qa_sets: several sets"):
         EvalConfig(qa_sets=[QaSetConfig(path=QA), QaSetConfig(path=QA)]).check()
+
+
+def parse_eval_flags(*flags: str):
+    import argparse
+
+    from ntl_pretrain.evaluation.commands import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["eval", "RUN", *flags])
+
+
+def saved_run(tmp_path: Path, recipe_text: str) -> Path:
+    step = tmp_path / "run" / "checkpoints" / "step_3"
+    (step / "hf_config").mkdir(parents=True)
+    (step / "recipe.yaml").write_text(recipe_text)
+    return tmp_path / "run"
+
+
+def test_a_runs_own_eval_section_fills_what_the_flags_leave_out(tmp_path: Path) -> None:
+    from ntl_pretrain.config import dump_recipe, load_recipe
+    from ntl_pretrain.evaluation.commands import eval_config_from_args
+    from ntl_pretrain.evaluation.model_folder import recipe_eval
+
+    study = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "study" / "ntl-was.yaml")
+    from_run = recipe_eval(resolve_target(saved_run(tmp_path, dump_recipe(study))))
+    assert from_run == study.eval  # the saved section reads back as the recipe's own
+
+    cfg = eval_config_from_args(parse_eval_flags("--max-examples", "7"), from_run)
+    assert [qa.label for qa in cfg.qa_sets] == ["addition_interpolation", "addition_extrapolation"]
+    assert (cfg.prompt_template, cfg.max_new_tokens, cfg.max_examples) == ("{question}", 6, 7)
+
+    flags = parse_eval_flags("--qa", QA, "--max-new-tokens", "9", "--prompt-template", "Q: {question}")
+    cfg = eval_config_from_args(flags, from_run)  # flags win over the run's section
+    assert ([qa.label for qa in cfg.qa_sets], cfg.max_new_tokens) == (["arithmetic_interpolation"], 9)
+    assert cfg.prompt_template == "Q: {question}"
+
+    older = dump_recipe(study).split("\neval:\n")[0]  # a run saved before recipes had `eval:`
+    assert recipe_eval(resolve_target(saved_run(tmp_path / "old", older))) is None
+    defaults = eval_config_from_args(parse_eval_flags(), None)
+    assert [qa.label for qa in defaults.qa_sets] == [qa.label for qa in EvalConfig().qa_sets]
+    assert defaults.max_new_tokens == EvalConfig().max_new_tokens

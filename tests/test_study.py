@@ -12,9 +12,18 @@ import pytest
 
 from ntl_pretrain.config import load_recipe
 from ntl_pretrain.deepspeed_config import load_run
-from ntl_pretrain.study import METRICS, SETS, StudyRun, execute, low_accuracy_notes, plan, write_report
+from ntl_pretrain.study import (
+    VALIDATION_METRICS,
+    StudyRun,
+    execute,
+    generation_metrics,
+    low_accuracy_notes,
+    plan,
+    write_report,
+)
 
 STUDY_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "study"
+SETS = ["addition_interpolation", "addition_extrapolation"]  # the labels of the study recipe's eval.qa_sets
 
 
 def test_study_variants_differ_only_in_the_loss() -> None:
@@ -38,9 +47,9 @@ def test_plan_names_runs_and_refuses_unknown_variants(tmp_path: Path) -> None:
 
 
 def fake_results(exact: float, mae: float, seed: int) -> dict:
-    results = {metric.key: 0.5 for metric in METRICS}
-    results.update({"eval/arithmetic_interpolation/exact_match": exact, "eval/arithmetic_interpolation/mae": mae})
-    results["eval/arithmetic_interpolation/examples"] = 100.0
+    results = {metric.key: 0.5 for metric in (*generation_metrics(SETS), *VALIDATION_METRICS)}
+    results.update({f"eval/{SETS[0]}/exact_match": exact, f"eval/{SETS[0]}/mae": mae})
+    results.update({f"eval/{qa_set}/examples": 100.0 for qa_set in SETS})
     return results | {"seed": seed}
 
 
@@ -54,6 +63,9 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
             (run.run_dir / "eval.json").write_text(json.dumps(fake_results(exact, mae, seed)))
             (run.run_dir / "study.json").write_text(json.dumps({"train_s": 60.0, "eval_s": 10.0}))
             steps = [{"step": s, "loss": 2.0 / s, "ce": 2.0 / s, "ntl": 0.0} for s in (1, 2, 3)]
+            # the trainer's periodic evaluation at steps 2 and 3, then the final `ntl-pretrain eval` record
+            steps += [fake_results(exact * s / 3, mae, seed) | {"step": s, "split": "eval"} for s in (2, 3)]
+            steps += [fake_results(exact, mae, seed) | {"step": 3, "split": "eval", "model": str(run.run_dir)}]
             (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
             (run.run_dir / "recipe.yaml").write_text("{}")
             runs.append(run)
@@ -63,7 +75,8 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     assert plot.is_file() and "](study.png)" in text
 
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines()}
-    exact_row, mae_row = rows["interpolation exact match"], rows["interpolation MAE"]
+    exact_row, mae_row = rows[f"{SETS[0]} exact match"], rows[f"{SETS[0]} MAE"]
+    assert rows[f"{SETS[1]} digit acc."] and rows["val NTL-WAS"]  # every set's metrics, then validation
     ce_exact = [e for e, _ in measured["ce"]]
     was_exact = [e for e, _ in measured["ntl-was"]]
     assert exact_row[1] == f"{statistics.fmean(ce_exact):.3f} ± {statistics.stdev(ce_exact):.3f}"
@@ -73,7 +86,14 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     mae_gain = statistics.fmean(m for _, m in measured["ce"]) - statistics.fmean(m for _, m in measured["ntl-was"])
     assert mae_row[3].rstrip(" |") == f"+{mae_gain:.1f}"
     assert "6 runs, 7.0 min" in text
+    assert "100 of `pkg:ntl_pretrain/corpus/addition/interpolation.jsonl`" in text  # what was asked, from the recipe
     assert "Caveats" not in text  # exact match of 10-50%: the models learned something
+
+    curve = text.split("## During training: exact match")[1].split(f"{SETS[1]}:")[0]
+    ce_row = next(line for line in curve.splitlines() if line.startswith("| ce |"))
+    at_step_2 = [exact * 2 / 3 for exact in ce_exact]
+    assert "| step 2 | step 3 |" in curve and "first 100 questions" in curve
+    assert ce_row.split(" | ")[1] == f"{statistics.fmean(at_step_2):.3f} ± {statistics.stdev(at_step_2):.3f}"
 
 
 def test_caveat_when_no_variant_learned_the_task() -> None:
@@ -95,6 +115,6 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     assert results["step"] == trainer_validation["step"] == 2
     assert results["val_ce"] == pytest.approx(trainer_validation["val_ce"], rel=1e-5)
     assert results["val_ntl_was"] == pytest.approx(trainer_validation["val_ntl"], rel=1e-5)
-    assert results["eval/arithmetic_interpolation/examples"] == 8
+    assert results[f"eval/{SETS[0]}/examples"] == results[f"eval/{SETS[1]}/examples"] == 8  # the recipe's sets
     assert records[-1]["split"] == "eval"  # --log-metrics appended the evaluation for `ntl-pretrain plot`
     assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s"}

@@ -31,12 +31,6 @@ class Difficulty:
     """Most digits after the decimal point of a decimal operand."""
 
 
-# Interpolation questions come from the training distribution (but are never training questions);
-# extrapolation questions use operands with more digits than any training operand.
-TRAIN = Difficulty(min_digits=1, max_digits=4)
-EXTRAPOLATION = Difficulty(min_digits=5, max_digits=6)
-
-
 def format_number(value: Decimal) -> str:
     """Plain positional notation without trailing zeros: 12.50 -> '12.5', 3.0 -> '3', -0 -> '0'."""
     text = f"{value.normalize():f}"
@@ -156,16 +150,39 @@ def word_problem_distance(rng: random.Random, level: Difficulty) -> Example:
     return _example(question, speed * hours)
 
 
+def compact_addition(rng: random.Random, level: Difficulty) -> Example:
+    """`a+b=` with integers and nothing else: no words to model, so a model of about a million parameters spends
+    its capacity on the digits and learns part of the task on a CPU in minutes (the study's task)."""
+    a, b = draw_integer(rng, level), draw_integer(rng, level)
+    return _example(f"{a}+{b}=", Decimal(a + b))
+
+
 Generator = Callable[[random.Random, Difficulty], Example]
-ARITHMETIC: list[Generator] = [add_or_subtract, add_or_subtract, multiply, divide, multi_step]
-WORD_PROBLEMS: list[Generator] = [
-    word_problem_purchase,
-    word_problem_change,
-    word_problem_sharing,
-    word_problem_savings,
-    word_problem_distance,
-]
-SETS: dict[str, list[Generator]] = {"arithmetic": ARITHMETIC, "word_problems": WORD_PROBLEMS}
+
+
+@dataclass(frozen=True)
+class QuestionSet:
+    """Generators, drawn uniformly (one listed twice comes twice as often), and the operand sizes of each split. Interpolation questions come from
+    the training distribution (but are never training questions); extrapolation questions use operands with
+    more digits than any training operand."""
+
+    generators: list[Generator]
+    train: Difficulty
+    extrapolation: Difficulty
+
+    def level(self, split: str) -> Difficulty:
+        return self.extrapolation if split == "extrapolation" else self.train
+
+
+MIXED = {"train": Difficulty(min_digits=1, max_digits=4), "extrapolation": Difficulty(min_digits=5, max_digits=6)}
+SETS: dict[str, QuestionSet] = {
+    "arithmetic": QuestionSet([add_or_subtract, add_or_subtract, multiply, divide, multi_step], **MIXED),
+    "word_problems": QuestionSet(
+        [word_problem_purchase, word_problem_change, word_problem_sharing, word_problem_savings, word_problem_distance],
+        **MIXED,
+    ),
+    "addition": QuestionSet([compact_addition], train=Difficulty(1, 2, 0), extrapolation=Difficulty(3, 3, 0)),
+}
 
 
 def _example(question: str, answer: Decimal) -> Example:
@@ -192,21 +209,18 @@ def generate(
         yield example
 
 
-SPLITS: dict[str, Difficulty] = {
-    "train": TRAIN,
-    "validation": TRAIN,
-    "interpolation": TRAIN,
-    "extrapolation": EXTRAPOLATION,
-}
+SPLITS = ("train", "validation", "interpolation", "extrapolation")
 
 
 def make_set(set_name: str, sizes: dict[str, int], seed: int) -> dict[str, list[Example]]:
     """All splits of one set; validation and interpolation never repeat a training question."""
     splits: dict[str, list[Example]] = {}
     used: set[str] = set()
-    for split, level in SPLITS.items():
+    question_set = SETS[set_name]
+    for split in SPLITS:
         rng = split_rng(seed, set_name, split)
-        splits[split] = list(generate(SETS[set_name], rng, level, sizes[split], used))
+        examples = generate(question_set.generators, rng, question_set.level(split), sizes[split], used)
+        splits[split] = list(examples)
         used.update(example["question"] for example in splits[split])
     return splits
 

@@ -8,6 +8,10 @@ from pathlib import Path
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 ARITHMETIC_SIZES = {"train": 15000, "validation": 1000, "interpolation": 1000, "extrapolation": 1000}
 WORD_PROBLEM_SIZES = {"train": 5000, "validation": 500, "interpolation": 500, "extrapolation": 500}
+# 8,500 of the 10,000 questions `a+b=` with a, b < 100: interpolation and validation questions are held out.
+ADDITION_SIZES = {"train": 7000, "validation": 500, "interpolation": 1000, "extrapolation": 1000}
+# The tiny tokenizer's training text. Fixed, so a set added later (addition) leaves the tokenizer as it is.
+TOKENIZER_SETS = ("arithmetic", "prose", "word_problems")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +40,11 @@ def run_make_arithmetic(args: argparse.Namespace) -> None:
     def scaled(sizes: dict[str, int]) -> dict[str, int]:
         return {split: max(1, round(size * args.scale)) for split, size in sizes.items()}
 
-    sizes = {"arithmetic": scaled(ARITHMETIC_SIZES), "word_problems": scaled(WORD_PROBLEM_SIZES)}
+    sizes = {
+        "arithmetic": scaled(ARITHMETIC_SIZES),
+        "word_problems": scaled(WORD_PROBLEM_SIZES),
+        "addition": scaled(ADDITION_SIZES),
+    }
     for path in make_arithmetic(args.out, sizes, args.seed):
         print(path)
 
@@ -62,7 +70,7 @@ def _add_train_tokenizer(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "train-tokenizer", help="train the tiny byte-level BPE tokenizer (single digits) on the corpus"
     )
-    parser.add_argument("--corpus", type=Path, default=CORPUS, help="folder holding */train.jsonl")
+    parser.add_argument("--corpus", type=Path, default=CORPUS, help="folder holding <set>/train.jsonl")
     parser.add_argument("--out", type=Path, default=CORPUS / "tiny-tokenizer")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.set_defaults(func=run_train_tokenizer)
@@ -71,9 +79,10 @@ def _add_train_tokenizer(commands: argparse._SubParsersAction) -> None:
 def run_train_tokenizer(args: argparse.Namespace) -> None:
     from ntl_pretrain.data.tiny_tokenizer import train_and_save
 
-    files = sorted(args.corpus.glob("*/train.jsonl"))
-    if not files:
-        raise SystemExit(f"no */train.jsonl under {args.corpus}")
+    files = [args.corpus / name / "train.jsonl" for name in TOKENIZER_SETS]
+    missing = [str(file) for file in files if not file.is_file()]
+    if missing:
+        raise SystemExit(f"train-tokenizer: missing {', '.join(missing)}")
     tokenizer = train_and_save(files, args.out, args.vocab_size)
     print(f"{args.out}: vocab {len(tokenizer)} trained on {', '.join(str(f) for f in files)}")
 

@@ -217,7 +217,9 @@ class PackedLoader:
 
     def metrics(self) -> dict[str, float]:
         """This rank's counters: `skipped/<reason>`, `documents`, `tokens`, `batches`, `epoch/<source>`,
-        and `epoch` (the fewest completed passes over any source)."""
+        and `epoch` (the fewest completed passes over any source). Passes are the readers': they include the
+        documents read ahead into the shuffle buffer, so a source smaller than the buffer is several epochs in
+        before the first step."""
         if self.split == "validation":
             return {f"skipped/{reason}": float(self.validation_skipped[reason]) for reason in SKIP_REASONS}
         if self.sliced is not None:

@@ -21,7 +21,13 @@ import torch.distributed as dist
 from ntl_pretrain.data.config import SourceConfig
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import generation_metrics
-from ntl_pretrain.evaluation.model_folder import Target, export_for_eval, recipe_validation, resolve_target
+from ntl_pretrain.evaluation.model_folder import (
+    Target,
+    export_for_eval,
+    recipe_eval,
+    recipe_validation,
+    resolve_target,
+)
 from ntl_pretrain.evaluation.validation import validation_metrics
 
 
@@ -80,11 +86,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("target", help="run directory (latest checkpoint), checkpoint step folder or HF folder")
     defaults = EvalConfig()
     parser.add_argument("--qa", action="append", default=None, metavar="JSONL",
-                        help="Q/A jsonl (repeatable); default: arithmetic interpolation, extrapolation")  # fmt: skip
+                        help="Q/A jsonl (repeatable); default: the run recipe's eval.qa_sets, else arithmetic "
+                             "interpolation and extrapolation")  # fmt: skip
     parser.add_argument("--max-examples", type=int, default=defaults.max_examples, help="per set; 0 = all")
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"default: the run's eval.max_new_tokens, else {defaults.max_new_tokens}")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="prompts per generate call")
-    parser.add_argument("--prompt-template", default=defaults.prompt_template)
+    parser.add_argument("--prompt-template", default=None,
+                        help=f"default: the run's eval.prompt_template, else {defaults.prompt_template!r}")  # fmt: skip
     parser.add_argument("--validation", action="append", default=None, metavar="PATH",
                         help="held-out source (repeatable); default: the run's data.validation")  # fmt: skip
     parser.add_argument(
@@ -99,12 +108,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_eval)
 
 
-def eval_config_from_args(args: argparse.Namespace) -> EvalConfig:
+def eval_config_from_args(args: argparse.Namespace, from_run: EvalConfig | None = None) -> EvalConfig:
+    """The flags; what they leave out (the question sets, prompt and answer length) comes from the run's own
+    `eval:` section when `from_run` has one, so a run is scored on the task it was trained for."""
+    task = from_run or EvalConfig()
     cfg = EvalConfig(
+        qa_sets=task.qa_sets,
         max_examples=args.max_examples or None,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens or task.max_new_tokens,
         batch_size=args.batch_size,
-        prompt_template=args.prompt_template,
+        prompt_template=args.prompt_template or task.prompt_template,
         max_validation_batches=args.max_validation_batches,
     )
     if args.qa:
@@ -121,7 +134,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        record = evaluate_target(args.target, eval_config_from_args(args), args.seq_len, args.ntl_kind)
+        cfg = eval_config_from_args(args, recipe_eval(resolve_target(args.target)))
+        record = evaluate_target(args.target, cfg, args.seq_len, args.ntl_kind)
         if not distributed or dist.get_rank() == 0:
             _publish(record, args)
     finally:

@@ -9,6 +9,7 @@ import yaml
 
 from ntl_pretrain import checkpoint
 from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,25 @@ def export_for_eval(target: Target, out_dir: Path) -> Target:
     return Target(export_checkpoint(target.checkpoint, out_dir, dtype="float32"), target.checkpoint)
 
 
+def saved_recipe(target: Target) -> dict:
+    """The resolved recipe saved with the checkpoint, as plain data; {} for a bare HF folder."""
+    if target.checkpoint is None:
+        return {}
+    return yaml.safe_load((target.checkpoint / "recipe.yaml").read_text())
+
+
+def recipe_eval(target: Target) -> EvalConfig | None:
+    """The run's `eval:` section (its question/answer sets and prompt), when the recipe saved one."""
+    section = saved_recipe(target).get("eval")
+    if not section:
+        return None
+    qa_sets = [QaSetConfig(**qa) for qa in section.get("qa_sets") or []]
+    validation = [SourceConfig(**source) for source in section.get("validation") or []]
+    return EvalConfig(**{**section, "qa_sets": qa_sets, "validation": validation})
+
+
 def recipe_validation(target: Target) -> tuple[list[SourceConfig], int] | None:
     """The run's held-out sources and packed length, read from the recipe saved with the checkpoint."""
-    if target.checkpoint is None:
-        return None
-    recipe = yaml.safe_load((target.checkpoint / "recipe.yaml").read_text())
-    data = recipe.get("data", {})
+    data = saved_recipe(target).get("data", {})
     sources = [SourceConfig(**source) for source in data.get("validation") or []]
     return (sources, int(data.get("seq_len", 512))) if sources else None
