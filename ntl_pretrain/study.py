@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ntl_pretrain.plot import plot_runs
+from ntl_pretrain.plot import plot_runs, read_metrics
 
 VARIANTS = ("ce", "ntl-was", "ntl-mse")
 SEEDS = (0, 1, 2)
@@ -166,15 +166,12 @@ def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list
 def training_evaluations(run: StudyRun) -> dict[int, dict]:
     """The trainer's periodic generation metrics (`eval.every_steps`) by step; the final `ntl-pretrain eval`
     record (which names its `model`) is not one of them."""
-    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {r["step"]: r for r in records if r.get("split") == "eval" and "model" not in r}
+    return {r["step"]: r for r in read_metrics(run.run_dir) if r.get("split") == "eval" and "model" not in r}
 
 
-def learning_curve_table(runs: list[StudyRun], key: str, digits: int = 3) -> list[str]:
-    """`key` at every step the trainer evaluated, mean ± std over each variant's seeds; [] when it never did."""
-    curves: dict[str, list[dict[int, dict]]] = {}
-    for run in runs:
-        curves.setdefault(run.variant, []).append(training_evaluations(run))
+def learning_curve_table(curves: dict[str, list[dict[int, dict]]], key: str, digits: int = 3) -> list[str]:
+    """`key` at every step the trainer evaluated, mean ± std over each variant's seeds (`curves`: variant ->
+    `training_evaluations` per seed); [] when it never did."""
     steps = sorted({step for per_seed in curves.values() for evaluations in per_seed for step in evaluations})
     if not steps:
         return []
@@ -192,18 +189,19 @@ def learning_curve_table(runs: list[StudyRun], key: str, digits: int = 3) -> lis
 
 def learning_curve_section(runs: list[StudyRun]) -> list[str]:
     """Exact match of each question set during training: when the final numbers tie, how fast each loss got there."""
-    sets = qa_sets(runs[0].results())
-    tables = [(qa_set, learning_curve_table(runs, f"eval/{qa_set}/exact_match")) for qa_set in sets]
-    tables = [(qa_set, table) for qa_set, table in tables if table]
-    if not tables:
+    curves: dict[str, list[dict[int, dict]]] = {}
+    for run in runs:
+        curves.setdefault(run.variant, []).append(training_evaluations(run))
+    evaluations = [e for per_seed in curves.values() for per_run in per_seed for e in per_run.values()]
+    if not evaluations:
         return []
-    first = next(evaluation for run in runs for evaluation in training_evaluations(run).values())
-    examples = first.get(f"eval/{sets[0]}/examples", math.nan)
+    sets = qa_sets(runs[0].results())
     lines = ["## During training: exact match", "",
-             f"The trainer's own evaluation (`eval.every_steps`) on the first {_format(examples, 0)} questions of "
-             "each set, mean ± std over seeds.", ""]  # fmt: skip
-    for qa_set, table in tables:
-        lines += [f"{qa_set}:", "", *table, ""]
+             f"The trainer's own evaluation (`eval.every_steps`) on the first "
+             f"{_format(evaluations[0].get(f'eval/{sets[0]}/examples', math.nan), 0)} questions of each set, "
+             "mean ± std over seeds.", ""]  # fmt: skip
+    for qa_set in sets:
+        lines += [f"{qa_set}:", "", *learning_curve_table(curves, f"eval/{qa_set}/exact_match"), ""]
     return lines
 
 
@@ -281,15 +279,13 @@ def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
         f"- Variants (`{runs[0].recipe.parent}/<variant>.yaml`): "
         + "; ".join(sorted({_describe_variant(run.recipe, overrides) for run in runs}))
         + f"; seeds {sorted({run.seed for run in runs})}.",
+        _evaluation_line(runs[0].results(), recipe.eval.qa_sets),
     ]
 
 
-def evaluation_line(run: StudyRun) -> str:
-    """Which questions were asked: the sets the evaluation reports, with the files the run's recipe names."""
-    from ntl_pretrain.config import load_recipe
-
-    results = run.results()
-    paths = {qa.label: qa.path for qa in load_recipe(run.recipe).eval.qa_sets}
+def _evaluation_line(results: dict, asked_sets: list) -> str:
+    """Which questions were asked: the sets the evaluation reports, with the files the recipe names for them."""
+    paths = {qa.label: qa.path for qa in asked_sets}
     asked = [f"{int(results[f'eval/{name}/examples'])} of `{paths.get(name, name)}`" for name in qa_sets(results)]
     return f"- Evaluation: the final checkpoint (fp32), greedy decoding of the first {' and '.join(asked)}."
 
@@ -320,7 +316,6 @@ def write_report(
         "## Setup",
         "",
         *setup_lines(runs, overrides),
-        evaluation_line(runs[0]),
         f"- Compute: {len(runs)} runs, {total / 60:.1f} min of run time in total; {_wall_clock(runs) / 60:.1f} min "
         "from the first run's start to the last run's end.",
         "",
