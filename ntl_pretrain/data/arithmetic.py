@@ -162,9 +162,9 @@ Generator = Callable[[random.Random, Difficulty], Example]
 
 @dataclass(frozen=True)
 class QuestionSet:
-    """Generators, drawn uniformly (one listed twice comes twice as often), and the operand sizes of each split. Interpolation questions come from
-    the training distribution (but are never training questions); extrapolation questions use operands with
-    more digits than any training operand."""
+    """Generators, drawn uniformly (one listed twice comes twice as often), and the operand sizes of each
+    split. Interpolation questions come from the training distribution (but are never training questions);
+    extrapolation questions use operands with more digits than any training operand."""
 
     generators: list[Generator]
     train: Difficulty
