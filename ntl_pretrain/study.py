@@ -133,9 +133,10 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def by_variant(runs: list[StudyRun]) -> dict[str, list[dict]]:
+    """Each variant's evaluation results, one per seed, with the run's `seed` added (to pair runs across variants)."""
     grouped: dict[str, list[dict]] = {}
     for run in runs:
-        grouped.setdefault(run.variant, []).append(run.results())
+        grouped.setdefault(run.variant, []).append(run.results() | {"seed": run.seed})
     return grouped
 
 
@@ -217,16 +218,20 @@ def per_run_table(runs: list[StudyRun], metrics: list[Metric]) -> list[str]:
 
 
 def _compare(metric: Metric, results: list[dict], baseline: list[dict]) -> str:
+    """Difference of means from the baseline (+ is better), and on how many seeds the variant beat the baseline run
+    of the same seed: the same initialisation and data order, so each pair differs only in the loss."""
     sign = 1.0 if metric.higher_is_better else -1.0
-    ours = [sign * r[metric.key] for r in results if math.isfinite(r.get(metric.key, math.nan))]
-    base = [sign * r[metric.key] for r in baseline if math.isfinite(r.get(metric.key, math.nan))]
-    if not ours or not base:
+    ours = {r["seed"]: sign * r.get(metric.key, math.nan) for r in results}
+    base = {r["seed"]: sign * r.get(metric.key, math.nan) for r in baseline}
+    finite_ours = [value for value in ours.values() if math.isfinite(value)]
+    finite_base = [value for value in base.values() if math.isfinite(value)]
+    if not finite_ours or not finite_base:
         return "n/a"
-    gain = statistics.fmean(ours) - statistics.fmean(base)
-    mark = ""
-    if len(ours) > 1 and len(base) > 1:  # one seed against one says nothing about the spread
-        mark = " (all)" if min(ours) > max(base) else " (none)" if max(ours) < min(base) else ""
-    return f"{'+' if gain >= 0 else '−'}{_format(abs(gain), metric.digits)}{mark}"
+    gain = statistics.fmean(finite_ours) - statistics.fmean(finite_base)
+    pairs = [(ours[seed], base[seed]) for seed in ours.keys() & base.keys()]
+    pairs = [(mine, theirs) for mine, theirs in pairs if math.isfinite(mine) and math.isfinite(theirs)]
+    wins = f" ({sum(mine > theirs for mine, theirs in pairs)}/{len(pairs)})" if len(pairs) > 1 else ""
+    return f"{'+' if gain >= 0 else '−'}{_format(abs(gain), metric.digits)}{wins}"
 
 
 def low_accuracy_notes(grouped: dict[str, list[dict]], threshold: float = 0.05) -> list[str]:
@@ -327,8 +332,10 @@ def write_report(
         "is better. MAE and log-error are over the answers that contain a number. The last columns are differences "
         f"of means from {BASELINE}, signed so that + is better"
         + (
-            f"; (all): every seed beats every {BASELINE} seed, (none): every seed is worse (with {seeds} seeds, the "
-            "most this study can claim)."
+            f"; (k/n): better than the {BASELINE} run of the same seed (same initialisation and data order) on k of "
+            f"n seeds. Were the losses equivalent, each seed would be a coin flip: {seeds}/{seeds} or 0/{seeds} "
+            f"then happens with probability {2.0 ** (1 - seeds):.2g} (two-sided sign test), anything in between "
+            "more often."
             if seeds > 1
             else "; with one seed, a difference says nothing about its spread over seeds."
         ),
