@@ -48,7 +48,11 @@ GENERATION_METRICS = (
     ("digit_accuracy", "digit acc.", True, 3),
     ("unparseable", "unparseable", False, 3),
 )
-VALIDATION_METRICS = (Metric("val_ce", "val CE", False, 3), Metric("val_ntl_was", "val NTL-WAS", False, 3))
+VALIDATION_METRICS = (
+    Metric("val_ce", "val CE", False, 3),
+    Metric("val_number_ce", "val CE at number labels", False, 3),
+    Metric("val_ntl_was", "val NTL-WAS", False, 3),
+)
 
 
 def qa_sets(results: dict) -> list[str]:
@@ -254,8 +258,8 @@ def low_accuracy_notes(grouped: dict[str, list[dict]], threshold: float = 0.05) 
 
 def present_metrics(grouped: dict[str, list[dict]]) -> list[Metric]:
     """Generation metrics per question set, validation CE and NTL, then per-source validation CE
-    (`val/<source>/ce`) when the runs report it."""
-    keys = {key for results in grouped.values() for result in results for key in result}
+    (`val/<source>/ce`): those that every run reports (runs evaluated by an older version lack newer metrics)."""
+    keys = set.intersection(*(set(result) for results in grouped.values() for result in results))
     sources = sorted({key.split("/")[1] for key in keys if key.startswith("val/") and key.endswith("/ce")})
     extra = [Metric(f"val/{source}/ce", f"val CE {source}", False, 3) for source in sources]
     fixed = [*generation_metrics(qa_sets(next(iter(grouped.values()))[0])), *VALIDATION_METRICS]

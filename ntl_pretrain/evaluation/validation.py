@@ -33,8 +33,10 @@ def validation_metrics(
     max_batches: int | None = None,
     ntl_kind: str = "was",
 ) -> dict[str, float]:
-    """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_tokens`, `val_number_tokens` over all sources and ranks,
-    and with several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart from arithmetic).
+    """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_tokens`, `val_number_tokens` and `val_number_ce` (CE
+    where the label is a number token: where NTL acts, and where it may trade CE for closer numbers) over all
+    sources and ranks, and with several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart
+    from arithmetic).
     Each source is packed on its own; `max_batches` caps each source's micro-batches per rank. Call on every rank.
     """
     was_training = model.training
@@ -66,7 +68,8 @@ def _source_sums(
     max_batches: int | None,
     ntl_kind: str,
 ) -> torch.Tensor:
-    """float64 [4]: summed CE, summed NTL, label tokens, number-label tokens of one source over all ranks."""
+    """float64 [5]: summed CE, summed NTL, label tokens, number-label tokens and summed CE at number labels of
+    one source over all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     data = DataConfig(sources=[source], validation=[source], seq_len=seq_len)
     loader = build_dataloader(
@@ -78,23 +81,27 @@ def _source_sums(
         seed=0,
         split="validation",
     )
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(5, dtype=torch.float64)
+    is_number_V = (number_vocab.classes >= 0).to(model.device)
     with torch.no_grad():
         for index, batch in enumerate(loader):
             if max_batches is not None and index == max_batches:
                 break
             logits_BTV = model(input_ids=batch["input_ids"].to(model.device),
                                position_ids=batch["position_ids"].to(model.device)).logits  # fmt: skip
-            out = ce_ntl_loss(logits_BTV, batch["labels"].to(model.device), number_vocab, kind=ntl_kind, weight=1.0,
-                              reduction="sum")  # fmt: skip
-            sums += torch.stack([out.ce, out.ntl, out.num_tokens, out.num_number_tokens]).double().cpu()
+            labels_BT = batch["labels"].to(model.device)
+            out = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="none")
+            at_number_BT = (labels_BT != -100) & is_number_V[labels_BT.clamp_min(0)]
+            number_ce = torch.where(at_number_BT, out.ce, 0.0).sum()
+            totals = [out.ce.sum(), out.ntl.sum(), out.num_tokens, out.num_number_tokens, number_ce]
+            sums += torch.stack(totals).double().cpu()
     if world > 1:
         dist.all_reduce(sums)
     return sums
 
 
 def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str) -> dict[str, float]:
-    ce, ntl, tokens, number_tokens = sums.tolist()
+    ce, ntl, tokens, number_tokens, number_ce = sums.tolist()
     mean_ce = ce / max(tokens, 1.0)
     return {
         f"{prefix}ce": mean_ce,
@@ -102,4 +109,5 @@ def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str) -> dict[str, float]
         f"{prefix}ntl_{ntl_kind}": ntl / max(number_tokens, 1.0),
         f"{prefix}tokens": tokens,
         f"{prefix}number_tokens": number_tokens,
+        f"{prefix}number_ce": number_ce / max(number_tokens, 1.0),
     }
