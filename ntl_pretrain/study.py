@@ -222,8 +222,9 @@ def per_run_table(runs: list[StudyRun], metrics: list[Metric]) -> list[str]:
 
 
 def _compare(metric: Metric, results: list[dict], baseline: list[dict]) -> str:
-    """Difference of means from the baseline (+ is better), and on how many seeds the variant beat the baseline run
-    of the same seed: the same initialisation and data order, so each pair differs only in the loss."""
+    """Difference of means from the baseline (+ is better), and on how many of the seeds where they differ the
+    variant beat the baseline run of the same seed: the same initialisation and data order, so each pair differs
+    only in the loss."""
     sign = 1.0 if metric.higher_is_better else -1.0
     ours = {r["seed"]: sign * r.get(metric.key, math.nan) for r in results}
     base = {r["seed"]: sign * r.get(metric.key, math.nan) for r in baseline}
@@ -233,7 +234,8 @@ def _compare(metric: Metric, results: list[dict], baseline: list[dict]) -> str:
         return "n/a"
     gain = statistics.fmean(finite_ours) - statistics.fmean(finite_base)
     pairs = [(ours[seed], base[seed]) for seed in ours.keys() & base.keys()]
-    pairs = [(mine, theirs) for mine, theirs in pairs if math.isfinite(mine) and math.isfinite(theirs)]
+    # Ties (both 0% on a set nobody learned) say nothing either way: left out, as in a sign test.
+    pairs = [(mine, theirs) for mine, theirs in pairs if math.isfinite(mine - theirs) and mine != theirs]
     wins = f" ({sum(mine > theirs for mine, theirs in pairs)}/{len(pairs)})" if len(pairs) > 1 else ""
     return f"{'+' if gain >= 0 else '−'}{_format(abs(gain), metric.digits)}{wins}"
 
@@ -326,7 +328,7 @@ def write_report(
         "",
         *setup_lines(runs, overrides),
         f"- Compute: {len(runs)} runs, {total / 60:.1f} min of run time in total; {_wall_clock(runs) / 60:.1f} min "
-        "from the first run's start to the last run's end.",
+        "of wall-clock time with at least one run in progress.",
         "",
         f"## Results: mean ± std over {seeds} seeds" if seeds > 1 else "## Results: one seed",
         "",
@@ -337,9 +339,9 @@ def write_report(
         f"of means from {BASELINE}, signed so that + is better"
         + (
             f"; (k/n): better than the {BASELINE} run of the same seed (same initialisation and data order) on k of "
-            f"n seeds. Were the losses equivalent, each seed would be a coin flip: {seeds}/{seeds} or 0/{seeds} "
-            f"then happens with probability {2.0 ** (1 - seeds):.2g} (two-sided sign test), anything in between "
-            "more often."
+            "the n seeds where the two differ. Were the losses equivalent, each seed would be a coin flip: n/n or "
+            f"0/n then happens with probability 2^(1-n) ({2.0 ** (1 - seeds):.2g} for n = {seeds}; two-sided sign "
+            "test), anything in between more often."
             if seeds > 1
             else "; with one seed, a difference says nothing about its spread over seeds."
         ),
@@ -358,9 +360,14 @@ def write_report(
 
 
 def _wall_clock(runs: list[StudyRun]) -> float:
-    """Seconds from the first run's start (the trainer writes recipe.yaml first) to the last run's end."""
-    starts = [(run.run_dir / "recipe.yaml").stat().st_mtime for run in runs]
-    return max(run.done_file.stat().st_mtime for run in runs) - min(starts)
+    """Seconds during which at least one run was in progress, from each run's start (the trainer writes
+    recipe.yaml first) to its end: a study resumed days later does not count the days in between."""
+    spans = sorted(((run.run_dir / "recipe.yaml").stat().st_mtime, run.done_file.stat().st_mtime) for run in runs)
+    busy, covered_until = 0.0, -math.inf
+    for start, end in spans:
+        busy += max(0.0, end - max(start, covered_until))
+        covered_until = max(covered_until, end)
+    return busy
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.study import (
     VALIDATION_METRICS,
     StudyRun,
+    _wall_clock,
     execute,
     generation_metrics,
     low_accuracy_notes,
@@ -89,7 +91,8 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     assert exact_row[3].rstrip(" |") == f"+{statistics.fmean(was_exact) - statistics.fmean(ce_exact):.3f} (3/3)"
     mae_gain = statistics.fmean(m for _, m in measured["ce"]) - statistics.fmean(m for _, m in measured["ntl-was"])
     assert mae_row[3].rstrip(" |") == f"+{mae_gain:.1f} (2/3)"
-    assert "3/3 or 0/3 then happens with probability 0.25" in text
+    assert "(0.25 for n = 3; two-sided sign test)" in text
+    assert rows[f"{SETS[1]} digit acc."][3].rstrip(" |") == "+0.000"  # tied on every seed: no count
     assert "6 runs, 7.0 min" in text
     assert "100 of `pkg:ntl_pretrain/corpus/addition/interpolation.jsonl`" in text  # what was asked, from the recipe
     assert "Caveats" not in text  # exact match of 10-50%: the models learned something
@@ -99,6 +102,19 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     at_step_2 = [exact * 2 / 3 for exact in ce_exact]
     assert "| step 2 | step 3 |" in curve and "first 100 questions" in curve
     assert ce_row.split(" | ")[1] == f"{statistics.fmean(at_step_2):.3f} ± {statistics.stdev(at_step_2):.3f}"
+
+
+def test_wall_clock_counts_only_time_with_a_run_in_progress(tmp_path: Path) -> None:
+    """Two overlapping runs, then one started a day later (a resumed study): 150 s + 100 s, not a day."""
+    runs = []
+    for index, (start, end) in enumerate([(0, 100), (50, 150), (86_400, 86_500)]):
+        run = StudyRun("ce", index, STUDY_RECIPES / "ce.yaml", tmp_path / f"ce-seed{index}")
+        run.run_dir.mkdir()
+        for path, stamp in ((run.run_dir / "recipe.yaml", start), (run.done_file, end)):
+            path.write_text("{}")
+            os.utime(path, (1e9 + stamp, 1e9 + stamp))
+        runs.append(run)
+    assert _wall_clock(runs) == 250.0
 
 
 def test_caveat_when_no_variant_learned_the_task() -> None:
