@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_evaluate_generation import TINY_TOKENIZER, tiny_model
+from test_evaluate_generation import TINY_TOKENIZER, greedy_one_by_one, tiny_model
 
 from ntl_pretrain.data.config import SourceConfig
 from ntl_pretrain.evaluation import EvalConfig, QaSetConfig, generation_metrics, validation_metrics
@@ -27,7 +27,8 @@ def test_eval_command_on_an_hf_folder(tmp_path: Path) -> None:
     out = tmp_path / "eval.json"
     args = [str(folder), "--qa", QA, "--max-examples", "6", "--max-new-tokens", "5", "--batch-size", "4",
             "--validation", HELD_OUT, "--template", "{question} {answer}", "--seq-len", "64",
-            "--max-validation-batches", "2", "--out", str(out)]  # fmt: skip
+            "--max-validation-batches", "2", "--out", str(out),
+            "--answers", str(tmp_path / "answers.jsonl")]  # fmt: skip
     assert main(args) == 0
     record = json.loads(out.read_text())
 
@@ -38,6 +39,17 @@ def test_eval_command_on_an_hf_folder(tmp_path: Path) -> None:
     assert record["step"] is None and record["split"] == "eval"
     for key, value in expected.items():
         assert record[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+
+    # --answers: every question in file order, the text an unbatched greedy decoder produces, scored as the record
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    questions = [json.loads(line) for line in resolve_path(QA).read_text().splitlines()[:6]]
+    assert [(a["set"], a["question"], a["answer"]) for a in answers] == [
+        ("arithmetic_interpolation", q["question"], q["answer"]) for q in questions
+    ]
+    unbatched = [greedy_one_by_one(model, tokenizer, q["question"], 5) for q in questions]
+    assert [a["generated"] for a in answers] == unbatched
+    assert sum(a["exact"] for a in answers) / 6 == record["eval/arithmetic_interpolation/exact_match"]
+    assert sum(a["parsed"] is None for a in answers) / 6 == record["eval/arithmetic_interpolation/unparseable"]
 
 
 def test_targets_resolve_to_folders_or_checkpoints(tmp_path: Path) -> None:

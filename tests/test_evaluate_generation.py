@@ -17,7 +17,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.evaluation import EvalConfig, QaSetConfig, generation_metrics, validation_metrics
-from ntl_pretrain.evaluation.generation import Answered, QaExample, generate_batch, prompt_ids, score, summarise
+from ntl_pretrain.evaluation.generation import (
+    Answered,
+    QaExample,
+    answer_records,
+    answer_sets,
+    gather_answers,
+    generate_batch,
+    prompt_ids,
+    score,
+    summarise,
+    summarise_sets,
+)
 from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.tokenizer import load_tokenizer
 
@@ -221,20 +232,23 @@ def test_validation_metrics_match_float64_reference(tokenizer) -> None:
 QA_CFG = EvalConfig(max_examples=7, batch_size=2, max_new_tokens=6)  # 7 questions: ranks get 4 and 3
 
 
-def _metrics_on_this_process(validation_path: str) -> dict[str, float]:
+def _metrics_on_this_process(validation_path: str) -> dict:
+    """The metrics, plus (under "answers") every question's answer gathered in question order."""
     tokenizer = load_tokenizer(TINY_TOKENIZER)
     model = tiny_model(tokenizer)
-    metrics = generation_metrics(model, tokenizer, QA_CFG)
+    answered = answer_sets(model, tokenizer, QA_CFG)
+    metrics: dict = summarise_sets(answered)
     source = SourceConfig(name="held_out", path=validation_path, template="{question} {answer}")
     metrics.update(validation_metrics(model, tokenizer, [source], seq_len=64, micro_batch_size=2))
-    return metrics
+    return metrics | {"answers": answer_records(gather_answers(answered))}
 
 
-def _check_ranks_agree_with(expected: dict[str, float], validation_path: str) -> None:
+def _check_ranks_agree_with(expected: dict, validation_path: str) -> None:
     got = _metrics_on_this_process(validation_path)
     assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        assert got[key] == pytest.approx(value, rel=1e-5, nan_ok=True), key
+    assert got.pop("answers") == expected["answers"]  # both ranks hold all 7, in file order
+    for key, value in got.items():
+        assert value == pytest.approx(expected[key], rel=1e-5, nan_ok=True), key
 
 
 @pytest.mark.slow

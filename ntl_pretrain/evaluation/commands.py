@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ntl_pretrain.data.config import SourceConfig
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
-from ntl_pretrain.evaluation.generation import generation_metrics
+from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
     Target,
     export_for_eval,
@@ -31,11 +31,18 @@ from ntl_pretrain.evaluation.model_folder import (
 from ntl_pretrain.evaluation.validation import validation_metrics
 
 
-def evaluate_target(path: str | Path, cfg: EvalConfig, seq_len: int | None = None, ntl_kind: str = "was") -> dict:
+def evaluate_target(
+    path: str | Path,
+    cfg: EvalConfig,
+    seq_len: int | None = None,
+    ntl_kind: str = "was",
+    answers_out: Path | None = None,
+) -> dict:
     """Evaluate a run directory, checkpoint or HF folder; call on every rank of a launch (or without one).
 
     Validation uses `cfg.validation`, else the run's `data.validation`; none for a bare HF folder without
-    `cfg.validation`. `seq_len` defaults to the run's `data.seq_len` (512 for an HF folder).
+    `cfg.validation`. `seq_len` defaults to the run's `data.seq_len` (512 for an HF folder). `answers_out`: also
+    write every question's generated answer there (jsonl, question order), to see which answers were wrong and how.
     """
     target = resolve_target(path)
     with tempfile.TemporaryDirectory(prefix="ntl-eval-") as scratch:
@@ -48,8 +55,18 @@ def evaluate_target(path: str | Path, cfg: EvalConfig, seq_len: int | None = Non
             sources, length = validation
             record.update(validation_metrics(model, tokenizer, sources, seq_len=length,
                                              max_batches=cfg.max_validation_batches, ntl_kind=ntl_kind))  # fmt: skip
-        record.update(generation_metrics(model, tokenizer, cfg))
+        answered = answer_sets(model, tokenizer, cfg)
+        record.update(summarise_sets(answered))
+        if answers_out is not None:
+            _write_answers(gather_answers(answered), answers_out)
     return record
+
+
+def _write_answers(answered: dict, path: Path) -> None:
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in answer_records(answered)))
 
 
 def _export_on_rank0(target: Target, scratch: Path) -> Target:
@@ -104,6 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber"], default="was")
     parser.add_argument("--out", type=Path, default=None, help="also write the record to this JSON file")
     parser.add_argument("--log-metrics", action="store_true", help="append the record to the run's metrics.jsonl")
+    parser.add_argument("--answers", type=Path, default=None, metavar="JSONL",
+                        help="also write every question, reference and generated answer to this file")  # fmt: skip
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     parser.set_defaults(func=run_eval)
 
@@ -135,7 +154,7 @@ def run_eval(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         cfg = eval_config_from_args(args, recipe_eval(resolve_target(args.target)))
-        record = evaluate_target(args.target, cfg, args.seq_len, args.ntl_kind)
+        record = evaluate_target(args.target, cfg, args.seq_len, args.ntl_kind, args.answers)
         if not distributed or dist.get_rank() == 0:
             _publish(record, args)
     finally:

@@ -170,20 +170,67 @@ def generation_metrics(
 
     `model` is the HF causal LM (under the trainer: `engine.module.lm`); its train/eval mode is restored.
     """
+    return summarise_sets(answer_sets(model, tokenizer, cfg), prefix)
+
+
+def answer_sets(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig
+) -> dict[str, list[Answered]]:
+    """This rank's answers (every world-th question) to every Q/A set of `cfg`, by set label; call on every rank."""
     was_training = model.training
     model.eval()
-    metrics = {}
     try:
         with torch.no_grad():
-            for qa in cfg.qa_sets:
-                answered = answer_rank_share(model, tokenizer, load_qa_set(qa, cfg.max_examples), cfg)
-                sums = score(answered)
-                if _rank_and_world()[1] > 1:
-                    dist.all_reduce(sums)
-                metrics.update({f"{prefix}{qa.label}/{key}": value for key, value in summarise(sums).items()})
+            return {
+                qa.label: answer_rank_share(model, tokenizer, load_qa_set(qa, cfg.max_examples), cfg)
+                for qa in cfg.qa_sets
+            }
     finally:
         model.train(was_training)
+
+
+def summarise_sets(answered: dict[str, list[Answered]], prefix: str = "eval/") -> dict[str, float]:
+    """Metrics of every set from each rank's `answer_sets`, all-reduced; call on every rank."""
+    metrics = {}
+    for label, answers in answered.items():
+        sums = score(answers)
+        if _rank_and_world()[1] > 1:
+            dist.all_reduce(sums)
+        metrics.update({f"{prefix}{label}/{key}": value for key, value in summarise(sums).items()})
     return metrics
+
+
+def gather_answers(answered: dict[str, list[Answered]]) -> dict[str, list[Answered]]:
+    """Every rank's `answer_sets` merged back into question order (rank r answered questions r, r + world, ...);
+    call on every rank."""
+    world = _rank_and_world()[1]
+    if world == 1:
+        return answered
+    shares: list[dict[str, list[Answered]]] = [{} for _ in range(world)]
+    dist.all_gather_object(shares, answered)
+    merged = {}
+    for label in answered:
+        in_order: list[Answered] = [None] * sum(len(share[label]) for share in shares)  # type: ignore[list-item]
+        for rank, share in enumerate(shares):
+            in_order[rank::world] = share[label]
+        merged[label] = in_order
+    return merged
+
+
+def answer_records(answered: dict[str, list[Answered]]) -> list[dict]:
+    """One JSON-ready record per question: what was asked, the reference, the generated text and its number."""
+    return [
+        {
+            "set": label,
+            "question": item.example.question,
+            "answer": item.example.answer,
+            "generated": item.generated,
+            "parsed": None if item.parsed is None else str(item.parsed),
+            "exact": item.parsed is not None and item.parsed == Decimal(item.example.answer),
+        }
+        for label, answers in answered.items()
+        for item in answers
+    ]
 
 
 def _rank_and_world() -> tuple[int, int]:
