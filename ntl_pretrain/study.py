@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from decimal import Decimal
 from pathlib import Path
 
 from ntl_pretrain.plot import plot_runs, read_metrics
@@ -89,6 +90,14 @@ class StudyRun:
     def timing(self) -> dict:
         return json.loads(self.done_file.read_text())
 
+    @property
+    def answers_file(self) -> Path:
+        return self.run_dir / "answers.jsonl"
+
+    def answers(self) -> list[dict]:
+        """Every question's record from `ntl-pretrain eval --answers`."""
+        return [json.loads(line) for line in self.answers_file.read_text().splitlines() if line.strip()]
+
 
 def plan(recipes: Path, variants: list[str], seeds: list[int], runs_dir: Path) -> list[StudyRun]:
     runs = []
@@ -112,7 +121,8 @@ def execute(run: StudyRun, overrides: list[str], eval_args: list[str], threads: 
         subprocess.run(train, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
         trained = time.perf_counter()
         evaluate = [sys.executable, "-m", "ntl_pretrain.evaluation", str(run.run_dir), "--log-metrics",
-                    "--out", str(run.run_dir / "eval.json"), *eval_args]  # fmt: skip
+                    "--out", str(run.run_dir / "eval.json"), "--answers", str(run.answers_file),
+                    *eval_args]  # fmt: skip
         subprocess.run(evaluate, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     timing = {"train_s": trained - started, "eval_s": time.perf_counter() - trained}
     run.done_file.write_text(json.dumps({"variant": run.variant, "seed": run.seed, **timing}) + "\n")
@@ -207,6 +217,76 @@ def learning_curve_section(runs: list[StudyRun]) -> list[str]:
              "mean ± std over seeds.", ""]  # fmt: skip
     for qa_set in sets:
         lines += [f"{qa_set}:", "", *learning_curve_table(curves, f"eval/{qa_set}/exact_match"), ""]
+    return lines
+
+
+ERROR_PROFILE = (
+    ("exact", "exact"),
+    ("last_digit_wrong", "last digit wrong"),
+    ("higher_digit_wrong", "last digit right, answer wrong"),
+    ("last_digit_off_by_one", "wrong last digits off by 1"),
+    ("last_digit_distance", "mean |Δ| of wrong last digits"),
+)
+
+
+def error_profile(records: list[dict]) -> dict[str, float]:
+    """How one run's answers to one set were wrong: shares of all answers exact, with a wrong last digit, or with
+    the right last digit but a wrong answer (a missed carry, a wrong leading digit); and how far the wrong last
+    digits were from the right ones, which is what a digit-level NTL acts on. Integers only (others are neither)."""
+    exact = last_wrong = higher_wrong = 0
+    distances = []
+    for record in records:
+        if record["exact"]:
+            exact += 1
+            continue
+        if record["parsed"] is None:
+            continue
+        got, want = Decimal(record["parsed"]), Decimal(record["answer"])
+        if got != got.to_integral_value() or want != want.to_integral_value():
+            continue
+        got_last, want_last = int(abs(got)) % 10, int(abs(want)) % 10
+        if got_last == want_last:
+            higher_wrong += 1
+        else:
+            last_wrong += 1
+            distances.append(abs(got_last - want_last))
+    total = max(len(records), 1)
+    return {
+        "exact": exact / total,
+        "last_digit_wrong": last_wrong / total,
+        "higher_digit_wrong": higher_wrong / total,
+        "last_digit_off_by_one": distances.count(1) / len(distances) if distances else math.nan,
+        "last_digit_distance": statistics.fmean(distances) if distances else math.nan,
+    }
+
+
+def error_profile_section(runs: list[StudyRun]) -> list[str]:
+    """Per question set, each variant's `error_profile` (mean ± std over seeds); [] unless every run saved its
+    answers (runs evaluated before `--answers` existed did not)."""
+    if not all(run.answers_file.is_file() for run in runs):
+        return []
+    profiles: dict[str, dict[str, list[dict]]] = {}
+    for run in runs:
+        by_set: dict[str, list[dict]] = {}
+        for record in run.answers():
+            by_set.setdefault(record["set"], []).append(record)
+        for qa_set, records in by_set.items():
+            profiles.setdefault(qa_set, {}).setdefault(run.variant, []).append(error_profile(records))
+    lines = ["## How the answers were wrong", "",
+             "From each run's `answers.jsonl` (`ntl-pretrain eval --answers`): shares of all questions, then how far "
+             "the wrong last digits were from the right ones; mean ± std over seeds.", ""]  # fmt: skip
+    for qa_set, by_variant_profiles in profiles.items():
+        lines += [f"{qa_set}:", "", "| variant | " + " | ".join(title for _, title in ERROR_PROFILE) + " |"]
+        lines.append("|---|" + "---:|" * len(ERROR_PROFILE))
+        for variant, per_seed in by_variant_profiles.items():
+            cells = []
+            for key, _ in ERROR_PROFILE:
+                mean, std = mean_std([profile[key] for profile in per_seed])
+                digits = 2 if key == "last_digit_distance" else 3
+                spread = f" ± {_format(std, digits)}" if len(per_seed) > 1 and math.isfinite(mean) else ""
+                cells.append(_format(mean, digits) + spread)
+            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+        lines.append("")
     return lines
 
 
@@ -350,6 +430,7 @@ def write_report(
         f"![training curves and final metrics per run]({os.path.relpath(plot, doc.parent)})",
         "",
         *learning_curve_section(runs),
+        *error_profile_section(runs),
         "## Per run",
         "",
         *per_run_table(runs, metrics),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 from pathlib import Path
@@ -17,6 +18,8 @@ from ntl_pretrain.study import (
     VALIDATION_METRICS,
     StudyRun,
     _wall_clock,
+    error_profile,
+    error_profile_section,
     execute,
     generation_metrics,
     low_accuracy_notes,
@@ -117,6 +120,43 @@ def test_wall_clock_counts_only_time_with_a_run_in_progress(tmp_path: Path) -> N
     assert _wall_clock(runs) == 250.0
 
 
+def answer(question: str, reference: str, generated: str) -> dict:
+    parsed = generated if generated.lstrip("-").replace(".", "", 1).isdigit() else None
+    return {"set": SETS[0], "question": question, "answer": reference, "generated": generated, "parsed": parsed,
+            "exact": parsed is not None and float(parsed) == float(reference)}  # fmt: skip
+
+
+def test_error_profile_sorts_wrong_answers_by_their_last_digit() -> None:
+    records = [answer("1+1=", "2", "2"), answer("9+9=", "18", "17"), answer("5+5=", "10", "13"),
+               answer("7+7=", "14", "24"), answer("8+8=", "16", "-6"), answer("1+2=", "3", "x"),
+               answer("1+1=", "2", "2.5"), answer("2+2=", "4", "4")]  # fmt: skip
+    profile = error_profile(records)
+    assert profile["exact"] == 2 / 8
+    assert profile["last_digit_wrong"] == 2 / 8  # 17 (off by 1) and 13 (off by 3)
+    assert profile["higher_digit_wrong"] == 2 / 8  # 24 against 14 (a carry), -6 against 16 (last digit 6 is right)
+    assert profile["last_digit_off_by_one"] == 1 / 2 and profile["last_digit_distance"] == 2.0
+    nothing_wrong = error_profile([answer("1+1=", "2", "2")])
+    assert nothing_wrong["exact"] == 1.0 and math.isnan(nothing_wrong["last_digit_distance"])
+
+
+def test_error_profile_section_needs_every_runs_answers(tmp_path: Path) -> None:
+    runs = []
+    for variant, seed, generated in (("ce", 0, "13"), ("ce", 1, "12"), ("ntl-was", 0, "22"), ("ntl-was", 1, "12")):
+        run = StudyRun(variant, seed, STUDY_RECIPES / f"{variant}.yaml", tmp_path / f"{variant}-seed{seed}")
+        run.run_dir.mkdir()
+        records = [answer("5+7=", "12", generated), answer("6+6=", "12", "12")]
+        run.answers_file.write_text("".join(json.dumps(record) + "\n" for record in records))
+        runs.append(run)
+    lines = error_profile_section(runs)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
+    # ce: seed 0 has its last digit wrong by 1 (13), seed 1 is exact; ntl-was: a wrong tens digit, then exact
+    assert rows["ce"][1:4] == ["0.750 ± 0.354", "0.250 ± 0.354", "0.000 ± 0.000"]
+    assert rows["ntl-was"][1:4] == ["0.750 ± 0.354", "0.000 ± 0.000", "0.250 ± 0.354"]
+    assert rows["ce"][4] == "1.000 ± 0.000" and rows["ntl-was"][5].rstrip(" |") == "n/a"
+    runs[-1].answers_file.unlink()
+    assert error_profile_section(runs) == []  # one run without answers (an older evaluation): no section
+
+
 def test_caveat_when_no_variant_learned_the_task() -> None:
     grouped = {variant: [fake_results(exact, 1.0, 0) | {f"eval/{SETS[1]}/exact_match": 0.4}] for variant, exact in
                (("ce", 0.01), ("ntl-was", 0.03))}  # fmt: skip
@@ -139,3 +179,4 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     assert results[f"eval/{SETS[0]}/examples"] == results[f"eval/{SETS[1]}/examples"] == 8  # the recipe's sets
     assert records[-1]["split"] == "eval"  # --log-metrics appended the evaluation for `ntl-pretrain plot`
     assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s"}
+    assert [record["set"] for record in run.answers()] == [SETS[0]] * 8 + [SETS[1]] * 8  # for error_profile
