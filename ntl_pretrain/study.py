@@ -23,9 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from decimal import Decimal
 from pathlib import Path
 
+from ntl_pretrain.evaluation.answers import error_profile
 from ntl_pretrain.plot import plot_runs, read_metrics
 
 VARIANTS = ("ce", "ntl-was", "ntl-mse")
@@ -220,6 +220,7 @@ def learning_curve_section(runs: list[StudyRun]) -> list[str]:
     return lines
 
 
+# `error_profile`'s keys and their column titles.
 ERROR_PROFILE = (
     ("exact", "exact"),
     ("last_digit_wrong", "last digit wrong"),
@@ -227,37 +228,6 @@ ERROR_PROFILE = (
     ("last_digit_off_by_one", "wrong last digits off by 1"),
     ("last_digit_distance", "mean |Δ| of wrong last digits"),
 )
-
-
-def error_profile(records: list[dict]) -> dict[str, float]:
-    """How one run's answers to one set were wrong: shares of all answers exact, with a wrong last digit, or with
-    the right last digit but a wrong answer (a missed carry, a wrong leading digit); and how far the wrong last
-    digits were from the right ones, which is what a digit-level NTL acts on. Integers only (others are neither)."""
-    exact = last_wrong = higher_wrong = 0
-    distances = []
-    for record in records:
-        if record["exact"]:
-            exact += 1
-            continue
-        if record["parsed"] is None:
-            continue
-        got, want = Decimal(record["parsed"]), Decimal(record["answer"])
-        if got != got.to_integral_value() or want != want.to_integral_value():
-            continue
-        got_last, want_last = int(abs(got)) % 10, int(abs(want)) % 10
-        if got_last == want_last:
-            higher_wrong += 1
-        else:
-            last_wrong += 1
-            distances.append(abs(got_last - want_last))
-    total = max(len(records), 1)
-    return {
-        "exact": exact / total,
-        "last_digit_wrong": last_wrong / total,
-        "higher_digit_wrong": higher_wrong / total,
-        "last_digit_off_by_one": distances.count(1) / len(distances) if distances else math.nan,
-        "last_digit_distance": statistics.fmean(distances) if distances else math.nan,
-    }
 
 
 def error_profile_section(runs: list[StudyRun]) -> list[str]:

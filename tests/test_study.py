@@ -14,11 +14,11 @@ import pytest
 
 from ntl_pretrain.config import load_recipe
 from ntl_pretrain.deepspeed_config import load_run
+from ntl_pretrain.evaluation.answers import error_profile
 from ntl_pretrain.study import (
     VALIDATION_METRICS,
     StudyRun,
     _wall_clock,
-    error_profile,
     error_profile_section,
     execute,
     generation_metrics,

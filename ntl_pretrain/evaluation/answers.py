@@ -1,4 +1,4 @@
-"""Reading a numeric answer out of generated text, and scoring it digit by digit.
+"""Reading a numeric answer out of generated text, scoring it digit by digit, and profiling how answers were wrong.
 
 A model's continuation may carry a sign, a decimal point, thousands separators and trailing words
 ("-1,234.50 apples."). The answer is the first number in the text; everything after it is ignored.
@@ -7,7 +7,9 @@ Values are kept as `Decimal` so that exact match is exact ("12.50" equals "12.5"
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
 from decimal import Decimal, InvalidOperation
 
 # Sign (ASCII or Unicode minus), then either digits grouped by commas in threes or a plain run of digits,
@@ -57,3 +59,35 @@ def digit_matches(prediction: Decimal | None, reference: Decimal) -> tuple[int, 
         return 0, len(wanted)
     got = place_digits(prediction)
     return sum(got.get(place) == digit for place, digit in wanted.items()), len(wanted)
+
+
+def error_profile(records: list[dict]) -> dict[str, float]:
+    """How answers were wrong, from `ntl-pretrain eval --answers` records ("answer", "parsed", "exact"): shares of
+    all answers exact, with a wrong last digit, or with the right last digit but a wrong answer (a missed carry, a
+    wrong leading digit); and how far the wrong last digits were from the right ones, which is what a digit-level
+    NTL acts on. Integer answers only (others count as neither)."""
+    exact = last_wrong = higher_wrong = 0
+    distances = []
+    for record in records:
+        if record["exact"]:
+            exact += 1
+            continue
+        if record["parsed"] is None:
+            continue
+        got, want = Decimal(record["parsed"]), Decimal(record["answer"])
+        if got != got.to_integral_value() or want != want.to_integral_value():
+            continue
+        got_last, want_last = int(abs(got)) % 10, int(abs(want)) % 10
+        if got_last == want_last:
+            higher_wrong += 1
+        else:
+            last_wrong += 1
+            distances.append(abs(got_last - want_last))
+    total = max(len(records), 1)
+    return {
+        "exact": exact / total,
+        "last_digit_wrong": last_wrong / total,
+        "higher_digit_wrong": higher_wrong / total,
+        "last_digit_off_by_one": distances.count(1) / len(distances) if distances else math.nan,
+        "last_digit_distance": statistics.fmean(distances) if distances else math.nan,
+    }
