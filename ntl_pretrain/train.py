@@ -29,6 +29,7 @@ from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
+from ntl_pretrain.process_group import bind_local_device, default_backend
 from ntl_pretrain.schedule import lr_multiplier
 from ntl_pretrain.tokenizer import load_tokenizer
 
@@ -50,7 +51,8 @@ def init_distributed() -> None:
 
     # Training never uses DeepSpeed's shared-memory op; without this it compiles for ~140 s per process on CPU.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed()
+    bind_local_device()
+    deepspeed.init_distributed(dist_backend=default_backend())  # NCCL alone would reject our CPU metric sums
 
 
 class Trainer:

@@ -29,6 +29,7 @@ from ntl_pretrain.evaluation.model_folder import (
     resolve_target,
 )
 from ntl_pretrain.evaluation.validation import validation_metrics
+from ntl_pretrain.process_group import bind_local_device, default_backend
 
 
 def evaluate_target(
@@ -151,7 +152,8 @@ def eval_config_from_args(args: argparse.Namespace, from_run: EvalConfig | None 
 def run_eval(args: argparse.Namespace) -> int:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        bind_local_device()
+        dist.init_process_group(default_backend())
     try:
         cfg = eval_config_from_args(args, recipe_eval(resolve_target(args.target)))
         record = evaluate_target(args.target, cfg, args.seq_len, args.ntl_kind, args.answers)
