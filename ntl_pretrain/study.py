@@ -162,6 +162,13 @@ def _format(value: float, digits: int) -> str:
     return f"{value:,.{digits}f}"
 
 
+def _mean_std_cell(values: list[float], digits: int, seeds: int) -> str:
+    """`mean ± std` of one table cell; the mean alone for one seed, "n/a" when no value is finite."""
+    mean, std = mean_std(values)
+    spread = f" ± {_format(std, digits)}" if seeds > 1 and math.isfinite(mean) else ""
+    return _format(mean, digits) + spread
+
+
 def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list[str]:
     """One row per metric: mean ± std per variant, then each NTL variant's difference from the CE baseline."""
     others = [variant for variant in grouped if variant != BASELINE] if BASELINE in grouped else []
@@ -170,9 +177,7 @@ def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list
     for metric in metrics:
         cells = []
         for results in grouped.values():
-            mean, std = mean_std([result[metric.key] for result in results])
-            spread = f" ± {_format(std, metric.digits)}" if len(results) > 1 else ""
-            cells.append(_format(mean, metric.digits) + spread)
+            cells.append(_mean_std_cell([result[metric.key] for result in results], metric.digits, len(results)))
         cells += [_compare(metric, grouped[variant], grouped[BASELINE]) for variant in others]
         lines.append(f"| {metric.title} | " + " | ".join(cells) + " |")
     return lines
@@ -194,10 +199,8 @@ def learning_curve_table(curves: dict[str, list[dict[int, dict]]], key: str, dig
     for variant, per_seed in curves.items():
         cells = []
         for step in steps:
-            mean, std = mean_std([e[step][key] for e in per_seed if step in e and key in e[step]])
-            cells.append(
-                f"{_format(mean, digits)} ± {_format(std, digits)}" if len(per_seed) > 1 else _format(mean, digits)
-            )
+            values = [e[step][key] for e in per_seed if step in e and key in e[step]]
+            cells.append(_mean_std_cell(values, digits, len(per_seed)))
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return lines
 
@@ -220,13 +223,13 @@ def learning_curve_section(runs: list[StudyRun]) -> list[str]:
     return lines
 
 
-# `error_profile`'s keys and their column titles.
+# `error_profile`'s keys, their column titles and decimals.
 ERROR_PROFILE = (
-    ("exact", "exact"),
-    ("last_digit_wrong", "last digit wrong"),
-    ("higher_digit_wrong", "last digit right, answer wrong"),
-    ("last_digit_off_by_one", "wrong last digits off by 1"),
-    ("last_digit_distance", "mean |Δ| of wrong last digits"),
+    ("exact", "exact", 3),
+    ("last_digit_wrong", "last digit wrong", 3),
+    ("higher_digit_wrong", "last digit right, answer wrong", 3),
+    ("last_digit_off_by_one", "wrong last digits off by 1", 3),
+    ("last_digit_distance", "mean |Δ| of wrong last digits", 2),
 )
 
 
@@ -246,15 +249,13 @@ def error_profile_section(runs: list[StudyRun]) -> list[str]:
              "From each run's `answers.jsonl` (`ntl-pretrain eval --answers`): shares of all questions, then how far "
              "the wrong last digits were from the right ones; mean ± std over seeds.", ""]  # fmt: skip
     for qa_set, by_variant_profiles in profiles.items():
-        lines += [f"{qa_set}:", "", "| variant | " + " | ".join(title for _, title in ERROR_PROFILE) + " |"]
+        lines += [f"{qa_set}:", "", "| variant | " + " | ".join(title for _, title, _ in ERROR_PROFILE) + " |"]
         lines.append("|---|" + "---:|" * len(ERROR_PROFILE))
         for variant, per_seed in by_variant_profiles.items():
-            cells = []
-            for key, _ in ERROR_PROFILE:
-                mean, std = mean_std([profile[key] for profile in per_seed])
-                digits = 2 if key == "last_digit_distance" else 3
-                spread = f" ± {_format(std, digits)}" if len(per_seed) > 1 and math.isfinite(mean) else ""
-                cells.append(_format(mean, digits) + spread)
+            cells = [
+                _mean_std_cell([profile[key] for profile in per_seed], digits, len(per_seed))
+                for key, _, digits in ERROR_PROFILE
+            ]
             lines.append(f"| {variant} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines

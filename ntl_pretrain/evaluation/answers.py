@@ -77,12 +77,12 @@ def error_profile(records: list[dict]) -> dict[str, float]:
         got, want = Decimal(record["parsed"]), Decimal(record["answer"])
         if got != got.to_integral_value() or want != want.to_integral_value():
             continue
-        got_last, want_last = int(abs(got)) % 10, int(abs(want)) % 10
+        got_last, want_last = place_digits(got)[0], place_digits(want)[0]
         if got_last == want_last:
             higher_wrong += 1
         else:
             last_wrong += 1
-            distances.append(abs(got_last - want_last))
+            distances.append(abs(int(got_last) - int(want_last)))
     total = max(len(records), 1)
     return {
         "exact": exact / total,
