@@ -8,13 +8,16 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
+import pytest
+from real_tokenizers import TOKENIZER_FILES
 from transformers import AutoTokenizer
 
 from ntl_pretrain.data import commands
 from ntl_pretrain.data.arithmetic import make_set
-from ntl_pretrain.data.commands import CORPUS, TOKENIZER_SETS
+from ntl_pretrain.data.commands import CORPUS, tokenizer_folder
 from ntl_pretrain.data.prose import split_book
-from ntl_pretrain.data.tiny_tokenizer import train_and_save
+from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.tokenizer import load_tokenizer
 
 NUMBER = r"-?\d+(?:\.\d+)?"
 # Each phrasing the generator uses, as an independent recipe for the expected value.
@@ -114,10 +117,34 @@ def test_tiny_tokenizer_loads_offline_and_spells_numbers_in_digits(monkeypatch):
     assert sorted(t for t in tokenizer.get_vocab() if re.search("[0-9]", t)) == list("0123456789")
 
 
-def test_tiny_tokenizer_retrains_byte_for_byte(tmp_path):
-    train_and_save([CORPUS / name / "train.jsonl" for name in TOKENIZER_SETS], tmp_path)
+@pytest.mark.parametrize("max_digits", [1, 3])
+def test_tiny_tokenizers_retrain_byte_for_byte(tmp_path, max_digits):
+    run(["data", "train-tokenizer", "--max-digits", str(max_digits), "--out", str(tmp_path)])
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / name).read_bytes() == (CORPUS / "tiny-tokenizer" / name).read_bytes(), name
+        shipped = CORPUS / tokenizer_folder(max_digits) / name
+        assert (tmp_path / name).read_bytes() == shipped.read_bytes(), name
+
+
+def test_three_digit_tokenizer_chunks_numbers_left_to_right_as_llama3(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    chunked = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer-3digit")
+    single = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+    llama3 = load_tokenizer(TOKENIZER_FILES["llama3"])
+    numbers = ["7", "12", "305", "1250", "12345", "0071", "1234567890123"]
+    for number in numbers:
+        expected = [number[i : i + 3] for i in range(0, len(number), 3)]
+        assert chunked.tokenize(number) == expected, number
+        assert llama3.tokenize(number) == expected, number  # the reference this tokenizer imitates
+    text = "Ana pays 1250.75 dollars for 12 apples; 57+38=95."
+    ids = chunked(text)["input_ids"]
+    assert chunked.decode(ids) == text
+    # Words are spelled exactly as by the single-digit tokenizer: only numbers differ.
+    words = "Ana pays dollars for apples; the sum is"
+    assert chunked(words)["input_ids"] == single(words)["input_ids"]
+    digit_tokens = [t for t in chunked.get_vocab() if re.search("[0-9]", t)]
+    assert len(digit_tokens) == 10 + 100 + 1000 and all(t.isdigit() for t in digit_tokens)
+    classes = NumberVocab.from_tokenizer(chunked).class_info
+    assert [(c.marker, c.digits) for c in classes] == [("none", 1), ("none", 2), ("none", 3)]
 
 
 def run(argv: list[str]) -> None:

@@ -67,12 +67,20 @@ def run_import_prose(args: argparse.Namespace) -> None:
 
 
 def _add_train_tokenizer(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "train-tokenizer", help="train the tiny byte-level BPE tokenizer (single digits) on the corpus"
-    )
+    parser = commands.add_parser("train-tokenizer", help="train the tiny byte-level BPE tokenizer on the corpus")
     parser.add_argument("--corpus", type=Path, default=CORPUS, help="folder holding <set>/train.jsonl")
-    parser.add_argument("--out", type=Path, default=CORPUS / "tiny-tokenizer")
-    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: corpus/tiny-tokenizer, or tiny-tokenizer-<N>digit"
+    )
+    parser.add_argument("--vocab-size", type=int, default=2048, help="word vocabulary (number chunks come on top)")
+    parser.add_argument(
+        "--max-digits",
+        type=int,
+        default=1,
+        choices=range(1, 5),
+        metavar="{1..4}",
+        help="numbers in chunks of at most this many digits, left to right (1: single digits; 3: as Llama-3)",
+    )
     parser.set_defaults(func=run_train_tokenizer)
 
 
@@ -83,8 +91,14 @@ def run_train_tokenizer(args: argparse.Namespace) -> None:
     missing = [str(file) for file in files if not file.is_file()]
     if missing:
         raise SystemExit(f"train-tokenizer: missing {', '.join(missing)}")
-    tokenizer = train_and_save(files, args.out, args.vocab_size)
-    print(f"{args.out}: vocab {len(tokenizer)} trained on {', '.join(str(f) for f in files)}")
+    out = args.out or CORPUS / tokenizer_folder(args.max_digits)
+    tokenizer = train_and_save(files, out, args.vocab_size, args.max_digits)
+    print(f"{out}: vocab {len(tokenizer)} trained on {', '.join(str(f) for f in files)}")
+
+
+def tokenizer_folder(max_digits: int) -> str:
+    """Where the embedded corpus keeps the tiny tokenizer that spells numbers in chunks of `max_digits`."""
+    return "tiny-tokenizer" if max_digits == 1 else f"tiny-tokenizer-{max_digits}digit"
 
 
 def _add_preview(commands: argparse._SubParsersAction) -> None:
