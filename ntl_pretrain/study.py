@@ -1,5 +1,7 @@
 """`ntl-pretrain study`: train CE, CE+NTL-WAS and CE+NTL-MSE from scratch over several seeds, evaluate, report.
 
+A variant is a recipe path relative to `--recipes` without `.yaml`; one in a subfolder (`3digit/ntl-was`) is an
+axis of the study (another tokenizer, say) and is compared with the `ce` recipe of its own folder (`3digit/ce`).
 Every (variant, seed) run is `ntl-pretrain train <recipes>/<variant>.yaml --nproc 1 seed=S` followed by
 `ntl-pretrain eval <run> --log-metrics`, each in its own process; `--jobs` runs that many at once, splitting
 the CPU threads between them. A run whose `study.json` exists is finished and is not repeated, so an
@@ -78,7 +80,7 @@ class StudyRun:
 
     @property
     def name(self) -> str:
-        return f"{self.variant}-seed{self.seed}"
+        return f"{self.variant.replace('/', '-')}-seed{self.seed}"
 
     @property
     def done_file(self) -> Path:
@@ -107,6 +109,12 @@ def plan(recipes: Path, variants: list[str], seeds: list[int], runs_dir: Path) -
             raise FileNotFoundError(f"{recipe}: no recipe for variant {variant!r}")
         runs += [StudyRun(variant, seed, recipe, runs_dir / f"{variant}-seed{seed}") for seed in seeds]
     return runs
+
+
+def baseline_of(variant: str) -> str:
+    """The CE variant an NTL variant is paired with: `ce` in the same recipe folder (same tokenizer, data, model)."""
+    folder, _, _ = variant.rpartition("/")
+    return f"{folder}/{BASELINE}" if folder else BASELINE
 
 
 def execute(run: StudyRun, overrides: list[str], eval_args: list[str], threads: int, logs: Path) -> None:
@@ -170,15 +178,15 @@ def _mean_std_cell(values: list[float], digits: int, seeds: int) -> str:
 
 
 def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list[str]:
-    """One row per metric: mean ± std per variant, then each NTL variant's difference from the CE baseline."""
-    others = [variant for variant in grouped if variant != BASELINE] if BASELINE in grouped else []
-    header = ["metric", *grouped, *(f"{variant} − {BASELINE}" for variant in others)]
+    """One row per metric: mean ± std per variant, then each NTL variant's difference from its CE baseline."""
+    others = [v for v in grouped if baseline_of(v) != v and baseline_of(v) in grouped]
+    header = ["metric", *grouped, *(f"{variant} − {baseline_of(variant)}" for variant in others)]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for metric in metrics:
         cells = []
         for results in grouped.values():
             cells.append(_mean_std_cell([result[metric.key] for result in results], metric.digits, len(results)))
-        cells += [_compare(metric, grouped[variant], grouped[BASELINE]) for variant in others]
+        cells += [_compare(metric, grouped[variant], grouped[baseline_of(variant)]) for variant in others]
         lines.append(f"| {metric.title} | " + " | ".join(cells) + " |")
     return lines
 
@@ -338,11 +346,16 @@ def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
         f"- Data: {', '.join(f'`{source.path}`' for source in data.sources)}.",
         f"- Validation (CE, and NTL-WAS for every variant, also the CE-only one): "
         f"{', '.join(f'`{source.path}`' for source in data.validation)}.",
-        f"- Variants (`{runs[0].recipe.parent}/<variant>.yaml`): "
-        + "; ".join(sorted({_describe_variant(run.recipe, overrides) for run in runs}))
+        f"- Variants (`{_recipes_folder(runs)}/<variant>.yaml`): "
+        + "; ".join(sorted({_describe_variant(run, overrides, recipe.tokenizer.path) for run in runs}))
         + f"; seeds {sorted({run.seed for run in runs})}.",
         _evaluation_line(runs[0].results(), recipe.eval.qa_sets),
     ]
+
+
+def _recipes_folder(runs: list[StudyRun]) -> Path:
+    run = runs[0]
+    return Path(str(run.recipe)[: -len(f"{run.variant}.yaml")].rstrip("/") or ".")
 
 
 def _evaluation_line(results: dict, asked_sets: list) -> str:
@@ -352,12 +365,15 @@ def _evaluation_line(results: dict, asked_sets: list) -> str:
     return f"- Evaluation: the final checkpoint (fp32), greedy decoding of the first {' and '.join(asked)}."
 
 
-def _describe_variant(recipe_path: Path, overrides: list[str]) -> str:
+def _describe_variant(run: StudyRun, overrides: list[str], tokenizer: str | None) -> str:
+    """`variant = loss`, and the tokenizer where it is not the first run's (`tokenizer`)."""
     from ntl_pretrain.config import load_recipe
 
-    ntl = load_recipe(recipe_path, overrides).loss.ntl
+    recipe = load_recipe(run.recipe, overrides)
+    ntl = recipe.loss.ntl
     loss = "CE" if ntl.kind is None else f"CE + {ntl.weight:g} · NTL-{ntl.kind.upper()}"
-    return f"{recipe_path.stem} = {loss}"
+    other_tokenizer = f" with tokenizer `{recipe.tokenizer.path}`" if recipe.tokenizer.path != tokenizer else ""
+    return f"{run.variant} = {loss}{other_tokenizer}"
 
 
 def write_report(
@@ -387,7 +403,7 @@ def write_report(
         "",
         "Exact match, digit accuracy: higher is better. MAE, log10(1 + absolute error), validation CE and NTL: lower "
         "is better. MAE and log-error are over the answers that contain a number. The last columns are differences "
-        f"of means from {BASELINE}, signed so that + is better"
+        f"of means from {BASELINE} (of the variant's own recipe folder), signed so that + is better"
         + (
             f"; (k/n): better than the {BASELINE} run of the same seed (same initialisation and data order) on k of "
             "the n seeds where the two differ. Were the losses equivalent, each seed would be a coin flip: n/n or "

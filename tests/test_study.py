@@ -19,11 +19,13 @@ from ntl_pretrain.study import (
     VALIDATION_METRICS,
     StudyRun,
     _wall_clock,
+    baseline_of,
     error_profile_section,
     execute,
     generation_metrics,
     low_accuracy_notes,
     plan,
+    results_table,
     write_report,
 )
 
@@ -44,11 +46,40 @@ def test_study_variants_differ_only_in_the_loss() -> None:
     load_run(STUDY_RECIPES / "ntl-was.yaml", [], world_size=1)  # the DeepSpeed config resolves too
 
 
+def test_three_digit_variants_differ_from_single_digit_ones_only_in_the_tokenizer() -> None:
+    for variant in ("ce", "ntl-was", "ntl-mse"):
+        single = dataclasses.asdict(load_recipe(STUDY_RECIPES / f"{variant}.yaml"))
+        chunked = dataclasses.asdict(load_recipe(STUDY_RECIPES / "3digit" / f"{variant}.yaml"))
+        assert chunked["tokenizer"]["path"] == "pkg:ntl_pretrain/corpus/tiny-tokenizer-3digit"
+        for fields in (single, chunked):
+            del fields["tokenizer"]["path"]
+            fields["train"].pop("output_dir")
+        assert single == chunked, variant
+
+
 def test_plan_names_runs_and_refuses_unknown_variants(tmp_path: Path) -> None:
-    runs = plan(STUDY_RECIPES, ["ce", "ntl-was"], [0, 1], tmp_path)
-    assert [run.name for run in runs] == ["ce-seed0", "ce-seed1", "ntl-was-seed0", "ntl-was-seed1"]
+    runs = plan(STUDY_RECIPES, ["ce", "ntl-was", "3digit/ce"], [0, 1], tmp_path)
+    names = ["ce-seed0", "ce-seed1", "ntl-was-seed0", "ntl-was-seed1", "3digit-ce-seed0", "3digit-ce-seed1"]
+    assert [run.name for run in runs] == names
+    assert runs[-1].run_dir == tmp_path / "3digit" / "ce-seed1"
     with pytest.raises(FileNotFoundError, match="ntl-huber"):
         plan(STUDY_RECIPES, ["ntl-huber"], [0], tmp_path)
+
+
+def test_each_variant_is_compared_with_the_ce_run_of_its_own_folder() -> None:
+    assert [baseline_of(v) for v in ("ntl-was", "3digit/ntl-was", "a/b/ce")] == ["ce", "3digit/ce", "a/b/ce"]
+    grouped = {
+        "ce": [fake_results(0.5, 1.0, 0), fake_results(0.5, 1.0, 1)],
+        "ntl-was": [fake_results(0.6, 1.0, 0), fake_results(0.7, 1.0, 1)],
+        "3digit/ce": [fake_results(0.2, 1.0, 0), fake_results(0.4, 1.0, 1)],
+        "3digit/ntl-was": [fake_results(0.1, 1.0, 0), fake_results(0.3, 1.0, 1)],
+    }
+    metric = generation_metrics(SETS)[0]  # exact match on the first set
+    table = results_table(grouped, [metric])
+    assert table[0].endswith("| ntl-was − ce | 3digit/ntl-was − 3digit/ce |")
+    cells = [cell.strip() for cell in table[2].strip("| ").split(" | ")]
+    # single digits: +0.15 and better on both seeds; three digits: −0.10 and worse on both seeds of its own pairing
+    assert cells[-2:] == ["+0.150 (2/2)", "−0.100 (0/2)"]
 
 
 def fake_results(exact: float, mae: float, seed: int) -> dict:
