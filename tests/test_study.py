@@ -109,9 +109,13 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
             (run.run_dir / "recipe.yaml").write_text("{}")
             runs.append(run)
     doc, plot = tmp_path / "docs" / "study.md", tmp_path / "docs" / "study.png"
-    write_report(runs, doc, plot, "ntl-pretrain study", [])
+    protocol = tmp_path / "docs" / "protocol.md"
+    protocol.parent.mkdir()
+    protocol.write_text("Primary metric: exact match.\n")
+    write_report(runs, doc, plot, "ntl-pretrain study", [], protocol=protocol)
     text = doc.read_text()
     assert plot.is_file() and "](study.png)" in text
+    assert "## Protocol (fixed before the runs: [protocol.md](protocol.md))\n\nPrimary metric: exact match.\n" in text
 
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines()}
     exact_row, mae_row = rows[f"{SETS[0]} exact match"], rows[f"{SETS[0]} MAE"]
