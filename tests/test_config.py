@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -166,9 +167,31 @@ def test_every_field_has_a_docstring():
         assert documented == {f.name for f in dataclasses.fields(cls)}, cls.__name__
 
 
-def test_cli_lists_every_command(capsys):
+def command_options(parser: argparse.ArgumentParser, command: tuple[str, ...] = ()):
+    """(command words, long option or None for the command itself) for every command and subcommand of `parser`,
+    leaving out options hidden from --help (the launcher's --local_rank)."""
+    yield command, None
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                yield from command_options(subparser, (*command, name))
+        elif action.help != argparse.SUPPRESS:
+            yield from ((command, option) for option in action.option_strings if option.startswith("--"))
+
+
+def test_every_command_and_option_is_documented(capsys):
+    """The parser's commands are the documented ones, and the docs name each command's every option."""
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     usage = capsys.readouterr().out
-    for command in ("train", "export", "convert-gguf", "eval", "plot", "study", "data"):
-        assert command in usage
+    parser = cli.build_parser()
+    commands = {words[0] for words, _ in command_options(parser) if words}
+    assert commands >= {"train", "export", "convert-gguf", "eval", "plot", "study", "data"}
+    assert all(command in usage for command in commands)
+    docs = "\n".join(path.read_text() for path in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))))
+    undocumented = [
+        " ".join(["ntl-pretrain", *words, *([option] if option else [])])
+        for words, option in command_options(parser)
+        if words and option != "--help" and ((option or f"ntl-pretrain {' '.join(words)}") not in docs)
+    ]
+    assert undocumented == [], "document these in README.md or docs/*.md"

@@ -219,9 +219,18 @@ def test_integer_logits_and_missing_vocab_are_refused():
         ce_ntl_loss(torch.randn(2, 15), torch.zeros(2, dtype=torch.long), None)
 
 
-def test_compiles_with_torch_compile():
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiles_into_one_graph_with_torch_compile(backend):
+    """fullgraph=True: a graph break (a host sync, a Python branch on a tensor) fails instead of passing silently."""
+    torch._dynamo.reset()
     nv = small_vocab()
     logits, labels = random_batch(nv, (6,), seed=1)
-    eager = ce_ntl_loss(logits, labels, nv).loss
-    compiled = torch.compile(lambda z: ce_ntl_loss(z, labels, nv).loss, backend="eager")(logits)
+    eager_logits, compiled_logits = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    eager = ce_ntl_loss(eager_logits, labels, nv).loss
+    compiled = torch.compile(lambda z: ce_ntl_loss(z, labels, nv).loss, backend=backend, fullgraph=True)(
+        compiled_logits
+    )
     torch.testing.assert_close(compiled, eager)
+    eager.backward()
+    compiled.backward()
+    torch.testing.assert_close(compiled_logits.grad, eager_logits.grad)
