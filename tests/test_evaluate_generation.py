@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -25,8 +26,7 @@ from ntl_pretrain.evaluation.generation import (
     gather_answers,
     generate_batch,
     prompt_ids,
-    score,
-    summarise,
+    set_metrics,
     summarise_sets,
 )
 from ntl_pretrain.numbers import NumberVocab
@@ -93,7 +93,7 @@ def test_summary_matches_independent_formulas() -> None:
         Answered(QaExample("q", ref), "", None if pred is None else Decimal(pred))
         for pred, ref in zip(predictions, references, strict=True)
     ]
-    metrics = summarise(score(answered))
+    metrics = set_metrics(answered)
 
     parsed = [(float(p), float(r)) for p, r in zip(predictions, references, strict=True) if p is not None]
     y_hat, y = np.array([p for p, _ in parsed]), np.array([r for _, r in parsed])
@@ -108,9 +108,36 @@ def test_summary_matches_independent_formulas() -> None:
 
 
 def test_summary_without_parseable_answers_is_nan_not_an_error() -> None:
-    metrics = summarise(score([Answered(QaExample("q", "12"), "none", None)]))
+    metrics = set_metrics([Answered(QaExample("q", "12"), "none", None)])
     assert metrics["unparseable"] == 1.0 and metrics["exact_match"] == 0.0 and metrics["digit_accuracy"] == 0.0
     assert math.isnan(metrics["mae"]) and math.isnan(metrics["r2"])
+
+
+def exact_r2(predictions: list[str], references: list[str]) -> Fraction:
+    """R² in exact rational arithmetic: the decimal strings are rationals, so nothing is rounded."""
+    y_hat, y = [Fraction(p) for p in predictions], [Fraction(r) for r in references]
+    mean = sum(y) / len(y)
+    return 1 - sum((a - b) ** 2 for a, b in zip(y, y_hat, strict=True)) / sum((a - mean) ** 2 for a in y)
+
+
+def answered_as(predictions: list[str], references: list[str]) -> list[Answered]:
+    return [Answered(QaExample("q", r), p, Decimal(p)) for p, r in zip(predictions, references, strict=True)]
+
+
+def test_r2_is_nan_exactly_when_the_references_do_not_vary() -> None:
+    for count in range(2, 12):  # the one-pass variance of 3 x 0.7 was 2e-17, which gave an R² of -4.5e13
+        predictions = ["0.6", *["0.7"] * (count - 1)]
+        assert math.isnan(set_metrics(answered_as(predictions, ["0.7"] * count))["r2"]), count
+    # the smallest variation still gives a finite R²: a perfect answer scores exactly 1
+    assert set_metrics(answered_as(["0.7", "0.7000001"], ["0.7", "0.7000001"]))["r2"] == 1.0
+
+
+def test_r2_survives_a_large_shared_offset() -> None:
+    references = ["100000000.1", "100000000.2", "100000000.3", "100000000.4", "100000000.5"]
+    predictions = ["100000000.15", "100000000.25", "100000000.35", "100000000.45", "100000000.55"]
+    expected = exact_r2(predictions, references)
+    assert expected == Fraction(7, 8)
+    assert set_metrics(answered_as(predictions, references))["r2"] == pytest.approx(float(expected), rel=1e-12)
 
 
 # ---- generation ---------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ Per set: exact match (the parsed answer equals the reference as a number), MAE a
 per-digit accuracy (reference digits reproduced at the same place value, unparseable answers scoring none),
 and the share of answers with no number in them. MAE, R² and `log_mae` = mean log10(1 + |error|) (the order of
 magnitude of the error; one wild answer cannot dominate it as it does MAE) are over the parseable answers only.
+R²'s total variance takes two passes (the references' mean first, then the squared deviations from it, in
+`Decimal`), because the one-pass Σy² − (Σy)²/n cancels catastrophically when the references share a large offset.
 
 With a process group (a `torchrun`/`deepspeed` launch, or the trainer under ZeRO-3) every rank answers its
 share of the questions and the sums are all-reduced. Every rank calls `generate` equally often and with
@@ -40,7 +42,6 @@ SUMS = (
     "log_abs_error",
     "squared_error",
     "target",
-    "target_squared",
 )
 
 
@@ -48,6 +49,10 @@ SUMS = (
 class QaExample:
     question: str
     answer: str
+
+    @property
+    def answer_value(self) -> Decimal:
+        return Decimal(self.answer)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ def score(answered: list[Answered]) -> torch.Tensor:
     """float64 [len(SUMS)]: the sums behind every metric, so that ranks can add theirs."""
     sums = dict.fromkeys(SUMS, 0.0)
     for item in answered:
-        reference = Decimal(item.example.answer)
+        reference = item.example.answer_value
         right, total = digit_matches(item.parsed, reference)
         sums["examples"] += 1
         sums["digits_right"] += right
@@ -82,22 +87,43 @@ def score(answered: list[Answered]) -> torch.Tensor:
         if item.parsed is None:
             sums["unparseable"] += 1
             continue
-        error = float(item.parsed) - float(reference)
+        error = float(item.parsed - reference)  # exact in Decimal, rounded once
         sums["exact"] += item.parsed == reference
         sums["parsed"] += 1
         sums["abs_error"] += abs(error)
         sums["log_abs_error"] += math.log10(1.0 + abs(error))
         sums["squared_error"] += error * error
-        sums["target"] += float(reference)
-        sums["target_squared"] += float(reference) ** 2
+    sums["target"] = float(sum((item.example.answer_value for item in answered if item.parsed is not None), Decimal()))
     return torch.tensor([sums[name] for name in SUMS], dtype=torch.float64)
 
 
-def summarise(sums: torch.Tensor) -> dict[str, float]:
-    """Metrics from (all-reduced) sums; MAE and R² are NaN when no answer could be parsed."""
+def reference_spread(answered: list[Answered], mean: float) -> torch.Tensor:
+    """float64 [3]: Σ(y - mean)² over the parsed answers' references y (each deviation exact in `Decimal`), then
+    max y and -min y (-inf without parsed answers), so that ranks can reduce them (sum, then max)."""
+    references = [item.example.answer_value for item in answered if item.parsed is not None]
+    if not references:
+        return torch.tensor([0.0, -math.inf, -math.inf], dtype=torch.float64)
+    center = Decimal(mean)
+    squared = sum(float(reference - center) ** 2 for reference in references)
+    return torch.tensor([squared, float(max(references)), -float(min(references))], dtype=torch.float64)
+
+
+def set_metrics(answered: list[Answered]) -> dict[str, float]:
+    """Metrics of one Q/A set from every rank's share of its answers; call on every rank."""
+    sums = _all_reduced(score(answered), dist.ReduceOp.SUM)
+    parsed, target = sums[SUMS.index("parsed")].item(), sums[SUMS.index("target")].item()
+    spread = reference_spread(answered, target / parsed if parsed else 0.0)
+    squared_deviation = _all_reduced(spread[:1].clone(), dist.ReduceOp.SUM).item()
+    largest, negated_smallest = _all_reduced(spread[1:].clone(), dist.ReduceOp.MAX).tolist()
+    references_vary = largest > -negated_smallest
+    return summarise(sums, squared_deviation if references_vary else 0.0)
+
+
+def summarise(sums: torch.Tensor, total_variance: float) -> dict[str, float]:
+    """Metrics from all-reduced sums and Σ(y - ȳ)² (0 when the references do not vary); MAE and R² are NaN when
+    no answer could be parsed, R² also when the references do not vary."""
     s = dict(zip(SUMS, sums.tolist(), strict=True))
     parsed, examples = s["parsed"], max(s["examples"], 1.0)
-    total_variance = s["target_squared"] - s["target"] ** 2 / parsed if parsed else 0.0
     return {
         "exact_match": s["exact"] / examples,
         "mae": s["abs_error"] / parsed if parsed else math.nan,
@@ -193,10 +219,7 @@ def summarise_sets(answered: dict[str, list[Answered]], prefix: str = "eval/") -
     """Metrics of every set from each rank's `answer_sets`, all-reduced; call on every rank."""
     metrics = {}
     for label, answers in answered.items():
-        sums = score(answers)
-        if _rank_and_world()[1] > 1:
-            dist.all_reduce(sums)
-        metrics.update({f"{prefix}{label}/{key}": value for key, value in summarise(sums).items()})
+        metrics.update({f"{prefix}{label}/{key}": value for key, value in set_metrics(answers).items()})
     return metrics
 
 
@@ -231,6 +254,12 @@ def answer_records(answered: dict[str, list[Answered]]) -> list[dict]:
         for label, answers in answered.items()
         for item in answers
     ]
+
+
+def _all_reduced(tensor: torch.Tensor, op) -> torch.Tensor:
+    if _rank_and_world()[1] > 1:
+        dist.all_reduce(tensor, op=op)
+    return tensor
 
 
 def _rank_and_world() -> tuple[int, int]:
