@@ -32,13 +32,19 @@ from ntl_pretrain.evaluation.answers import digit_matches, parse_answer, place_d
         ("- 4", "4"),  # a sign must touch its digits
         (" 0", "0"),
         (" -0", "0"),
+        ("\u0663\u0664 or 5", "5"),  # Arabic-Indic digits are text: the first ASCII number is the answer
+        ("\uff11\uff12 = 12", "12"),  # so are fullwidth digits
+        (" 1\uff123", "1"),  # a non-ASCII digit ends a number like any other character
+        (" 7.\u0665", "7"),  # and is no fraction
     ],
 )
 def test_parse_answer(text: str, expected: str) -> None:
     assert parse_answer(text) == Decimal(expected)
 
 
-@pytest.mark.parametrize("text", ["", "   ", "no number here", " - . , ", "-", "."])
+@pytest.mark.parametrize(
+    "text", ["", "   ", "no number here", " - . , ", "-", ".", "\u0663\u0664", "\uff11\uff12", "\u0967"]
+)
 def test_parse_answer_without_a_number(text: str) -> None:
     assert parse_answer(text) is None
 

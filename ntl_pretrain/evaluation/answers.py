@@ -15,10 +15,12 @@ from decimal import Decimal, InvalidOperation
 # Sign (ASCII or Unicode minus), then either digits grouped by commas in threes or a plain run of digits,
 # then an optional fraction; a bare fraction (".5") is a number too. A comma not followed by exactly three
 # digits ends the number ("3,4" is 3), as does a point not followed by a digit ("12." is 12).
+# Digits are ASCII only (`[0-9]`, not `\d`, which also matches "٣" or "１"): the tokenizers' number tokens and
+# the NTL act on ASCII digits (`ntl_pretrain.numbers`), so other scripts' digits are text, not an answer.
 NUMBER = re.compile(
     r"(?P<sign>[-+\u2212])?"
-    r"(?P<integer>\d{1,3}(?:,\d{3})+(?!\d)|\d+)?"
-    r"(?:\.(?P<fraction>\d+))?"
+    r"(?P<integer>[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)?"
+    r"(?:\.(?P<fraction>[0-9]+))?"
 )
 MINUS_SIGNS = ("-", "\u2212")
 
