@@ -32,13 +32,15 @@ class HeadOutput(NamedTuple):
 
     loss: differentiable; this rank's share `ΣCE/num_tokens + λ·ΣNTL/num_number_tokens` of the global-batch loss
     when the head was given the global counts, else `ΣCE + λ·ΣNTL`. ce, ntl: sums over this rank's positions (for
-    logging); num_tokens, num_number_tokens: this rank's counts."""
+    logging); num_tokens, num_number_tokens: this rank's counts; number_ce: summed CE at the number labels (for
+    validation)."""
 
     loss: torch.Tensor
     ce: torch.Tensor
     ntl: torch.Tensor
     num_tokens: torch.Tensor
     num_number_tokens: torch.Tensor
+    number_ce: torch.Tensor
 
 
 class DenseLossHead(nn.Module):
@@ -76,7 +78,7 @@ class DenseLossHead(nn.Module):
             loss = out.ce + self.ntl.weight * out.ntl
         else:
             loss = out.ce / num_tokens + self.ntl.weight * out.ntl / num_number_tokens
-        return HeadOutput(loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens)
+        return HeadOutput(loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
 
 
 class CausalLMWithLoss(nn.Module):
@@ -100,7 +102,7 @@ class CausalLMWithLoss(nn.Module):
     ) -> HeadOutput:
         hidden_BTH = self.lm.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
         out = self.head(hidden_BTH, labels, num_tokens, num_number_tokens)
-        return HeadOutput(out.loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens)
+        return HeadOutput(out.loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
 
 
 class VocabParallelOutputLayer(nn.Module):

@@ -262,21 +262,20 @@ class Trainer:
     # ---- eval ----------------------------------------------------------------------------------------------
 
     def evaluate(self) -> dict:
-        """Validation CE / NTL over the data validation split, summed over all ranks."""
-        sums = torch.zeros(4, dtype=torch.float64)
+        """Validation CE / NTL over the data validation split, summed over all ranks; with NTL on, also the CE at
+        number labels (`val_number_ce`, what `ntl-pretrain eval` reports too)."""
+        sums = torch.zeros(5, dtype=torch.float64)
         self.engine.eval()
         with torch.no_grad():
             for batch in self._lockstep(self._dataloader("validation")):
                 out = self.engine(**self._to_device(batch))
-                sums += torch.tensor(
-                    [out.ce.item(), out.ntl.item(), float(out.num_tokens), float(out.num_number_tokens)],
-                    dtype=torch.float64,
-                )
+                terms = (out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
+                sums += torch.tensor([float(term) for term in terms], dtype=torch.float64)
         self.engine.train()
         dist.all_reduce(sums)
-        ce, ntl, tokens, number_tokens = sums.tolist()
+        ce, ntl, tokens, number_tokens, number_ce = sums.tolist()
         ce, ntl = ce / max(tokens, 1), ntl / max(number_tokens, 1)
-        return {
+        record = {
             "step": self.step,
             "split": "validation",
             "val_loss": ce + self.recipe.loss.ntl.weight * ntl,
@@ -285,6 +284,9 @@ class Trainer:
             "val_tokens": int(tokens),
             "val_number_tokens": int(number_tokens),
         }
+        if self.built.number_vocab is not None:  # a CE-only run does not know which labels are numbers
+            record["val_number_ce"] = number_ce / max(number_tokens, 1)
+        return record
 
     def generation_eval(self) -> dict:
         """Greedy answers to the recipe's question/answer sets (`eval:`): exact match, MAE, R², digit accuracy."""

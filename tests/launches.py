@@ -19,6 +19,7 @@ from distributed import free_port
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
 STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 6  # micro-batch 1: 6, 3 and 2 micro-batches per step on 1, 2 and 3 ranks
+PER_DOCUMENT_STEPS = 4
 RUNNER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 LAUNCH_TIMEOUT_S = 400
 _session_runs: dict[str, Path] = {}
@@ -63,6 +64,7 @@ def assert_model_reproduces_logged_validation(
 
     from ntl_pretrain.config import load_recipe
     from ntl_pretrain.data import build_dataloader
+    from ntl_pretrain.evaluation.validation import packed_forward
     from ntl_pretrain.loss import ce_ntl_loss
     from ntl_pretrain.numbers import NumberVocab
 
@@ -74,7 +76,7 @@ def assert_model_reproduces_logged_validation(
                                   dp_world_size=ranks, seed=recipe.seed, split="validation")  # fmt: skip
         for _, batch in zip(range(recipe.train.eval_max_batches), loader, strict=False):
             with torch.no_grad():
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+                logits = packed_forward(model, batch["input_ids"], batch["position_ids"])
             out = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
             sums += torch.tensor([out.ce, out.ntl, out.num_tokens, out.num_number_tokens], dtype=torch.float64)
     logged = records(run_dir, "validation")[step]
@@ -103,6 +105,42 @@ def single_launcher_run(output_dir: Path, ds_config: Path, ranks: int) -> Path:
     log = output_dir.parent / f"{output_dir.name}.log"
     wait_all([start(["--num_gpus", str(ranks), "--master_port", str(free_port())], output_dir, ds_config, log)], [log])
     return output_dir
+
+
+def per_document_run(tmp_path_factory, attention: str) -> Path:
+    """Session-cached 2-rank run of the tiny recipe with `data.per_document_attention` and the given attention
+    backend, which validates over the whole split after its last step. The split is the first records of the
+    recipe's two validation sources, so that validating it (in the run and again in the tests) stays quick."""
+    key = f"per_document_{attention}"
+    if key not in _session_runs:
+        folder = tmp_path_factory.mktemp(key)
+        output_dir, log = folder / "run", folder / "log.txt"
+        overrides = [
+            f"train.output_dir={output_dir}", f"train.max_steps={PER_DOCUMENT_STEPS}", "data.seq_len=64",
+            "train.micro_batch_size=4", "train.global_batch_size=8", f"checkpoint.every_steps={PER_DOCUMENT_STEPS}",
+            f"train.eval_every_steps={PER_DOCUMENT_STEPS}", "train.eval_max_batches=null", "logging.progress_bar=false",
+            "data.per_document_attention=true", f"model.attention={attention}", "train.resume=null",
+            f"data.validation={json.dumps(short_validation_sources(folder))}",
+        ]  # fmt: skip
+        command = [*RUNNER, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ntl_pretrain.train",
+                   str(TINY), *overrides]  # fmt: skip
+        process = subprocess.Popen(command, cwd=REPO, env=environment(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        wait_all([process], [log])
+        _session_runs[key] = output_dir
+    return _session_runs[key]
+
+
+def short_validation_sources(folder: Path) -> list[dict]:
+    """The first 61 arithmetic and 23 word-problem validation records (odd block counts: ranks get unequal shares,
+    and each source ends in a partial block)."""
+    corpus = REPO / "ntl_pretrain" / "corpus"
+    sources = []
+    for name, count in (("arithmetic", 61), ("word_problems", 23)):
+        path = folder / f"{name}.jsonl"
+        lines = (corpus / name / "validation.jsonl").read_text().splitlines(keepends=True)[:count]
+        path.write_text("".join(lines))
+        sources.append({"name": name, "path": str(path), "template": "{question} {answer}"})
+    return sources
 
 
 def two_node_commands(hostfile: Path, port: int) -> list[list[str]]:

@@ -99,6 +99,15 @@ def test_no_numbers_all_numbers_all_ignored(number_fraction, ignored):
         assert_close_relative(a, b, 1e-6, name)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_number_ce_equals_the_dense_loss(reduction):
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=5)
+    chunked = linear_ce_ntl_loss(hidden, weight, labels, nv, reduction=reduction, chunk_size=4)
+    dense = ce_ntl_loss(hidden @ weight.T, labels, nv, reduction=reduction)
+    assert_close_relative(chunked.number_ce, dense.number_ce, 1e-9, "number_ce")
+
+
 def test_only_loss_is_differentiable_and_given_counts_normalise_mean():
     nv = synthetic_vocab()
     hidden, weight, labels = make_inputs(nv, seed=5)

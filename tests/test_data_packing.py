@@ -90,3 +90,19 @@ def test_validation_ranks_are_disjoint_complete_and_equally_long(tmp_path, world
     labels = torch.cat([batch["labels"] for batch in single_batches])
     tokens = sum(len(tokenizer(json.loads(line)["text"])["input_ids"]) + 1 for line in open(tmp_path / "val.jsonl"))
     assert int((labels != IGNORE_INDEX).sum()) == tokens - 1
+
+
+def test_each_validation_source_is_packed_on_its_own(tmp_path):
+    """Two held-out sources: every source's labelled tokens are its own documents' tokens after the first, with no
+    block joining the end of one source to the start of the next (the trainer and `ntl-pretrain eval` agree)."""
+    tokenizer = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+    sources, streams = [], []
+    for name, words in (("first", "alpha "), ("second", "beta gamma ")):
+        texts = [f"{name} {i} " + words * (i % 5) for i in range(9)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+        sources.append(SourceConfig(path=str(tmp_path / f"{name}.jsonl")))
+        streams.append([token for text in texts for token in [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]])
+    cfg = DataConfig(sources=sources, validation=sources, seq_len=16, tokenize_batch=4)
+    batches = list(validation_batches(cfg, DocumentEncoder(tokenizer), 3, 0, 1, Counter()))
+    labels = torch.cat([batch["labels"] for batch in batches]).flatten()
+    assert labels[labels != IGNORE_INDEX].tolist() == streams[0][1:] + streams[1][1:]

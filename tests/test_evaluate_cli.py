@@ -121,3 +121,21 @@ def test_a_runs_own_eval_section_fills_what_the_flags_leave_out(tmp_path: Path) 
     defaults = eval_config_from_args(parse_eval_flags(), None)
     assert [qa.label for qa in defaults.qa_sets] == [qa.label for qa in EvalConfig().qa_sets]
     assert defaults.max_new_tokens == EvalConfig().max_new_tokens
+
+
+def test_validation_is_packed_as_the_run_packed_it_unless_flags_say_otherwise(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from ntl_pretrain.config import dump_recipe, load_recipe
+    from ntl_pretrain.evaluation.commands import _validation_data
+
+    tiny = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml")
+    recipe = replace(tiny, data=replace(tiny.data, seq_len=96, per_document_attention=True))
+    target = resolve_target(saved_run(tmp_path, dump_recipe(recipe)))
+    data = _validation_data(target, EvalConfig(), None, None)
+    assert (data.seq_len, data.per_document_attention) == (96, True)
+    assert data.validation == tiny.data.validation
+    flags = parse_eval_flags("--no-per-document-attention", "--seq-len", "32")
+    data = _validation_data(target, EvalConfig(), flags.seq_len, flags.per_document_attention)
+    assert (data.seq_len, data.per_document_attention) == (32, False)
+    assert parse_eval_flags().per_document_attention is None  # None = the run's setting

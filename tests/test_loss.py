@@ -234,3 +234,16 @@ def test_compiles_into_one_graph_with_torch_compile(backend):
     eager.backward()
     compiled.backward()
     torch.testing.assert_close(compiled_logits.grad, eager_logits.grad)
+
+
+def test_number_ce_is_the_cross_entropy_at_number_labels():
+    nv = small_vocab()
+    logits, labels = random_batch(nv, (3, 7), seed=5, dtype=torch.float64)
+    numbers = (labels >= 0) & (nv.classes[labels.clamp_min(0)] >= 0)
+    reference = F.cross_entropy(logits[numbers], labels[numbers], reduction="sum")
+    assert 0 < int(numbers.sum()) < int((labels != -100).sum())
+    for reduction, expected in (("sum", reference), ("mean", reference / numbers.sum())):
+        torch.testing.assert_close(ce_ntl_loss(logits, labels, nv, reduction=reduction).number_ce, expected)
+    per_position = ce_ntl_loss(logits, labels, nv, reduction="none").number_ce
+    torch.testing.assert_close(per_position[numbers].sum(), reference)
+    assert (per_position[~numbers] == 0).all()

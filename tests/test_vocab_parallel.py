@@ -191,6 +191,8 @@ def check_head_cases() -> None:
         assert_close_relative(out.loss, share, 1e-9, f"{what} loss share")
         assert_close_relative(out.ce, ce_sums[rank], 1e-9, f"{what} ce sum")
         assert_close_relative(out.ntl, ntl_sums[rank], 1e-9, f"{what} ntl sum")
+        dense = ce_ntl_loss(hidden.detach() @ weight.T, labels, nv, kind=kind, reduction="sum")
+        assert_close_relative(out.number_ce, dense.number_ce, 1e-9, f"{what} number-label ce sum")
         trunk_grad = hidden.grad / world_size  # what DeepSpeed's averaging leaves for the decoder trunk
         assert_close_relative(trunk_grad, ref_hidden[rank].grad, 1e-9, f"{what} hidden grad")
         assert_close_relative(head.weight.grad, ref_weight_grad[lo:hi], 1e-9, f"{what} weight grad")

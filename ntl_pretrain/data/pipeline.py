@@ -119,7 +119,7 @@ def ceil_div(a: int, b: int) -> int:
 def validation_batches(
     cfg: DataConfig, encoder: DocumentEncoder, micro_batch_size: int, dp_rank: int, dp_world_size: int, skipped: Counter
 ) -> Iterator[Batch]:
-    """One pass over the validation sources, in order, without shuffling.
+    """One pass over the validation sources, in order, without shuffling, each source packed on its own.
 
     Every rank reads the whole (small) held-out stream and keeps blocks `dp_rank` modulo `dp_world_size`, so
     ranks are disjoint and complete. All ranks then yield the same number of batches, padding the last with
@@ -146,15 +146,16 @@ def validation_batches(
 
 
 def _validation_blocks(cfg: DataConfig, encoder: DocumentEncoder, skipped: Counter) -> Iterator[tuple[np.ndarray, int]]:
-    """(block, number of labels in it): full blocks, then the padded remainder."""
-    packer = Packer(cfg.seq_len)
+    """(block, number of labels in it): each source packed on its own (full blocks, then its padded remainder), so
+    that a source's blocks, and its validation numbers, do not depend on which other sources are listed."""
     for source in cfg.validation:
+        packer = Packer(cfg.seq_len)
         stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=skipped)
         while texts := [text for text in (stream.next_document() for _ in range(cfg.tokenize_batch)) if text]:
             for document in encoder(texts):
                 packer.add(document)
                 while packer.has_block():
                     yield packer.take_block(), cfg.seq_len
-    last_block, last_labels = packer.take_last_block(encoder.eos_id)
-    if last_labels > 0:
-        yield last_block, last_labels
+        last_block, last_labels = packer.take_last_block(encoder.eos_id)
+        if last_labels > 0:
+            yield last_block, last_labels

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
@@ -38,12 +38,14 @@ def evaluate_target(
     seq_len: int | None = None,
     ntl_kind: str = "was",
     answers_out: Path | None = None,
+    per_document_attention: bool | None = None,
 ) -> dict:
     """Evaluate a run directory, checkpoint or HF folder; call on every rank of a launch (or without one).
 
     Validation uses `cfg.validation`, else the run's `data.validation`; none for a bare HF folder without
-    `cfg.validation`. `seq_len` defaults to the run's `data.seq_len` (512 for an HF folder). `answers_out`: also
-    write every question's generated answer there (jsonl, question order), to see which answers were wrong and how.
+    `cfg.validation`. `seq_len` and `per_document_attention` default to the run's `data` settings (512 and false
+    for an HF folder). `answers_out`: also write every question's generated answer there (jsonl, question order),
+    to see which answers were wrong and how.
     """
     target = resolve_target(path)
     with tempfile.TemporaryDirectory(prefix="ntl-eval-") as scratch:
@@ -51,11 +53,11 @@ def evaluate_target(
             target = _export_on_rank0(target, Path(scratch))
         model, tokenizer = _load(target.hf_folder)
         record: dict = {"step": target.step, "split": "eval", "model": str(path)}
-        validation = _validation_sources(target, cfg, seq_len)
-        if validation is not None:
-            sources, length = validation
-            record.update(validation_metrics(model, tokenizer, sources, seq_len=length,
-                                             max_batches=cfg.max_validation_batches, ntl_kind=ntl_kind))  # fmt: skip
+        data = _validation_data(target, cfg, seq_len, per_document_attention)
+        if data is not None:
+            record.update(validation_metrics(model, tokenizer, data.validation, seq_len=data.seq_len,
+                                             max_batches=cfg.max_validation_batches, ntl_kind=ntl_kind,
+                                             per_document_attention=data.per_document_attention))  # fmt: skip
         answered = answer_sets(model, tokenizer, cfg)
         record.update(summarise_sets(answered))
         if answers_out is not None:
@@ -91,12 +93,17 @@ def _load(folder: Path):
     return model, load_tokenizer(str(folder))
 
 
-def _validation_sources(target: Target, cfg: EvalConfig, seq_len: int | None) -> tuple[list, int] | None:
-    from_run = recipe_validation(target)
-    sources = cfg.validation or (from_run[0] if from_run else [])
+def _validation_data(
+    target: Target, cfg: EvalConfig, seq_len: int | None, per_document_attention: bool | None
+) -> DataConfig | None:
+    """The held-out sources and how to pack them: what was given, else the run's, else the defaults."""
+    run = recipe_validation(target) or DataConfig()
+    sources = cfg.validation or run.validation
     if not sources:
         return None
-    return sources, seq_len or (from_run[1] if from_run else 512)
+    if per_document_attention is None:
+        per_document_attention = run.per_document_attention
+    return DataConfig(validation=sources, seq_len=seq_len or run.seq_len, per_document_attention=per_document_attention)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -118,6 +125,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--template", default=None, help="template of the --validation records, e.g. '{question} {answer}'"
     )
     parser.add_argument("--seq-len", type=int, default=None, help="default: the run's data.seq_len, else 512")
+    parser.add_argument("--per-document-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="restart positions at each packed document (and keep attention inside it); "
+                             "default: the run's data.per_document_attention, else off")  # fmt: skip
     parser.add_argument("--max-validation-batches", type=int, default=None)
     parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber"], default="was")
     parser.add_argument("--out", type=Path, default=None, help="also write the record to this JSON file")
@@ -156,7 +166,9 @@ def run_eval(args: argparse.Namespace) -> int:
         dist.init_process_group(default_backend())
     try:
         cfg = eval_config_from_args(args, recipe_eval(resolve_target(args.target)))
-        record = evaluate_target(args.target, cfg, args.seq_len, args.ntl_kind, args.answers)
+        record = evaluate_target(
+            args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention
+        )
         if not distributed or dist.get_rank() == 0:
             _publish(record, args)
     finally:

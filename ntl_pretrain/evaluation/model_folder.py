@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from ntl_pretrain import checkpoint
-from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 
 
@@ -68,8 +68,16 @@ def recipe_eval(target: Target) -> EvalConfig | None:
     return EvalConfig(**{**section, "qa_sets": qa_sets, "validation": validation})
 
 
-def recipe_validation(target: Target) -> tuple[list[SourceConfig], int] | None:
-    """The run's held-out sources and packed length, read from the recipe saved with the checkpoint."""
+def recipe_validation(target: Target) -> DataConfig | None:
+    """How the run validated, read from the recipe saved with the checkpoint: its held-out sources, packed length
+    and `per_document_attention` (the training sources are left out)."""
     data = saved_recipe(target).get("data", {})
     sources = [SourceConfig(**source) for source in data.get("validation") or []]
-    return (sources, int(data.get("seq_len", 512))) if sources else None
+    if not sources:
+        return None
+    defaults = DataConfig()
+    return DataConfig(
+        validation=sources,
+        seq_len=int(data.get("seq_len", defaults.seq_len)),
+        per_document_attention=bool(data.get("per_document_attention", defaults.per_document_attention)),
+    )

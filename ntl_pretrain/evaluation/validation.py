@@ -1,10 +1,12 @@
 """Validation CE, perplexity and NTL of an HF causal LM on held-out sources.
 
-The held-out stream is packed exactly as in training (`ntl_pretrain.data`, split "validation"), so these
-numbers are comparable with the trainer's `val_ce` (for one source; with several, each is packed on its own
-here, while the trainer packs them into one stream). NTL is measured with a fixed kind (WAS by default) whatever
-the model was trained with, so a CE-only model gets an NTL too. With a process group every rank reads its blocks
-of the stream (the loader gives every rank equally many batches) and the sums are all-reduced.
+The held-out sources are packed exactly as the trainer packs them (`ntl_pretrain.data`, split "validation": each
+source on its own, with the run's `seq_len` and `per_document_attention`), and the model runs as the trainer ran
+it: restarting position ids, no attention mask and no KV cache, the mode in which transformers keeps sdpa and
+eager attention inside each packed document (docs/data.md). So `val_ce`, `val_ntl` (of the run's NTL kind) and
+`val_number_ce` equal the trainer's over the whole split. NTL is measured with a fixed kind (WAS by default)
+whatever the model was trained with, so a CE-only model gets an NTL too. With a process group every rank reads
+its blocks (the loader gives every rank equally many batches) and the sums are all-reduced.
 
 Shapes: B micro-batch, T sequence, V model vocabulary.
 """
@@ -32,23 +34,26 @@ def validation_metrics(
     micro_batch_size: int = 8,
     max_batches: int | None = None,
     ntl_kind: str = "was",
+    per_document_attention: bool = False,
 ) -> dict[str, float]:
     """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_tokens`, `val_number_tokens` and `val_number_ce` (CE
     where the label is a number token: where NTL acts, and where it may trade CE for closer numbers) over all
     sources and ranks, and with several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart
     from arithmetic).
-    Each source is packed on its own; `max_batches` caps each source's micro-batches per rank. Call on every rank.
+    Each source is packed on its own, as in the trainer; `max_batches` caps each source's micro-batches per rank;
+    `per_document_attention`: the run's `data.per_document_attention`. Call on every rank.
     """
     was_training = model.training
     model.eval()
     try:
         number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-        per_source = {
-            source.label: _source_sums(
-                model, tokenizer, source, number_vocab, seq_len, micro_batch_size, max_batches, ntl_kind
-            )  # fmt: skip
-            for source in sources
-        }
+        per_source = {}
+        for source in sources:
+            data = DataConfig(sources=[source], validation=[source], seq_len=seq_len,
+                              per_document_attention=per_document_attention)  # fmt: skip
+            per_source[source.label] = _source_sums(
+                model, tokenizer, data, number_vocab, micro_batch_size, max_batches, ntl_kind
+            )
     finally:
         model.train(was_training)
     metrics = _summary(sum(per_source.values()), "val_", ntl_kind)
@@ -61,17 +66,15 @@ def validation_metrics(
 def _source_sums(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    source: SourceConfig,
+    data: DataConfig,
     number_vocab: NumberVocab,
-    seq_len: int,
     micro_batch_size: int,
     max_batches: int | None,
     ntl_kind: str,
 ) -> torch.Tensor:
     """float64 [5]: summed CE, summed NTL, label tokens, number-label tokens and summed CE at number labels of
-    one source over all ranks."""
+    `data`'s one validation source over all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    data = DataConfig(sources=[source], validation=[source], seq_len=seq_len)
     loader = build_dataloader(
         data,
         tokenizer,
@@ -87,8 +90,7 @@ def _source_sums(
         for index, batch in enumerate(loader):
             if max_batches is not None and index == max_batches:
                 break
-            logits_BTV = model(input_ids=batch["input_ids"].to(model.device),
-                               position_ids=batch["position_ids"].to(model.device)).logits  # fmt: skip
+            logits_BTV = packed_forward(model, batch["input_ids"], batch["position_ids"])
             labels_BT = batch["labels"].to(model.device)
             out = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="none")
             at_number_BT = (labels_BT != -100) & is_number_V[labels_BT.clamp_min(0)]
@@ -98,6 +100,14 @@ def _source_sums(
     if world > 1:
         dist.all_reduce(sums)
     return sums
+
+
+def packed_forward(model: PreTrainedModel, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of packed rows as the trainer computes them. `use_cache=False` matters: with a cache (the
+    exported config keeps `use_cache: true` for generation) transformers skips the packed-sequence mask it builds
+    from restarting position ids, and attention would cross document boundaries."""
+    device = model.device
+    return model(input_ids=input_ids_BT.to(device), position_ids=position_ids_BT.to(device), use_cache=False).logits
 
 
 def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str) -> dict[str, float]:

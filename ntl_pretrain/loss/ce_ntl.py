@@ -25,6 +25,9 @@ class LossOutput:
     """int64 scalar: positions whose label is not ignore_index."""
     num_number_tokens: torch.Tensor
     """int64 scalar: positions whose label is a number token (0 when kind is None)."""
+    number_ce: torch.Tensor
+    """Detached cross-entropy at the number-label positions only (where NTL acts, so where CE it costs shows),
+    reduced like `ntl`."""
 
 
 def ce_ntl_loss(
@@ -57,13 +60,15 @@ def ce_ntl_loss(
     )
     ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group)
     num_tokens, num_number_tokens = targets.valid.sum(), targets.is_number.sum()
+    number_ce_N = torch.where(targets.is_number, ce_N.detach(), 0.0)
     if reduction == "none":
-        ce, ntl = ce_N.view(labels.shape), ntl_N.view(labels.shape)
+        ce, ntl, number_ce = ce_N.view(labels.shape), ntl_N.view(labels.shape), number_ce_N.view(labels.shape)
     elif reduction == "sum":
-        ce, ntl = ce_N.sum(), ntl_N.sum()
+        ce, ntl, number_ce = ce_N.sum(), ntl_N.sum(), number_ce_N.sum()
     else:
-        ce, ntl = ce_N.sum() / num_tokens.clamp_min(1), ntl_N.sum() / num_number_tokens.clamp_min(1)
-    return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_number_tokens)
+        numbers = num_number_tokens.clamp_min(1)
+        ce, ntl, number_ce = ce_N.sum() / num_tokens.clamp_min(1), ntl_N.sum() / numbers, number_ce_N.sum() / numbers
+    return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_number_tokens, number_ce)
 
 
 def no_number_shard(device: torch.device) -> NumberShard:

@@ -80,7 +80,8 @@ def linear_ce_ntl_loss(
         num_number_tokens,
     )
     ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
-    return LossOutput(rows.loss, ce, ntl, rows.valid_N.sum(), rows.is_number_N.sum())
+    number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum() * rows.ntl_scale
+    return LossOutput(rows.loss, ce, ntl, rows.valid_N.sum(), rows.is_number_N.sum(), number_ce)
 
 
 @dataclass

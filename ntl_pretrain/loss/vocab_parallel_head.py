@@ -121,7 +121,7 @@ class VocabParallelHead(nn.Module):
         loss: differentiable, sum CE / num_tokens + λ · sum NTL / num_number_tokens over this rank's positions (pass
         the global batch's counts; without them the sums are returned). Its backward gives this rank's hidden
         states the gradient of that share and the weight slice the gradient of the whole group's loss.
-        ce, ntl: this rank's detached sums; num_tokens, num_number_tokens: this rank's counts.
+        ce, ntl, number_ce: this rank's detached sums; num_tokens, num_number_tokens: this rank's counts.
         """
         given_counts = num_tokens is not None
         if given_counts != (num_number_tokens is not None):
@@ -143,7 +143,8 @@ class VocabParallelHead(nn.Module):
         # The value is this rank's share (ranks sum to the global loss, as with a dense head); the gradient is the
         # group loss's, which the reduce-scatter turns into exactly the share's gradient for this rank's positions.
         loss = rows.loss - rows.loss.detach() + share
-        return LossOutput(loss, ce, ntl, rows.valid_N[own].sum(), rows.is_number_N[own].sum())
+        number_ce = torch.where(rows.is_number_N[own], rows.ce_N[own], 0.0).sum()
+        return LossOutput(loss, ce, ntl, rows.valid_N[own].sum(), rows.is_number_N[own].sum(), number_ce)
 
     def average_gradients(self, data_parallel_size: int, replica_group: dist.ProcessGroup | None = None) -> None:
         """Make the slice's gradient what DeepSpeed gives a replicated parameter: summed over the ranks holding
