@@ -79,8 +79,9 @@ class DataConfig:
     shuffle_buffer: int = 1000
     """Documents held in the seeded shuffle buffer per reader; 0 or 1 keeps the stream order."""
     per_document_attention: bool = False
-    """Reset position ids at document starts and drop the cross-document label after each EOS; with
-    flash-attention 2, transformers then also keeps attention inside each document."""
+    """Reset position ids at document starts and drop the cross-document label after each EOS; transformers then
+    also keeps attention inside each document with sdpa/eager (no cache, no mask: the trainer's forward), and
+    with flash-attention 2 only for micro-batches of one row (docs/data.md)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0 = read in the training process)."""
     tokenize_batch: int = 64
