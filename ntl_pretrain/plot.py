@@ -3,9 +3,12 @@
 Reads each run's metrics.jsonl: training records (loss, CE, NTL; smoothed with an exponential moving average),
 validation records (val_ce, val_ntl) and evaluation records (`eval/<set>/<metric>`, from `eval.every_steps`
 or `ntl-pretrain eval --log-metrics`). One panel per metric, one line per run; runs of the same group (e.g. the
-seeds of one study variant) share a colour. A metric measured once per run (a final evaluation) is drawn as
-one dot per run above its group's name instead. A training NTL that is zero throughout (a CE-only run has no NTL
-term) is left out rather than drawn as a flat line at 0.
+seeds of one study variant) share a colour. In the validation panels the trainer's periodic validation (records
+with `"split": "validation"`, often the first `train.eval_max_batches` batches per rank) is a line, and
+`ntl-pretrain eval --log-metrics` records (`"split": "eval"`, by default the whole split) are hollow diamonds
+beside it: different measurements, never joined into one line. A metric measured once per run (a final
+evaluation) is drawn as one dot per run above its group's name instead. A training NTL that is zero throughout
+(a CE-only run has no NTL term) is left out rather than drawn as a flat line at 0.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ EVAL_METRICS = {
     "mae": "MAE (log scale)",
     "digit_accuracy": "digit accuracy",
 }
+VALIDATION_PANELS = {"val_ce", "val_ntl", "val_ntl_was"}
+# Where a validation number came from: metrics.jsonl split -> (legend text, line style, marker).
+VALIDATION_SOURCES = {
+    "validation": ("trainer's periodic validation", "-", None),
+    "eval": ("ntl-pretrain eval", "none", "D"),
+}
 SMOOTHED = {"loss", "ce", "ntl"}
 ZERO_MEANS_ABSENT = {"ntl", "val_ntl"}  # the trainer logs 0 for a run without an NTL term
 SMOOTHING = 0.9
@@ -42,13 +51,16 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         return [json.loads(line) for line in lines if line.strip()]
 
 
-def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the records holding a finite number under `key`, in step order; the last record of
-    a step wins (e.g. `ntl-pretrain eval --log-metrics` after the trainer's own validation at the same step)."""
+def series(records: list[dict], key: str, split: str | None = None) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records holding a finite number under `key` (only those whose `split` is `split`,
+    when given), in step order; the last record of a step wins (a resumed run repeats steps)."""
     by_step = {
         record["step"]: float(record[key])
         for record in records
-        if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]) and record.get("step") is not None
+        if isinstance(record.get(key), (int, float))
+        and math.isfinite(record[key])
+        and record.get("step") is not None
+        and (split is None or record.get("split") == split)
     }
     steps = sorted(by_step)
     return steps, [by_step[step] for step in steps]
@@ -83,17 +95,29 @@ def plot_runs(
     groups: Sequence[str] | None = None,
 ) -> Path:
     """Draw every panel for every run into one PNG; `groups` (one per run) picks the colours and legend."""
+    import matplotlib.pyplot as plt
+
+    runs = [read_metrics(run_dir) for run_dir in run_dirs]
+    labels = list(labels) if labels else [Path(run_dir).name for run_dir in run_dirs]
+    figure = draw_figure(runs, list(groups) if groups else labels, [str(d) for d in run_dirs])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def draw_figure(runs: list[list[dict]], groups: list[str], names: list[str]):
+    """The matplotlib figure of every panel; `groups` (one per run) picks the colours and legend, `names` say
+    which runs an error is about."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [read_metrics(run_dir) for run_dir in run_dirs]
-    labels = list(labels) if labels else [Path(run_dir).name for run_dir in run_dirs]
-    groups = list(groups) if groups else labels
     panels = panel_keys(runs)
     if not panels:
-        raise ValueError(f"no plottable metrics in {[str(d) for d in run_dirs]}")
+        raise ValueError(f"no plottable metrics in {names}")
     rows = -(-len(panels) // COLUMNS)
     figure, axes = plt.subplots(rows, COLUMNS, figsize=(5 * COLUMNS, 3.4 * rows), squeeze=False)
     colours = {group: f"C{index % 10}" for index, group in enumerate(dict.fromkeys(groups))}
@@ -104,30 +128,47 @@ def plot_runs(
     handles = [plt.Line2D([], [], color=colour, label=group) for group, colour in colours.items()]
     figure.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), frameon=False)
     figure.tight_layout(rect=(0, 0, 1, 0.95))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return figure
 
 
-def _draw_panel(axis, key: str, title: str, runs: list[list[dict]], groups: list[str], colours: dict) -> None:
-    drawn = [(series(records, key), group) for records, group in zip(runs, groups, strict=True)]
+def _drawn_series(key: str, runs: list[list[dict]], groups: list[str], split: str | None) -> list:
+    """((steps, values), group) of every run that has data for `key` in `split`."""
+    drawn = [(series(records, key, split), group) for records, group in zip(runs, groups, strict=True)]
     drawn = [((steps, values), group) for (steps, values), group in drawn if values]
     if key in ZERO_MEANS_ABSENT:
         drawn = [((steps, values), group) for (steps, values), group in drawn if any(values)]
-    if drawn and all(len(values) == 1 for (_, values), _ in drawn):
-        _draw_once_measured(axis, drawn, colours)
+    return drawn
+
+
+def _draw_panel(axis, key: str, title: str, runs: list[list[dict]], groups: list[str], colours: dict) -> None:
+    splits = VALIDATION_SOURCES if key in VALIDATION_PANELS else {None: (None, "-", None)}
+    drawn = {split: _drawn_series(key, runs, groups, split) for split in splits}
+    measured = [items for items in drawn.values() if items]
+    if len(measured) == 1 and all(len(values) == 1 for (_, values), _ in measured[0]):
+        _draw_once_measured(axis, measured[0], colours)
     else:
-        for (steps, values), group in drawn:
-            values = smooth(values) if key in SMOOTHED else values
-            marker = "o" if len(values) <= 3 else None
-            axis.plot(steps, values, color=colours[group], alpha=0.75, linewidth=1.2, marker=marker)
+        for split, (source, linestyle, marker) in splits.items():
+            for (steps, values), group in drawn[split]:
+                values = smooth(values) if key in SMOOTHED else values
+                shown = marker or ("o" if len(values) <= 3 else None)
+                axis.plot(steps, values, color=colours[group], alpha=0.75, linewidth=1.2, linestyle=linestyle,
+                          marker=shown, markerfacecolor="none" if marker else colours[group],
+                          label=group if source is None else f"{group}: {source}")  # fmt: skip
+        if len(measured) > 1:
+            _source_legend(axis, splits)
         axis.set_xlabel("step")
     if key.endswith("/mae"):
         axis.set_yscale("log")
     axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
+
+
+def _source_legend(axis, splits: dict) -> None:
+    import matplotlib.pyplot as plt
+
+    handles = [plt.Line2D([], [], color="grey", linestyle=linestyle, marker=marker, markerfacecolor="none",
+                          label=source) for source, linestyle, marker in splits.values()]  # fmt: skip
+    axis.legend(handles=handles, fontsize=7, frameon=False)
 
 
 def _draw_once_measured(axis, drawn: list, colours: dict) -> None:

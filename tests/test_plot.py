@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ntl_pretrain.plot import main, panel_keys, read_metrics, series, smooth
+from ntl_pretrain.plot import draw_figure, main, panel_keys, read_metrics, series, smooth
 
 
 def write_run(folder: Path, records: list[dict]) -> Path:
@@ -25,7 +25,7 @@ def test_series_keeps_finite_values_in_step_order_and_the_last_record_of_a_step(
         {"step": 3, "val_ce": 1.0},
         {"step": 1, "val_ce": 2.0},
         {"step": 2, "val_ce": "nan"},  # how metrics.jsonl stores a non-finite float
-        {"step": 3, "val_ce": 0.5},  # a later record for step 3 (e.g. eval --log-metrics) wins
+        {"step": 3, "val_ce": 0.5},  # a later record for step 3 (a resumed run repeats steps) wins
         {"step": 4, "loss": 1.0},
         {"step": None, "val_ce": 9.0},
     ]
@@ -59,6 +59,43 @@ def test_plot_command_writes_a_png(tmp_path: Path) -> None:
     assert main([str(ce), str(ntl), "-o", str(out), "--labels", "CE", "CE+NTL"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(read_metrics(ce)) == 31
+
+
+def panel_lines(figure, title: str) -> dict[str, tuple[list, list]]:
+    """label -> (x, y) of every line drawn in the panel titled `title`."""
+    (axis,) = [axis for axis in figure.axes if axis.get_title() == title]
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axis.get_lines()}
+
+
+def test_eval_records_and_the_trainers_validation_stay_apart() -> None:
+    """`ntl-pretrain eval --log-metrics` at step 20 (whole split) beside the trainer's validation at steps 10 and 20
+    (first batches): two series, labelled, and the trainer's point at step 20 is kept, not replaced."""
+    import matplotlib.pyplot as plt
+
+    run = training_records(20, 1.0) + [
+        {"step": 10, "split": "validation", "val_ce": 3.0, "val_ntl": 0.9},
+        {"step": 20, "split": "validation", "val_ce": 2.5, "val_ntl": 0.8},
+        {"step": 20, "split": "eval", "val_ce": 2.7, "val_ntl_was": 0.85, "eval/a/exact_match": 0.4},
+    ]
+    other = training_records(20, 1.0) + [{"step": 20, "split": "validation", "val_ce": 2.4}]
+    figure = draw_figure([run, other], ["ntl", "ce"], ["ntl", "ce"])
+    try:
+        val_ce = panel_lines(figure, "validation CE")
+        assert val_ce == {
+            "ntl: trainer's periodic validation": ([10, 20], [3.0, 2.5]),
+            "ntl: ntl-pretrain eval": ([20], [2.7]),
+            "ce: trainer's periodic validation": ([20], [2.4]),
+        }
+        (axis,) = [axis for axis in figure.axes if axis.get_title() == "validation CE"]
+        eval_line = next(line for line in axis.get_lines() if line.get_label() == "ntl: ntl-pretrain eval")
+        assert (eval_line.get_linestyle(), eval_line.get_marker()) == ("None", "D")  # points, not a line
+        legend = [text.get_text() for text in axis.get_legend().get_texts()]
+        assert legend == ["trainer's periodic validation", "ntl-pretrain eval"]
+        assert panel_lines(figure, "validation NTL (each run's own kind)") == {
+            "ntl: trainer's periodic validation": ([10, 20], [0.9, 0.8])
+        }
+    finally:
+        plt.close(figure)
 
 
 def test_plot_refuses_runs_without_metrics(tmp_path: Path) -> None:
