@@ -48,7 +48,10 @@ def run_train(args: argparse.Namespace) -> int:
     from ntl_pretrain.deepspeed_config import load_run
 
     args.nproc = args.nproc or default_nproc()
+    from ntl_pretrain.heads.architectures import check_recipe_architecture
+
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
+    check_recipe_architecture(recipe)
     command = train_command(args)
     env = dict(os.environ)
     if not _cuda_available():

@@ -75,6 +75,12 @@ class NtlConfig:
 class LossConfig:
     ntl: NtlConfig = field(default_factory=NtlConfig)
     """The Number Token Loss term."""
+    head: Literal["chunked", "dense"] = "chunked"
+    """chunked: output layer + loss a chunk of positions at a time, the [B, T, V] logits never exist (one [R, V]
+    fp32 chunk does); dense: the output layer materialises the logits and their gradient (tiny vocabularies,
+    debugging)."""
+    chunk_size: int | None = None
+    """Positions per chunk of the chunked head; null = 2^26 / V (a 256 MiB fp32 chunk of logits)."""
     vocab_parallel_size: int = 1
     """k > 1: groups of k consecutive data-parallel ranks share the output layer by vocabulary rows
     (`VocabParallelHead`), so no rank gathers the whole [V, H] matrix; must divide the world size; needs an untied
@@ -83,6 +89,8 @@ class LossConfig:
     def check(self) -> None:
         if self.vocab_parallel_size < 1:
             raise ValueError("vocab_parallel_size: must be >= 1")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size: must be a positive number of positions or null, got {self.chunk_size}")
 
 
 @dataclass

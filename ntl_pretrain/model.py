@@ -1,5 +1,5 @@
-"""Build the HF causal LM under ZeRO-3 and attach the CE + λ·NTL loss head: the dense output layer inside the
-engine, or (`loss.vocab_parallel_size` > 1) this rank's vocabulary slice of it, kept outside ZeRO-3.
+"""Build the HF causal LM under ZeRO-3 and attach the output head that computes CE + λ·NTL from its hidden
+states (`ntl_pretrain.heads`: dense, chunked, or vocabulary-parallel when `loss.vocab_parallel_size` > 1).
 
 Shapes: B batch, T sequence, H hidden size, V model vocabulary (may exceed the tokenizer's).
 """
@@ -9,88 +9,28 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
-from ntl_pretrain.config import ModelConfig, NtlConfig, Recipe
-from ntl_pretrain.loss import ce_ntl_loss
-from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead
+from ntl_pretrain.config import ModelConfig, Recipe
+from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.vocab_parallel import VocabParallelOutputLayer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-class HeadOutput(NamedTuple):
-    """One micro-batch. A NamedTuple because ZeRO-3 hooks autograd only into tuples, lists and dicts of tensors
-    that a module returns (a dataclass output breaks its backward bookkeeping).
-
-    loss: differentiable; this rank's share `ΣCE/num_tokens + λ·ΣNTL/num_number_tokens` of the global-batch loss
-    when the head was given the global counts, else `ΣCE + λ·ΣNTL`. ce, ntl: sums over this rank's positions (for
-    logging); num_tokens, num_number_tokens: this rank's counts; number_ce: summed CE at the number labels (for
-    validation)."""
-
-    loss: torch.Tensor
-    ce: torch.Tensor
-    ntl: torch.Tensor
-    num_tokens: torch.Tensor
-    num_number_tokens: torch.Tensor
-    number_ce: torch.Tensor
-
-
-class DenseLossHead(nn.Module):
-    """Output projection plus fused CE + NTL; returns sums (the step normalises over the global batch).
-
-    The projection is the model's own `lm_head` module, called as a submodule so ZeRO-3 gathers its weight.
-    Swappable: any module with this forward signature (e.g. a chunked or vocab-parallel head) plugs in.
-    """
-
-    def __init__(self, projection: nn.Module, number_vocab: NumberVocab | None, ntl: NtlConfig):
-        super().__init__()
-        self.projection = projection
-        self.number_vocab = number_vocab
-        self.ntl = ntl
-
-    def forward(
-        self,
-        hidden_BTH: torch.Tensor,
-        labels_BT: torch.Tensor,
-        num_tokens: float | None = None,
-        num_number_tokens: float | None = None,
-    ) -> HeadOutput:
-        """The signature `VocabParallelHead` has: the global batch's counts normalise `loss`, or None for sums."""
-        logits_BTV = self.projection(hidden_BTH)
-        out = ce_ntl_loss(
-            logits_BTV,
-            labels_BT,
-            self.number_vocab,
-            kind=self.ntl.kind,
-            weight=self.ntl.weight,
-            reweigh=self.ntl.reweigh,
-            reduction="sum",
-        )
-        if num_tokens is None:
-            loss = out.ce + self.ntl.weight * out.ntl
-        else:
-            loss = out.ce / num_tokens + self.ntl.weight * out.ntl / num_number_tokens
-        return HeadOutput(loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
-
-
 class CausalLMWithLoss(nn.Module):
-    """What the DeepSpeed engine runs: decoder trunk for hidden states, then the loss head."""
+    """What the DeepSpeed engine runs: decoder trunk for hidden states, then the output head."""
 
-    def __init__(self, lm: PreTrainedModel, head: nn.Module):
+    def __init__(self, lm: PreTrainedModel, head: OutputHead):
         super().__init__()
         self.lm = lm
-        if isinstance(head, VocabParallelHead):
-            _hold_outside_zero(self, "head", head)
-        else:
-            self.head = head
+        self.head = head
 
     def forward(
         self,
@@ -101,28 +41,7 @@ class CausalLMWithLoss(nn.Module):
         num_number_tokens: float | None = None,
     ) -> HeadOutput:
         hidden_BTH = self.lm.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
-        out = self.head(hidden_BTH, labels, num_tokens, num_number_tokens)
-        return HeadOutput(out.loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
-
-
-class VocabParallelOutputLayer(nn.Module):
-    """Stands in for the LM's output layer when the matrix is sharded by vocabulary, so that the HF model still
-    generates (the trainer's generation metrics): each call reassembles the [V, H] matrix from the group's slices
-    (a collective; ZeRO-3 gathers a dense output layer on every call too). Training never calls it."""
-
-    def __init__(self, head: VocabParallelHead):
-        super().__init__()
-        _hold_outside_zero(self, "head", head)
-
-    def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden_BTH, self.head.full_weight().to(hidden_BTH.dtype))
-
-
-def _hold_outside_zero(owner: nn.Module, name: str, head: VocabParallelHead) -> None:
-    """Reference the head without registering it as a submodule: ZeRO-3 converts every parameter of the module it
-    wraps into one partitioned tensor replicated across ranks, while each rank's slice is different and is
-    optimised outside the engine."""
-    object.__setattr__(owner, name, head)
+        return self.head(hidden_BTH, labels, num_tokens, num_number_tokens)
 
 
 @dataclass
@@ -131,8 +50,6 @@ class BuiltModel:
     number_vocab: NumberVocab | None
     hf_deepspeed_config: HfDeepSpeedConfig
     """Held for the model's lifetime: transformers consults it to load and gather under ZeRO-3."""
-    vocab_parallel_head: VocabParallelHead | None = None
-    """This rank's slice of the output layer (`loss.vocab_parallel_size` > 1), outside the module DeepSpeed wraps."""
 
 
 def attention_backend(requested: str) -> str:
@@ -176,11 +93,9 @@ def build_model(
     tokenizer,
     ds_config: dict,
     saved_config: Path | None = None,
-    vocab_group: dist.ProcessGroup | None = None,
 ) -> BuiltModel:
-    """Instantiate (from scratch or `init_from`) partitioned under ZeRO-3, with HF's weight init.
-    `saved_config`: a checkpoint's `hf_config/` folder, the architecture when resuming without model_type.
-    `vocab_group`: this rank's vocabulary-parallel group (`loss.vocab_parallel_size` > 1), else None."""
+    """Instantiate (from scratch or `init_from`) partitioned under ZeRO-3, with HF's weight init, and its output
+    head. `saved_config`: a checkpoint's `hf_config/` folder, the architecture when resuming without model_type."""
     hf_ds_config = HfDeepSpeedConfig(ds_config)
     config = hf_config(recipe, tokenizer, saved_config)
     if config.vocab_size < len(tokenizer):
@@ -197,23 +112,8 @@ def build_model(
     if recipe.loss.ntl.kind is not None:
         number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
         number_vocab.require_numbers()
-    if vocab_group is None:
-        head = DenseLossHead(lm.get_output_embeddings(), number_vocab, recipe.loss.ntl)
-        return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config)
-    head = vocab_parallel_head(lm, vocab_group, number_vocab, recipe.loss.ntl)
-    return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config, head)
-
-
-def vocab_parallel_head(
-    lm: PreTrainedModel, group: dist.ProcessGroup, number_vocab: NumberVocab | None, ntl: NtlConfig
-) -> VocabParallelHead:
-    """This rank's rows of `lm`'s output layer (refused, with the reason, when it is tied to the input embedding),
-    in fp32: the slice is its own optimizer's master copy. `lm`'s output layer becomes a parameterless stand-in."""
-    head = VocabParallelHead.from_output_layer(
-        lm, group, number_vocab=number_vocab, kind=ntl.kind, ntl_weight=ntl.weight, reweigh=ntl.reweigh
-    ).float()
-    lm.set_output_embeddings(VocabParallelOutputLayer(head))
-    return head
+    head = build_head(recipe, lm, number_vocab)
+    return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config)
 
 
 def parameter_groups(module: CausalLMWithLoss, weight_decay: float) -> list[dict]:

@@ -66,14 +66,11 @@ class Trainer:
         self.output_dir = Path(recipe.train.output_dir)
         set_seed(recipe.seed)
         self.resume_from = checkpoint.resolve_resume(recipe.train.resume, str(self.output_dir))
-        k = recipe.loss.vocab_parallel_size
-        vocab_parallel.check_resume(self.resume_from, k, self.world_size)
-        groups = vocab_parallel.new_groups(k) if k > 1 else None
+        vocab_parallel.check_resume(self.resume_from, recipe.loss.vocab_parallel_size, self.world_size)
         self.tokenizer = load_tokenizer(self._tokenizer_spec(), trust_remote_code=recipe.tokenizer.trust_remote_code)
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
-        self.built: BuiltModel = build_model(
-            recipe, self.tokenizer, ds_config, saved_config, None if groups is None else groups.vocab
-        )
+        self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
+        self.head = self.built.module.head
         optimizer = torch.optim.AdamW(
             parameter_groups(self.built.module, recipe.optimizer.weight_decay),
             lr=recipe.optimizer.lr,
@@ -85,10 +82,7 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        self.slices: vocab_parallel.SliceTrainer | None = None  # the output-layer slice when k > 1
-        if groups is not None:
-            self.slices = vocab_parallel.SliceTrainer(self.built.vocab_parallel_head, groups, recipe, self.world_size)
-            self.slices.include_in_clipping(self.engine)
+        self.head.attach(self.engine)
         self.grad_accum = ds_config["gradient_accumulation_steps"]
         self.loader = self._dataloader("train")
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
@@ -193,12 +187,11 @@ class Trainer:
                 **self._to_device(batch), num_tokens=max(num_tokens, 1), num_number_tokens=max(num_number_tokens, 1)
             )
             self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
-            if self.slices is not None and index == len(batches):
-                self.slices.reduce_gradients()  # before the engine's step: its clipping norm includes the slices
+            if index == len(batches):
+                self.head.before_engine_step()
             self.engine.step()
             sums += torch.stack([out.ce.detach().double().cpu(), out.ntl.detach().double().cpu()])
-        if self.slices is not None:
-            self.slices.step(self.engine)
+        self.head.after_engine_step(self.engine)
         dist.all_reduce(sums)
         ce, ntl = sums[0].item() / max(num_tokens, 1), sums[1].item() / max(num_number_tokens, 1)
         self.step += 1
@@ -340,7 +333,7 @@ class Trainer:
             client_state,
             self.recipe.checkpoint.keep_last,
             self._write_export_files,
-            None if self.slices is None else self.slices.save,
+            self.head.save,
         )
 
     def _write_export_files(self, folder: Path) -> None:
@@ -353,8 +346,7 @@ class Trainer:
         if folder is None:
             return
         state = reshard.load(self.engine, folder)  # re-partitions weights and optimizer state for a new world size
-        if self.slices is not None:
-            self.slices.load(folder)
+        self.head.load(folder)
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
         self.last_saved_step = self.step
         per_rank = state["per_rank"]

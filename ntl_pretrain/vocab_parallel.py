@@ -1,8 +1,9 @@
-"""Training with the output layer sharded by vocabulary (`loss.vocab_parallel_size: k` > 1).
+"""The vocabulary-parallel output head (`loss.vocab_parallel_size: k` > 1).
 
 Groups of k consecutive data-parallel ranks share the [V, H] output matrix by rows (`VocabParallelHead`,
-docs/vocab-parallel.md); the decoder trunk stays in the DeepSpeed ZeRO-3 engine. This module is everything the
-trainer does for the slices besides calling the head:
+docs/vocab-parallel.md); the decoder trunk stays in the DeepSpeed ZeRO-3 engine. `VocabParallelOutputHead` is the
+`OutputHead` the trainer drives; the slice lives outside ZeRO-3, so its hooks do for it what the engine does for
+the trunk:
 
 - the process groups (vocabulary groups, and replica groups joining the ranks that hold the same slice);
 - the slice's own AdamW and learning-rate schedule, with the recipe's hyper-parameters (decayed, as a dense
@@ -24,14 +25,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedModel
 
 from ntl_pretrain.config import Recipe
+from ntl_pretrain.heads.base import HeadOutput, OutputHead
+from ntl_pretrain.loss.logit_transform import LogitTransform
 from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, assemble_output_matrix
+from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.schedule import lr_multiplier
 
 FOLDER = "vocab_parallel"  # inside a checkpoint step folder
 LAYOUT = "layout.json"
 CLIP_EPS = 1e-6  # DeepSpeed's: coefficient = clip / (norm + 1e-6)
+ONE_CHUNK = 1 << 62  # `loss.head: dense`: the slice's logits of all the group's positions in one chunk
 
 
 @dataclass
@@ -58,11 +65,15 @@ def new_groups(k: int) -> VocabGroups:
     return VocabGroups(vocab, replica)
 
 
-class SliceTrainer:
-    """The slice's optimizer, schedule, clipping and checkpoint files, stepped in lockstep with the engine."""
+class VocabParallelOutputHead(OutputHead):
+    """This rank's slice with its optimizer, schedule, clipping and checkpoint files, stepped in lockstep with the
+    engine. The slice is referenced, not registered: ZeRO-3 would turn every parameter of the module it wraps into
+    one partitioned tensor replicated across ranks, while each rank's slice is different."""
 
     def __init__(self, head: VocabParallelHead, groups: VocabGroups, recipe: Recipe, world_size: int):
-        self.head, self.groups, self.world_size = head, groups, world_size
+        super().__init__()
+        _hold_outside_zero(self, "head", head)
+        self.groups, self.world_size = groups, world_size
         self.vocab_parallel_size = recipe.loss.vocab_parallel_size
         settings = recipe.optimizer
         self.grad_clip = settings.grad_clip
@@ -77,7 +88,30 @@ class SliceTrainer:
             self.optimizer, lr_multiplier(recipe.schedule, recipe.train.max_steps)
         )
 
-    def include_in_clipping(self, engine) -> None:
+    @classmethod
+    def from_model(
+        cls, lm: PreTrainedModel, number_vocab: NumberVocab | None, recipe: Recipe, transform: LogitTransform
+    ) -> VocabParallelOutputHead:
+        """Create the groups (collective), take this rank's rows of `lm`'s output layer (refused, with the reason,
+        when it is tied to the input embedding or has a bias) in fp32, its own optimizer's master copy, and leave
+        `lm` a parameterless stand-in for generation."""
+        if getattr(lm.get_output_embeddings(), "bias", None) is not None:
+            raise ValueError("loss.vocab_parallel_size: the output layer has a bias, which the slices do not hold")
+        loss = recipe.loss
+        groups = new_groups(loss.vocab_parallel_size)
+        ntl, chunk_size = loss.ntl, loss.chunk_size if loss.head == "chunked" else ONE_CHUNK
+        head = VocabParallelHead.from_output_layer(
+            lm, groups.vocab, number_vocab=number_vocab, kind=ntl.kind, ntl_weight=ntl.weight, reweigh=ntl.reweigh,
+            chunk_size=chunk_size, transform=transform,
+        ).float()  # fmt: skip
+        lm.set_output_embeddings(VocabParallelOutputLayer(head))
+        return cls(head, groups, recipe, dist.get_world_size())
+
+    def forward(self, hidden_BTH, labels_BT, num_tokens=None, num_number_tokens=None) -> HeadOutput:
+        out = self.head(hidden_BTH, labels_BT, num_tokens, num_number_tokens)
+        return HeadOutput(out.loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
+
+    def attach(self, engine) -> None:
         """Make the engine's gradient norm (its clipping and `get_global_grad_norm`) cover the slices too, by
         adding their norm to the per-group norms DeepSpeed's ZeRO-3 optimizer combines (DeepSpeed 0.19)."""
         zero = engine.optimizer
@@ -104,11 +138,11 @@ class SliceTrainer:
         dist.all_reduce(squared, group=self.groups.vocab)
         return squared.sqrt()
 
-    def reduce_gradients(self) -> None:
+    def before_engine_step(self) -> None:
         """After the last micro-batch's backward and before the engine's step (whose norm includes the slices)."""
         self.head.average_gradients(self.world_size, self.groups.replica)
 
-    def step(self, engine) -> None:
+    def after_engine_step(self, engine) -> None:
         """After the engine's step: update the slice when the engine updated the trunk, clipped alike."""
         if engine.was_step_applied():
             self._clip(float(engine.get_global_grad_norm()))
@@ -198,3 +232,21 @@ def saved_output_matrix(step_folder: Path) -> torch.Tensor | None:
 
 def _rank_file(step_folder: Path, rank: int) -> Path:
     return step_folder / FOLDER / f"rank_{rank:05d}.pt"
+
+
+class VocabParallelOutputLayer(nn.Module):
+    """Stands in for the LM's output layer when the matrix is sharded by vocabulary, so that the HF model still
+    generates (the trainer's generation metrics): each call reassembles the [V, H] matrix from the group's slices
+    (a collective; ZeRO-3 gathers a dense output layer on every call too). Training never calls it."""
+
+    def __init__(self, head: VocabParallelHead):
+        super().__init__()
+        _hold_outside_zero(self, "head", head)
+
+    def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden_BTH, self.head.full_weight().to(hidden_BTH.dtype))
+
+
+def _hold_outside_zero(owner: nn.Module, name: str, head: VocabParallelHead) -> None:
+    """Reference the slice without registering it as a submodule (see `VocabParallelOutputHead`)."""
+    object.__setattr__(owner, name, head)

@@ -15,8 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ntl_pretrain import checkpoint
 from ntl_pretrain.config import NtlConfig, ScheduleConfig
+from ntl_pretrain.heads import DenseHead
 from ntl_pretrain.metrics import MetricsLogger
-from ntl_pretrain.model import CausalLMWithLoss, DenseLossHead, model_flops_per_token, parameter_groups
+from ntl_pretrain.model import CausalLMWithLoss, model_flops_per_token, parameter_groups
 from ntl_pretrain.schedule import lr_multiplier
 
 
@@ -50,7 +51,7 @@ class TestSchedules:
 
 def test_weight_decay_skips_norms_biases_and_embeddings():
     lm = tiny_llama()
-    module = CausalLMWithLoss(lm, DenseLossHead(lm.get_output_embeddings(), None, NtlConfig(kind=None)))
+    module = CausalLMWithLoss(lm, DenseHead(lm.get_output_embeddings(), None, NtlConfig(kind=None)))
     decay, no_decay = parameter_groups(module, weight_decay=0.1)
     names = {id(p): n for n, p in lm.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}

@@ -146,15 +146,18 @@ def check_generation_with_sharded_output_layer() -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ntl_pretrain.config import NtlConfig
-    from ntl_pretrain.model import VocabParallelOutputLayer, vocab_parallel_head
+    from ntl_pretrain.config import Recipe
+    from ntl_pretrain.loss.logit_transform import IDENTITY
+    from ntl_pretrain.vocab_parallel import VocabParallelOutputHead, VocabParallelOutputLayer
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, tie_word_embeddings=False, eos_token_id=36)  # fmt: skip
     dense = LlamaForCausalLM(config).eval()
     sharded = copy.deepcopy(dense)
-    head = vocab_parallel_head(sharded, dist.new_group([0, 1]), None, NtlConfig(kind=None))
+    recipe = Recipe()
+    recipe.loss.vocab_parallel_size, recipe.loss.ntl.kind = 2, None
+    head = VocabParallelOutputHead.from_model(sharded, None, recipe, IDENTITY).head
     assert isinstance(sharded.get_output_embeddings(), VocabParallelOutputLayer)
     assert "lm_head.weight" not in dict(sharded.named_parameters()) and head.weight.shape == (19 - dist.get_rank(), 16)
     prompt = torch.randint(

@@ -8,6 +8,10 @@ vocabulary parallelism: for each chunk, logits_RV = hidden_RH @ weight_VH.T, the
 two all-reduces per chunk with a group), then d loss / d logits overwrites the logits in place and is folded into
 the hidden and weight gradients at once. No [N, V] buffer ever exists; the peak is one [R, V] chunk besides the
 weight gradient. Because the gradient is formed in forward, only the combined loss is differentiable.
+
+An architecture's logit post-processing (`LogitTransform`: scaling, soft-capping) is applied to each chunk, and its
+derivative is chained into d loss / d logits before the chunk's gradient is folded in. The weight gradient
+accumulates over chunks in fp32 and is rounded to the weight's dtype once, as one unchunked matmul would.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ntl_pretrain.loss.fused import (
     make_targets,
     number_columns_grad,
 )
+from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 # A chunk's logits hold about this many elements (256 MiB in fp32) by default: enough rows for the matmuls to run at
@@ -49,8 +54,9 @@ def linear_ce_ntl_loss(
     vocab_start: int = 0,
     num_tokens: int | torch.Tensor | None = None,
     num_number_tokens: int | torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
 ) -> LossOutput:
-    """CE + `ntl_weight`·NTL of the logits `hidden @ weight.T`, computed `chunk_size` positions at a time.
+    """CE + `ntl_weight`·NTL of the logits `transform(hidden @ weight.T)`, `chunk_size` positions at a time.
 
     `hidden` [..., H] (aligned with `labels` [...]: shift before calling) and `weight` [V, H] (the output layer;
     with `group`, rows [vocab_start, vocab_start + V) of it, and every rank of the group passes the same hidden
@@ -78,6 +84,7 @@ def linear_ce_ntl_loss(
         vocab_start,
         num_tokens,
         num_number_tokens,
+        transform,
     )
     ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
     number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum() * rows.ntl_scale
@@ -119,6 +126,7 @@ def linear_ce_ntl_rows(
     vocab_start,
     num_tokens,
     num_number_tokens,
+    transform=IDENTITY,
 ) -> LinearLossRows:
     """`linear_ce_ntl_loss` before the per-position terms are summed (same arguments, all positional)."""
     labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
@@ -134,7 +142,7 @@ def linear_ce_ntl_rows(
     grad_ce_N, grad_ntl_N = ce_scale.expand(labels_N.shape), (ntl_weight * ntl_scale).expand(labels_N.shape)
     rows = _chunk_rows(chunk_size, weight.shape[0], group, hidden.device)
     loss, ce_N, ntl_N = LinearCeNtl.apply(
-        hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, rows, group
+        hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, rows, group, transform
     )
     return LinearLossRows(loss, ce_N, ntl_N, targets.valid, targets.is_number, ce_scale, ntl_scale)
 
@@ -177,7 +185,20 @@ class LinearCeNtl(torch.autograd.Function):
     """(hidden [N, H], weight [V, H]) -> (loss, CE [N], NTL [N]); saves the gradients, not the activations."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, t: Targets, shard: NumberShard, kind, reweigh, g_ce_N, g_ntl_N, rows, group):
+    def forward(
+        ctx,
+        hidden_NH,
+        weight_VH,
+        t: Targets,
+        shard: NumberShard,
+        kind,
+        reweigh,
+        g_ce_N,
+        g_ntl_N,
+        rows,
+        group,
+        transform: LogitTransform,
+    ):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         dtype = compute_dtype(hidden_NH)
         grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
@@ -186,20 +207,18 @@ class LinearCeNtl(torch.autograd.Function):
         for start in range(0, hidden_NH.shape[0], rows):
             chunk = slice(start, start + rows)
             hidden_RH, t_R = hidden_NH[chunk], t.select(chunk)
-            z_RV = (hidden_RH @ weight_VH.T).to(dtype)
+            z_RV = transform.apply_((hidden_RH @ weight_VH.T).to(dtype))
             ce_R, ntl_R, stats_R = forward_rows(z_RV, t_R, shard, kind, reweigh, group)
             ce_parts.append(ce_R)
             ntl_parts.append(ntl_R)
             if want_hidden or want_weight:
-                number_grad_RK = number_columns_grad(t_R, stats_R, g_ntl_N[chunk], shard, kind, reweigh)
-                logits_grad_rows(
-                    z_RV, z_RV, t_R, stats_R, g_ce_N[chunk], g_ntl_N[chunk], number_grad_RK, shard, reweigh
-                )  # z_RV now holds d loss / d logits
-                grad_RV = z_RV.to(hidden_NH.dtype)
+                grad_RV = _raw_logits_grad(z_RV, t_R, stats_R, g_ce_N[chunk], g_ntl_N[chunk], shard, kind, reweigh,
+                                           transform)  # fmt: skip
+                low_grad_RV = grad_RV.to(hidden_NH.dtype)
                 if want_hidden:
-                    torch.mm(grad_RV, weight_VH, out=grad_hidden_NH[chunk])
+                    torch.mm(low_grad_RV, weight_VH, out=grad_hidden_NH[chunk])
                 if want_weight:
-                    _accumulate_product(grad_weight_VH, grad_RV.T, hidden_RH)
+                    _accumulate_product(grad_weight_VH, grad_RV.T, low_grad_RV.T, hidden_RH)
         ce_N, ntl_N = _concat(ce_parts, hidden_NH, dtype), _concat(ntl_parts, hidden_NH, dtype)
         loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
         # Held on ctx rather than saved: backward scales them in place (a second [V, H] copy would double the
@@ -214,15 +233,29 @@ class LinearCeNtl(torch.autograd.Function):
             raise RuntimeError("linear_ce_ntl_loss gradients were formed for one backward pass; it ran twice")
         grads, ctx.grads = ctx.grads, None
         scaled = [None if grad is None else grad.mul_(grad_loss.to(grad.dtype)) for grad in grads]
-        return *scaled, *([None] * 8)
+        return *scaled, *([None] * 9)
 
 
-def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, b_RH: torch.Tensor) -> None:
-    """total += a @ b; the weight gradient accumulates in fp32 even when the matmul runs in bf16."""
-    if a_VR.dtype == total_VH.dtype:
+def _raw_logits_grad(z_RV, t_R, stats_R, g_ce_R, g_ntl_R, shard, kind, reweigh, transform) -> torch.Tensor:
+    """d loss / d (hidden @ weight.T) for a chunk whose transformed logits are z_RV (compute dtype). Written over
+    z_RV, except with soft-capping, whose derivative needs the logits afterwards (then one more chunk buffer)."""
+    number_grad_RK = number_columns_grad(t_R, stats_R, g_ntl_R, shard, kind, reweigh)
+    grad_RV = z_RV if transform.softcap is None else torch.empty_like(z_RV)
+    logits_grad_rows(z_RV, grad_RV, t_R, stats_R, g_ce_R, g_ntl_R, number_grad_RK, shard, reweigh)
+    return transform.chain_(grad_RV, z_RV)
+
+
+def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, low_a_VR: torch.Tensor, b_RH: torch.Tensor):
+    """total += a @ b without rounding: total (fp32 for bf16/fp16 weights) is rounded once, after the last chunk.
+    `a` is in total's dtype, `low_a` the same values in b's. On CUDA the tensor cores multiply the low-precision
+    operands with fp32 accumulation into total, as one unchunked bf16 matmul does; elsewhere the fp32 gradient
+    meets the chunk of b upcast (an [R, H] copy)."""
+    if b_RH.dtype == total_VH.dtype:
         total_VH.addmm_(a_VR, b_RH)
+    elif b_RH.is_cuda:
+        torch.addmm(total_VH, low_a_VR, b_RH, total_VH.dtype, out=total_VH)
     else:
-        total_VH.add_(a_VR @ b_RH)
+        total_VH.addmm_(a_VR, b_RH.to(total_VH.dtype))
 
 
 def _concat(parts: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

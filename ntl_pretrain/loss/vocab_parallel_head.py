@@ -22,6 +22,7 @@ from torch import nn
 
 from ntl_pretrain.loss.ce_ntl import LossOutput
 from ntl_pretrain.loss.chunked import linear_ce_ntl_rows
+from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.numbers import NumberVocab
 
 
@@ -67,10 +68,11 @@ class VocabParallelHead(nn.Module):
         reweigh: bool = False,
         ignore_index: int = -100,
         chunk_size: int | None = None,
+        transform: LogitTransform = IDENTITY,
     ):
         """`weight_slice` [Vr, H] are rows vocab_bounds(vocab_size, k)[r] : [r + 1] of the output matrix, r being
         this rank's index in `group`. It may be kept in fp32 (its own master copy) while hidden states are bf16:
-        forward casts it to the hidden states' dtype."""
+        forward casts it to the hidden states' dtype. `transform`: the architecture's logit post-processing."""
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         bounds = vocab_bounds(vocab_size, size)
@@ -83,7 +85,7 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(weight_slice)
         self.vocab_size, self.group = vocab_size, group
         self.number_vocab, self.kind, self.ntl_weight, self.reweigh = number_vocab, kind, ntl_weight, reweigh
-        self.ignore_index, self.chunk_size = ignore_index, chunk_size
+        self.ignore_index, self.chunk_size, self.transform = ignore_index, chunk_size, transform
 
     @classmethod
     def from_output_layer(cls, lm: nn.Module, group: dist.ProcessGroup, **loss_options) -> VocabParallelHead:
@@ -134,7 +136,7 @@ class VocabParallelHead(nn.Module):
         rows = linear_ce_ntl_rows(
             group_hidden_MH, self.weight.to(hidden_BTH.dtype), group_labels_M, self.number_vocab, self.kind,
             self.ntl_weight, self.reweigh, self.ignore_index, "mean" if given_counts else "sum", self.chunk_size,
-            self.group, self.vocab_start, num_tokens, num_number_tokens,
+            self.group, self.vocab_start, num_tokens, num_number_tokens, self.transform,
         )  # fmt: skip
         rank, positions = dist.get_rank(self.group), hidden_NH.shape[0]
         own = slice(rank * positions, (rank + 1) * positions)

@@ -1,0 +1,59 @@
+"""The interface every output head implements: the output layer plus CE + λ·NTL, from hidden states to a
+`HeadOutput`, and the hooks the trainer calls at fixed points of a step (no-ops for a head whose parameters the
+DeepSpeed engine owns).
+
+Shapes: B batch, T sequence, H hidden size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class HeadOutput(NamedTuple):
+    """One micro-batch. A NamedTuple because ZeRO-3 hooks autograd only into tuples, lists and dicts of tensors
+    that a module returns (a dataclass output breaks its backward bookkeeping).
+
+    loss: differentiable; this rank's share `ΣCE/num_tokens + λ·ΣNTL/num_number_tokens` of the global-batch loss
+    when the head was given the global counts, else `ΣCE + λ·ΣNTL`. ce, ntl: sums over this rank's positions (for
+    logging); num_tokens, num_number_tokens: this rank's counts; number_ce: summed CE at the number labels (for
+    validation)."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    ntl: torch.Tensor
+    num_tokens: torch.Tensor
+    num_number_tokens: torch.Tensor
+    number_ce: torch.Tensor
+
+
+class OutputHead(nn.Module):
+    """Output layer + loss. `forward(hidden_BTH, labels_BT, num_tokens, num_number_tokens) -> HeadOutput`: the
+    global batch's counts normalise `loss`, or None for sums.
+
+    The trainer calls, in this order, whatever the head:
+      `attach(engine)` once the engine exists;
+      per step: forward/backward of every micro-batch, `before_engine_step()` after the last backward, the
+      engine's step, `after_engine_step(engine)`;
+      `save(step_folder)` while a checkpoint is written, `load(step_folder)` on resume.
+    A head whose parameters live in the engine needs none of them; one that keeps parameters outside ZeRO-3
+    reduces, clips, steps and checkpoints them there."""
+
+    def attach(self, engine) -> None:
+        """Join the engine's gradient-norm computation (clipping and the logged norm)."""
+
+    def before_engine_step(self) -> None:
+        """Reduce this head's own gradients across ranks (the engine's norm then covers them)."""
+
+    def after_engine_step(self, engine) -> None:
+        """Clip and update this head's own parameters when the engine applied its step."""
+
+    def save(self, step_folder: Path) -> None:
+        """Write this rank's own head state into a checkpoint step folder (not yet published)."""
+
+    def load(self, step_folder: Path) -> None:
+        """Restore what `save` wrote."""

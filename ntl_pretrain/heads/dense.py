@@ -1,0 +1,56 @@
+"""`loss.head: dense`: the output layer materialises the [B, T, V] logits, then the fused CE + NTL runs on them.
+
+The projection is the model's own `lm_head` module, called as a submodule so that ZeRO-3 gathers its weight (and
+bias) as usual; autograd keeps the logits and their gradient, B·T·V elements each. The choice for tiny
+vocabularies and for debugging (docs/recipes.md); `chunked` never holds them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ntl_pretrain.config import NtlConfig
+from ntl_pretrain.heads.base import HeadOutput, OutputHead
+from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
+from ntl_pretrain.numbers import NumberVocab
+
+
+class DenseHead(OutputHead):
+    def __init__(
+        self,
+        projection: nn.Module,
+        number_vocab: NumberVocab | None,
+        ntl: NtlConfig,
+        transform: LogitTransform = IDENTITY,
+    ):
+        super().__init__()
+        self.projection = projection
+        self.number_vocab = number_vocab
+        self.ntl = ntl
+        self.transform = transform
+
+    def forward(
+        self,
+        hidden_BTH: torch.Tensor,
+        labels_BT: torch.Tensor,
+        num_tokens: float | None = None,
+        num_number_tokens: float | None = None,
+    ) -> HeadOutput:
+        logits_BTV = self.transform(self.projection(hidden_BTH))
+        out = ce_ntl_loss(
+            logits_BTV,
+            labels_BT,
+            self.number_vocab,
+            kind=self.ntl.kind,
+            weight=self.ntl.weight,
+            reweigh=self.ntl.reweigh,
+            reduction="sum",
+        )
+        if num_tokens is None:
+            loss = out.ce + self.ntl.weight * out.ntl
+        else:
+            loss = out.ce / num_tokens + self.ntl.weight * out.ntl / num_number_tokens
+        return HeadOutput(loss, out.ce.detach(), out.ntl.detach(), out.num_tokens, out.num_number_tokens,
+                          out.number_ce)  # fmt: skip

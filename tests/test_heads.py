@@ -1,0 +1,152 @@
+"""The output heads against transformers' own forward: for every architecture the product claims, the loss the
+dense and chunked heads compute from the trunk's hidden states, and its gradient on every parameter, equal
+cross-entropy on `lm(input_ids).logits` (which includes the architecture's logit scaling or soft-capping).
+Weights are perturbed so that the logits are far from zero, where soft-capping and scaling matter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ntl_pretrain.config import Recipe
+from ntl_pretrain.heads import ChunkedHead, DenseHead, build_head
+from ntl_pretrain.loss.logit_transform import LogitTransform
+from ntl_pretrain.model import CausalLMWithLoss
+
+VOCAB, HIDDEN, SEQ = 64, 32, 12
+SIZES = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2)  # fmt: skip
+ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {},
+    "gpt2": {},
+    "gemma": {},
+    "gemma2": {"final_logit_softcapping": 3.0},
+    "cohere": {"logit_scale": 0.25},
+    "granite": {"logits_scaling": 4.0},
+    "olmo": {},
+    "phi3": {},
+}
+
+
+def perturbed_model(model_type: str, extra: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**SIZES, **extra}, attn_implementation="eager")
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # no dropout: both paths alike
+    with torch.no_grad():
+        for param in lm.parameters():
+            param.add_(torch.randn_like(param) * 0.5)  # logits of several units: soft-capping and scale bite
+    return lm
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    labels[0, :3] = -100
+    return input_ids, labels, torch.arange(SEQ).expand(2, SEQ)
+
+
+def transformers_loss_and_grads(lm, input_ids, labels, positions):
+    logits = lm(input_ids=input_ids, position_ids=positions).logits
+    assert logits.abs().max() > 2  # far from zero, where a missing transform would show
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in lm.named_parameters()}
+    lm.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def head_loss_and_grads(lm, head, input_ids, labels, positions):
+    out = CausalLMWithLoss(lm, head)(input_ids, labels, positions)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in lm.named_parameters()}
+    lm.zero_grad(set_to_none=True)
+    return out.ce, grads
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_heads_train_what_transformers_forward_computes(model_type):
+    lm = perturbed_model(model_type, ARCHITECTURES[model_type])
+    inputs = batch()
+    want_loss, want_grads = transformers_loss_and_grads(lm, *inputs)
+    recipe = Recipe()
+    recipe.loss.ntl.kind = None
+    for head_kind, chunk_size in (("dense", None), ("chunked", 5)):
+        recipe.loss.head, recipe.loss.chunk_size = head_kind, chunk_size
+        head = build_head(recipe, lm, None)
+        assert isinstance(head, DenseHead if head_kind == "dense" else ChunkedHead)
+        got_loss, got_grads = head_loss_and_grads(lm, head, *inputs)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0, msg=f"{model_type} {head_kind} loss")
+        for name, want in want_grads.items():
+            scale = want.abs().max().clamp_min(1e-6)
+            torch.testing.assert_close(got_grads[name] / scale, want / scale, rtol=0, atol=1e-5,
+                                       msg=f"{model_type} {head_kind} gradient of {name}")  # fmt: skip
+
+
+def test_the_table_reads_each_architectures_settings():
+    assert build_head(Recipe(), perturbed_model("gemma2", {"final_logit_softcapping": 3.0}), None).transform == (
+        LogitTransform(softcap=3.0)
+    )
+    assert build_head(Recipe(), perturbed_model("cohere", {"logit_scale": 0.25}), None).transform.scale == 0.25
+    assert build_head(Recipe(), perturbed_model("granite", {"logits_scaling": 4.0}), None).transform.scale == 0.25
+
+
+def test_an_architecture_not_checked_is_refused_with_the_reason():
+    lm = perturbed_model("mixtral", {"num_local_experts": 2, "num_experts_per_tok": 1})
+    with pytest.raises(ValueError, match="MixtralForCausalLM .* not among the architectures"):
+        build_head(Recipe(), lm, None)
+
+
+def test_chunked_head_refuses_an_output_bias_and_points_to_dense():
+    lm = perturbed_model("phi", {"num_key_value_heads": 4})
+    with pytest.raises(ValueError, match="bias; set loss.head: dense"):
+        build_head(Recipe(), lm, None)
+
+
+def test_train_refuses_an_unchecked_architecture_before_launch(capsys):
+    from pathlib import Path
+
+    from ntl_pretrain import cli
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", "model.model_type=mixtral"]) == 2
+    assert "model.model_type: MixtralForCausalLM (model_type 'mixtral') is not among" in capsys.readouterr().err
+    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", "model.model_type=gemma2"]) == 0
+
+
+@pytest.mark.slow
+def test_gemma2_trainer_validation_equals_the_exported_models_forward(tmp_path):
+    """End to end with soft-capping: 10 steps of a tiny Gemma-2 on 1 rank through `ntl-pretrain train`, exported;
+    transformers' forward of the export (which soft-caps) gives the validation CE and NTL the trainer logged."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launches import assert_model_reproduces_logged_validation, environment, partition_all_config
+    from transformers import AutoTokenizer
+
+    from ntl_pretrain.export import export_checkpoint
+
+    repo, steps, run = Path(__file__).resolve().parents[1], 10, tmp_path / "run"
+    settings = [
+        "model.model_type=gemma2", "model.attention=eager", "model.config.head_dim=16",
+        "model.config.final_logit_softcapping=3.0", f"train.output_dir={run}", f"train.max_steps={steps}",
+        f"deepspeed.config={partition_all_config(tmp_path)}", "data.seq_len=64", "train.micro_batch_size=4",
+        "train.global_batch_size=4", "optimizer.lr=1e-2", f"train.eval_every_steps={steps}", "train.eval_max_batches=3",
+        f"checkpoint.every_steps={steps}", "logging.progress_bar=false", "train.resume=null",
+    ]  # fmt: skip
+    cli = [sys.executable, "-m", "ntl_pretrain.cli"]
+    done = subprocess.run([*cli, "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *settings], cwd=repo,
+                          env=environment(), capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    step_folder = run / "checkpoints" / f"step_{steps}"
+    export_checkpoint(step_folder, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert model.config.final_logit_softcapping == 3.0
+    assert_model_reproduces_logged_validation(model, AutoTokenizer.from_pretrained(tmp_path / "hf"), run, steps,
+                                              micro_batch_size=4, ranks=1)  # fmt: skip
