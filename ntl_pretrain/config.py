@@ -84,7 +84,7 @@ class LossConfig:
     vocab_parallel_size: int = 1
     """k > 1: groups of k consecutive data-parallel ranks share the output layer by vocabulary rows
     (`VocabParallelHead`), so no rank gathers the whole [V, H] matrix; must divide the world size; needs an untied
-    output layer. 1 = the dense head under ZeRO-3."""
+    output layer. 1 = the output layer under ZeRO-3."""
 
     def check(self) -> None:
         if self.vocab_parallel_size < 1:
@@ -189,7 +189,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     progress_bar: bool = True
-    """Rank-0 tqdm bar with loss, CE, NTL and tokens/s."""
+    """Rank-0 tqdm bar with loss, CE, NTL, tokens/s and peak memory."""
     wandb: bool = False
     """Also log to Weights & Biases (needs the `wandb` extra; honours WANDB_MODE=offline)."""
     wandb_project: str = "ntl_pretrain"

@@ -7,17 +7,37 @@ table, a lookup; a tied output projection is counted once, through N), L layers,
 length. 6N is forward (2N) plus backward (4N); 12·L·H·T is the attention scores and weighted sum (QKᵀ and AV,
 2·2·T·H per layer forward, times 3 with backward). Activation recomputation is not counted (it is not useful
 work). MFU = flops_per_token * tokens_per_s / (peak_flops_per_device * world_size).
+
+Peak memory (`peak_mem_mib`, the largest over ranks): on CUDA the caching allocator's peak of allocated tensor
+memory since the previous step (`torch.cuda.max_memory_allocated`, reset after each read); on CPU the process's
+maximum resident set size (`getrusage` ru_maxrss), a high-water mark over the whole process lifetime that never
+goes down, so it shows the largest step so far rather than each step's own peak.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import resource
+import sys
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 H100_BF16_DENSE_FLOPS = 989e12
+
+
+def peak_memory_mib(device: torch.device | str) -> float:
+    """This process's peak memory since the previous call on CUDA (then reset), its lifetime high-water mark on
+    CPU (see the module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**20
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max_rss / 2**20 if sys.platform == "darwin" else max_rss / 2**10  # bytes on macOS, KiB on Linux
 
 
 def flops_per_token(num_matmul_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -66,6 +86,7 @@ class MetricsLogger:
             ce=f"{record['ce']:.4f}",
             ntl=f"{record['ntl']:.4f}",
             tok_s=f"{record['tokens_per_s']:.0f}",
+            mem=f"{record['peak_mem_mib']:.0f}MiB",
         )
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ TRAIN_PANELS = {
     "val_ce": "validation CE",
     "val_ntl": "validation NTL (each run's own kind)",
     "val_ntl_was": "validation NTL-WAS (ntl-pretrain eval)",
+    "peak_mem_mib": "peak memory, MiB (CUDA allocated; CPU max RSS)",
 }
 EVAL_METRICS = {
     "exact_match": "exact match",

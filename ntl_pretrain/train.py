@@ -27,7 +27,7 @@ from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation import generation_metrics
-from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu
+from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
 from ntl_pretrain.process_group import bind_local_device, default_backend
 from ntl_pretrain.schedule import lr_multiplier
@@ -198,7 +198,14 @@ class Trainer:
         self.tokens_seen += int(num_inputs)
         self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
         seconds = time.perf_counter() - started
-        return self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
+        record = self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
+        return {**record, "peak_mem_mib": self._peak_memory_mib()}
+
+    def _peak_memory_mib(self) -> float:
+        """The largest of the ranks' peaks (`metrics.peak_memory_mib`)."""
+        peak = torch.tensor([peak_memory_mib(self.engine.device)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return peak.item()
 
     def _global_counts(self, batches: list[dict]) -> torch.Tensor:
         """[label tokens, number-label tokens, input tokens] over all micro-batches and ranks (one all-reduce)."""

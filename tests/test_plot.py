@@ -45,10 +45,10 @@ def test_smooth_is_a_debiased_moving_average() -> None:
 def test_panels_follow_the_metrics_present() -> None:
     runs = [
         training_records(3, 0.0) + [{"step": 3, "val_ce": 1.0, "eval/interp/exact_match": 0.5, "eval/interp/mae": 2.0}],
-        training_records(3, 1.0) + [{"step": 3, "eval/extrap/digit_accuracy": 0.1}],
+        training_records(3, 1.0) + [{"step": 3, "eval/extrap/digit_accuracy": 0.1, "peak_mem_mib": 812.0}],
     ]
     keys = [key for key, _ in panel_keys(runs)]
-    assert keys == ["loss", "ce", "ntl", "val_ce", "eval/interp/exact_match", "eval/interp/mae",
+    assert keys == ["loss", "ce", "ntl", "val_ce", "peak_mem_mib", "eval/interp/exact_match", "eval/interp/mae",
                     "eval/extrap/digit_accuracy"]  # fmt: skip
 
 

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
 STEPS, EVERY, SEQ_LEN, GLOBAL_BATCH = 50, 20, 64, 16
-STEP_KEYS = {"step", "loss", "ce", "ntl", "lr", "grad_norm", "tokens", "tokens_per_s", "number_token_fraction", "mfu"}
+STEP_KEYS = {"step", "loss", "ce", "ntl", "lr", "grad_norm", "tokens", "tokens_per_s", "number_token_fraction", "mfu",
+             "peak_mem_mib"}  # fmt: skip
 
 
 def overrides(output_dir: Path, ds_config: Path, *extra: str) -> list[str]:
@@ -67,6 +68,8 @@ def test_loss_decreases_with_ntl_logged(tiny_run):
     steps, evals = records(tiny_run), records(tiny_run, "validation")
     assert sorted(steps) == list(range(1, STEPS + 1)) and sorted(evals) == [25, 50]
     assert all(STEP_KEYS <= set(r) for r in steps.values())
+    peaks = [steps[s]["peak_mem_mib"] for s in range(1, STEPS + 1)]
+    assert peaks[0] > 100 and peaks == sorted(peaks)  # on CPU the process's max RSS: a high-water mark, in MiB
     losses = [steps[s]["loss"] for s in range(1, STEPS + 1)]
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.5
     assert all((r["ntl"] > 0) == (r["number_token_fraction"] > 0) for r in steps.values())
