@@ -1,8 +1,9 @@
 """Global-batch normalisation: the same 4 sequences per step give the same loss, gradient norm and update whether
 they are split as 2 ranks x 1 micro-batch of 2, 2 ranks x 2 micro-batches of 1 (gradient accumulation), or fed
 to a single float64 process (plain transformers + torch AdamW + clipping) as one batch, and whichever output head
-computes the loss: dense or chunked, with the output layer whole (k = 1) or shared by the 2 ranks (k = 2). The
-embedding is padded past the tokenizer, as GPU recipes do.
+computes the loss: dense or chunked, with the output layer whole (k = 1) or shared by the 2 ranks (k = 2), and
+with the output layer tied to the input embedding (dense and chunked against each other). The embedding is padded
+past the tokenizer, as GPU recipes do.
 
 The 2-rank part runs this file as a script under torchrun; sequences carry different numbers of ignored labels,
 so normalising per micro-batch or per rank instead of over the global batch would show.
@@ -43,7 +44,8 @@ def global_batches(tokenizer) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def recipe_overrides(output_dir: str, ds_config: str, micro_batch_size: int, head: str, k: int) -> list[str]:
+def recipe_overrides(output_dir: str, ds_config: str, layout: tuple) -> list[str]:
+    micro_batch_size, head, k, tied = layout
     return [
         f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", "train.resume=null",
         f"data.seq_len={SEQ_LEN}", f"train.micro_batch_size={micro_batch_size}",
@@ -51,6 +53,7 @@ def recipe_overrides(output_dir: str, ds_config: str, micro_batch_size: int, hea
         "optimizer.grad_clip=1.0", "schedule.kind=constant", "schedule.warmup_steps=0", f"loss.ntl.weight={WEIGHT}",
         "model.pad_vocab_to_multiple_of=1536",  # 2,048 tokenizer ids -> 3,072 embedding rows past the tokenizer
         f"loss.head={head}", "loss.chunk_size=24", f"loss.vocab_parallel_size={k}",  # 3 chunks per micro-batch of 2
+        f"model.config.tie_word_embeddings={str(tied).lower()}",
     ]  # fmt: skip
 
 
@@ -62,7 +65,7 @@ def full_parameters(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone().double() for name, p in params.items()}
 
 
-def run_layout(micro_batch_size: int, head: str, vocab_parallel_size: int, ds_config: str, output_dir: str) -> dict:
+def run_layout(layout: tuple, ds_config: str, output_dir: str) -> dict:
     """Train STEPS steps on this rank's half of every global batch; report losses, grad norms, weights."""
     import torch.distributed as dist
 
@@ -70,7 +73,8 @@ def run_layout(micro_batch_size: int, head: str, vocab_parallel_size: int, ds_co
     from ntl_pretrain.deepspeed_config import build_deepspeed_config
     from ntl_pretrain.train import Trainer
 
-    recipe = load_recipe(TINY, recipe_overrides(output_dir, ds_config, micro_batch_size, head, vocab_parallel_size))
+    recipe = load_recipe(TINY, recipe_overrides(output_dir, ds_config, layout))
+    micro_batch_size = layout[0]
     trainer = Trainer(recipe, build_deepspeed_config(recipe, dist.get_world_size()))
     initial = full_parameters(trainer.built.module)
     rank, per_rank = dist.get_rank(), SEQUENCES // dist.get_world_size()
@@ -123,31 +127,38 @@ def worker(out_path: str, ds_config: str) -> None:
 
     init_distributed()
     scratch = Path(out_path).parent
-    layouts = {name: run_layout(*layout, ds_config, str(scratch / name)) for name, layout in LAYOUTS.items()}
+    layouts = {name: run_layout(layout, ds_config, str(scratch / name)) for name, layout in LAYOUTS.items()}
     if dist.get_rank() == 0:
         first = layouts["micro2"]
         reference = float64_reference(first["initial"], first["config"], first["tokenizer"])
         summary = {"reference": {"losses": reference["losses"], "grad_norms": reference["grad_norms"]},
                    "vocab_size": first["config"].vocab_size}  # fmt: skip
         for name, layout in layouts.items():
+            tied = LAYOUTS[name][3]
+            base = layouts["tied_dense"] if tied else first  # a tied model has other weights: dense vs chunked
             summary[name] = {
-                "same_init": all(torch.equal(value, first["initial"][k]) for k, value in layout["initial"].items()),
+                "same_init": all(torch.equal(value, base["initial"][k]) for k, value in layout["initial"].items()),
                 "losses": [r["loss"] for r in layout["records"]],
                 "grad_norms": [r["grad_norm"] for r in layout["records"]],
-                "update_error": relative_update_error(layout["final"], reference["final"], layout["initial"]),
-                "update_error_to_micro2": relative_update_error(layout["final"], first["final"], layout["initial"]),
+                "update_error": None
+                if tied
+                else relative_update_error(layout["final"], reference["final"], layout["initial"]),  # fmt: skip
+                "update_error_to_base": relative_update_error(layout["final"], base["final"], layout["initial"]),
             }
         Path(out_path).write_text(json.dumps(summary))
     dist.barrier()
     dist.destroy_process_group()
 
 
-LAYOUTS = {  # name: (micro-batch size, loss.head, loss.vocab_parallel_size)
-    "micro2": (2, "dense", 1),
-    "micro1": (1, "chunked", 1),
-    "k2_dense": (2, "dense", 2),
-    "k2_chunked": (1, "chunked", 2),
+LAYOUTS = {  # name: (micro-batch size, loss.head, loss.vocab_parallel_size, output layer tied to the embedding)
+    "micro2": (2, "dense", 1, False),
+    "micro1": (1, "chunked", 1, False),
+    "k2_dense": (2, "dense", 2, False),
+    "k2_chunked": (1, "chunked", 2, False),
+    "tied_dense": (2, "dense", 1, True),
+    "tied_chunked": (1, "chunked", 1, True),
 }
+UNTIED = [name for name, layout in LAYOUTS.items() if not layout[3]]
 
 
 @pytest.mark.slow
@@ -164,17 +175,22 @@ def test_grad_accumulation_and_world_size_leave_loss_and_update_unchanged(tmp_pa
     summary = json.loads(out.read_text())
     reference = summary["reference"]
     assert sum(g > 1.0 for g in reference["grad_norms"]) >= 2  # clipping acts, so its norm must be the global one
-    for name in LAYOUTS:
+    for name in UNTIED:
         layout = summary[name]
         assert layout["same_init"]
         assert layout["losses"] == pytest.approx(reference["losses"], rel=1e-6)
         assert layout["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
-        assert layout["update_error"] < 3e-4, name  # fp32 engine vs float64 reference, two Adam updates
-        assert layout["update_error_to_micro2"] < 1e-4, name
+        assert layout["update_error"] < 3e-4, name  # fp32 engine vs float64 reference, five Adam updates
+        assert layout["update_error_to_base"] < 1e-4, name
     assert summary["micro1"]["losses"] == pytest.approx(summary["micro2"]["losses"], rel=1e-7)
     for name in ("micro1", "k2_dense", "k2_chunked"):  # chunked vs dense, whole vs shared output layer
         assert summary[name]["losses"] == pytest.approx(summary["micro2"]["losses"], rel=1e-5), name
         assert summary[name]["grad_norms"] == pytest.approx(summary["micro2"]["grad_norms"], rel=1e-5), name
+    tied, tied_dense = summary["tied_chunked"], summary["tied_dense"]  # the head's weight is the input embedding
+    assert tied["same_init"] and tied["update_error_to_base"] < 1e-4
+    assert tied["losses"] == pytest.approx(tied_dense["losses"], rel=1e-5)
+    assert tied["grad_norms"] == pytest.approx(tied_dense["grad_norms"], rel=1e-5)
+    assert tied["losses"] != pytest.approx(summary["micro2"]["losses"], rel=1e-3)  # another model indeed
     assert summary["vocab_size"] == 3072
 
 
