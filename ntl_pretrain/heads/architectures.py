@@ -84,7 +84,11 @@ def check_recipe_architecture(recipe) -> None:
     from ntl_pretrain.config import RecipeError
 
     if recipe.init_from is not None:
-        key, config = "init_from", AutoConfig.from_pretrained(recipe.init_from)
+        key = "init_from"
+        try:
+            config = AutoConfig.from_pretrained(recipe.init_from)
+        except (OSError, ValueError) as error:
+            raise RecipeError(f"init_from: cannot read the model config of {recipe.init_from}: {error}") from error
     elif recipe.model.model_type is not None:
         key, config = "model.model_type", AutoConfig.for_model(recipe.model.model_type, **recipe.model.config)
     else:

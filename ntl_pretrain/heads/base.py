@@ -41,7 +41,8 @@ class OutputHead(nn.Module):
       engine's step, `after_engine_step(engine)`;
       `save(step_folder)` while a checkpoint is written, `load(step_folder)` on resume.
     A head whose parameters live in the engine needs none of them; one that keeps parameters outside ZeRO-3
-    reduces, clips, steps and checkpoints them there."""
+    reduces, clips, steps and checkpoints them there. Export reads checkpoints offline, without a head: the
+    vocabulary-parallel module's `saved_output_matrix` reassembles what its `save` wrote (`export.py`)."""
 
     def attach(self, engine) -> None:
         """Join the engine's gradient-norm computation (clipping and the logged norm)."""
