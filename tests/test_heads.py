@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "granite": {"logits_scaling": 4.0},
     "olmo": {},
     "phi3": {},
+    "phi": {"num_key_value_heads": 4},  # an output layer with a bias: the dense head only
 }
 
 
@@ -76,7 +77,8 @@ def test_heads_train_what_transformers_forward_computes(model_type):
     want_loss, want_grads = transformers_loss_and_grads(lm, *inputs)
     recipe = Recipe()
     recipe.loss.ntl.kind = None
-    for head_kind, chunk_size in (("dense", None), ("chunked", 5)):
+    heads = (("dense", None),) if model_type == "phi" else (("dense", None), ("chunked", 5))
+    for head_kind, chunk_size in heads:
         recipe.loss.head, recipe.loss.chunk_size = head_kind, chunk_size
         head = build_head(recipe, lm, None)
         assert isinstance(head, DenseHead if head_kind == "dense" else ChunkedHead)
@@ -117,6 +119,10 @@ def test_train_refuses_an_unchecked_architecture_before_launch(capsys):
     assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", "model.model_type=mixtral"]) == 2
     assert "model.model_type: MixtralForCausalLM (model_type 'mixtral') is not among" in capsys.readouterr().err
     assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", "model.model_type=gemma2"]) == 0
+    phi = ["model.model_type=phi", "model.config.num_key_value_heads=4"]
+    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", *phi]) == 2
+    assert "loss.head: PhiForCausalLM's output layer has a bias" in capsys.readouterr().err
+    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", *phi, "loss.head=dense"]) == 0
 
 
 @pytest.mark.slow

@@ -53,6 +53,8 @@ LOGIT_TRANSFORMS: dict[str, Callable[[PretrainedConfig], LogitTransform]] = {
     "StableLmForCausalLM": _plain,
     "Starcoder2ForCausalLM": _plain,
 }
+# Output layers with a bias among those above: only the dense head (the model's own `lm_head`) applies it.
+OUTPUT_BIAS = {"PhiForCausalLM"}
 
 
 def logit_transform(class_name: str, config: PretrainedConfig) -> LogitTransform:
@@ -93,7 +95,13 @@ def check_recipe_architecture(recipe) -> None:
         key, config = "model.model_type", AutoConfig.for_model(recipe.model.model_type, **recipe.model.config)
     else:
         return
+    class_name = causal_lm_class_name(config)
     try:
-        logit_transform(causal_lm_class_name(config), config)
+        logit_transform(class_name, config)
     except ValueError as error:
         raise RecipeError(f"{key}: {error}") from error
+    if class_name in OUTPUT_BIAS and (recipe.loss.head == "chunked" or recipe.loss.vocab_parallel_size > 1):
+        raise RecipeError(
+            f"loss.head: {class_name}'s output layer has a bias, which only the dense head applies; set "
+            "loss.head: dense and loss.vocab_parallel_size: 1"
+        )
