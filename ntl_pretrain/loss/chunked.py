@@ -84,7 +84,7 @@ def linear_ce_ntl_loss(
         vocab_start,
         num_tokens,
         num_number_tokens,
-        transform,
+        transform=transform,
     )
     ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
     number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum() * rows.ntl_scale

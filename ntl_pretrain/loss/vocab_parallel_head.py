@@ -136,7 +136,7 @@ class VocabParallelHead(nn.Module):
         rows = linear_ce_ntl_rows(
             group_hidden_MH, self.weight.to(hidden_BTH.dtype), group_labels_M, self.number_vocab, self.kind,
             self.ntl_weight, self.reweigh, self.ignore_index, "mean" if given_counts else "sum", self.chunk_size,
-            self.group, self.vocab_start, num_tokens, num_number_tokens, self.transform,
+            self.group, self.vocab_start, num_tokens, num_number_tokens, transform=self.transform,
         )  # fmt: skip
         rank, positions = dist.get_rank(self.group), hidden_NH.shape[0]
         own = slice(rank * positions, (rank + 1) * positions)
