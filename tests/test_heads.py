@@ -156,3 +156,16 @@ def test_gemma2_trainer_validation_equals_the_exported_models_forward(tmp_path):
     assert model.config.final_logit_softcapping == 3.0
     assert_model_reproduces_logged_validation(model, AutoTokenizer.from_pretrained(tmp_path / "hf"), run, steps,
                                               micro_batch_size=4, ranks=1)  # fmt: skip
+
+
+def test_recipe_keys_of_the_head():
+    from pathlib import Path
+
+    from ntl_pretrain.config import RecipeError, load_recipe
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+    assert (load_recipe(tiny).loss.head, load_recipe(tiny).loss.chunk_size) == ("chunked", None)
+    with pytest.raises(RecipeError, match="loss.chunk_size: must be a positive number of positions or null"):
+        load_recipe(tiny, ["loss.chunk_size=0"])
+    with pytest.raises(RecipeError, match="loss.head"):
+        load_recipe(tiny, ["loss.head=sparse"])
