@@ -78,7 +78,7 @@ class PackedLoader:
         self.cfg, self.split, self.seed = cfg, split, seed
         self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
         self.grad_accum = grad_accum
-        self.encoder = DocumentEncoder(tokenizer)
+        self.encoder = DocumentEncoder(tokenizer, max_chars=cfg.tokenize_batch_chars)
         self.num_workers = cfg.num_workers if split == "train" else 0
         self.first_reader = 0
         # Per local reader: its last snapshot (None = fresh start), batches handed out since, counters.

@@ -12,35 +12,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.encoding import DocumentEncoder, read_batch
 from ntl_pretrain.data.mixture import Mixture
 from ntl_pretrain.data.packing import Packer, make_batch
 from ntl_pretrain.data.shuffle import ShuffleBuffer
 from ntl_pretrain.data.sources import SKIP_REASONS, SourceStream
 
 Batch = dict[str, torch.Tensor]
-
-
-class DocumentEncoder:
-    """Batched fast tokenisation; every document ends with EOS so that packed documents stay apart."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to separate documents")
-        self.eos_id = int(tokenizer.eos_token_id)
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        # encode_batch_fast skips offsets, which packing never uses (tokenizers >= 0.21).
-        self.encode_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
-
-    def __call__(self, texts: list[str]) -> list[np.ndarray]:
-        if self.encode_batch is not None:
-            ids = [encoding.ids for encoding in self.encode_batch(texts, add_special_tokens=False)]
-        else:
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [np.array([*document, self.eos_id], dtype=np.int32) for document in ids]
 
 
 def reader_seed(seed: int, reader: int, purpose: str) -> str:
@@ -61,7 +41,9 @@ class TrainReader:
             SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped) for source in cfg.sources
         ]
         self.mixture = Mixture(streams, [source.weight for source in cfg.sources], reader_seed(seed, reader, "mixture"))
-        self.shuffle = ShuffleBuffer(cfg.shuffle_buffer, reader_seed(seed, reader, "shuffle"))
+        self.shuffle = ShuffleBuffer(
+            cfg.shuffle_buffer, reader_seed(seed, reader, "shuffle"), max_tokens=cfg.shuffle_buffer_tokens
+        )
         self.packer = Packer(cfg.seq_len)
 
     def next_batch(self) -> Batch:
@@ -77,7 +59,7 @@ class TrainReader:
 
     def _next_document(self) -> np.ndarray:
         while self.shuffle.needs_more():
-            texts = [self.mixture.next_document() for _ in range(self.cfg.tokenize_batch)]
+            texts = read_batch(self.mixture.next_document, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
             for document in self.encoder(texts):
                 self.shuffle.push(document)
         document = self.shuffle.pop()
@@ -151,7 +133,7 @@ def _validation_blocks(cfg: DataConfig, encoder: DocumentEncoder, skipped: Count
     for source in cfg.validation:
         packer = Packer(cfg.seq_len)
         stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=skipped)
-        while texts := [text for text in (stream.next_document() for _ in range(cfg.tokenize_batch)) if text]:
+        while texts := read_batch(stream.next_document, cfg.tokenize_batch, cfg.tokenize_batch_chars):
             for document in encoder(texts):
                 packer.add(document)
                 while packer.has_block():

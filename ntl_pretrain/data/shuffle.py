@@ -16,29 +16,39 @@ from ntl_pretrain.data.mixture import restore_rng, rng_state
 
 
 class ShuffleBuffer:
-    """Holds up to `size` documents and hands out a uniformly random one; `size` <= 1 keeps order."""
+    """Holds up to `size` documents and `max_tokens` tokens and hands out a uniformly random one; `size` <= 1
+    keeps order. Whichever bound is reached first stops the filling: the count mixes short records, the tokens
+    bound memory (and the time to the first batch) when documents are long."""
 
-    def __init__(self, size: int, seed: str):
+    def __init__(self, size: int, seed: str, max_tokens: int):
         self.size = size
+        self.max_tokens = max_tokens
         self.rng = random.Random(seed)
         self.documents: list[np.ndarray] = []
+        self.tokens = 0
 
     def __len__(self) -> int:
         return len(self.documents)
 
     def needs_more(self) -> bool:
-        return len(self.documents) < max(1, self.size)
+        if not self.documents:
+            return True
+        return len(self.documents) < self.size and self.tokens < self.max_tokens
 
     def push(self, document: np.ndarray) -> None:
         self.documents.append(document)
+        self.tokens += len(document)
 
     def pop(self) -> np.ndarray:
         if self.size <= 1:
-            return self.documents.pop(0)
-        index = self.rng.randrange(len(self.documents))
-        # Swap-remove: O(1), and the order of the rest is part of the (saved) state anyway.
-        self.documents[index], self.documents[-1] = self.documents[-1], self.documents[index]
-        return self.documents.pop()
+            document = self.documents.pop(0)
+        else:
+            index = self.rng.randrange(len(self.documents))
+            # Swap-remove: O(1), and the order of the rest is part of the (saved) state anyway.
+            self.documents[index], self.documents[-1] = self.documents[-1], self.documents[index]
+            document = self.documents.pop()
+        self.tokens -= len(document)
+        return document
 
     def state_dict(self) -> dict:
         lengths = [len(document) for document in self.documents]
@@ -55,3 +65,4 @@ class ShuffleBuffer:
         ends = np.cumsum(state["lengths"].numpy()).tolist()
         starts = [0, *ends[:-1]]
         self.documents = [tokens[start:end].copy() for start, end in zip(starts, ends, strict=True)]
+        self.tokens = len(tokens)
