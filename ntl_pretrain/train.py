@@ -256,7 +256,7 @@ class Trainer:
             "mfu": mfu(self.flops_per_token, tokens_per_s, peak, self.world_size),
             "skipped_steps": self.skipped_steps,
         }
-        record.update({f"data/{key}": value for key, value in self.loader.metrics().items()})
+        record.update({f"data/{key}": value for key, value in self.loader.metrics(all_ranks=True).items()})
         return record
 
     # ---- eval ----------------------------------------------------------------------------------------------

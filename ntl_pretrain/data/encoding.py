@@ -14,7 +14,7 @@ each document in one call (its memory then grows with the longest document).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -24,18 +24,18 @@ JOIN_PROBE = ("The cat sat on the mat, 12 times.", 7)
 SPACE_BEFORE_WORD = re.compile(r" (?=\S)")
 
 
-def read_batch(next_text: Callable[[], str | None], max_documents: int, max_chars: int) -> list[str]:
-    """Texts for one tokenizer batch: up to `max_documents`, ending early once they reach `max_chars` characters
-    or the stream (`None`) ends."""
-    texts: list[str] = []
+def read_batch(documents: Iterator[tuple[int, str]], max_documents: int, max_chars: int) -> list[tuple[int, str]]:
+    """(source, text) pairs for one tokenizer batch: up to `max_documents`, ending early once the texts reach
+    `max_chars` characters or `documents` ends."""
+    batch: list[tuple[int, str]] = []
     chars = 0
-    while len(texts) < max_documents and chars < max_chars:
-        text = next_text()
-        if text is None:
+    while len(batch) < max_documents and chars < max_chars:
+        document = next(documents, None)
+        if document is None:
             break
-        texts.append(text)
-        chars += len(text)
-    return texts
+        batch.append(document)
+        chars += len(document[1])
+    return batch
 
 
 def piece_bounds(text: str, max_chars: int) -> Iterator[tuple[int, int]]:

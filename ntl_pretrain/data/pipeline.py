@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.counters import EPOCH_PREFIX, source_key, zero_counters
 from ntl_pretrain.data.encoding import DocumentEncoder, read_batch
 from ntl_pretrain.data.mixture import Mixture
 from ntl_pretrain.data.packing import Packer, make_batch
 from ntl_pretrain.data.shuffle import ShuffleBuffer
-from ntl_pretrain.data.sources import SKIP_REASONS, SourceStream
+from ntl_pretrain.data.sources import SourceStream
 
 Batch = dict[str, torch.Tensor]
 
@@ -35,12 +36,14 @@ class TrainReader:
         self, cfg: DataConfig, encoder: DocumentEncoder, micro_batch_size: int, reader: int, num_readers: int, seed: int
     ):
         self.cfg, self.encoder, self.micro_batch_size = cfg, encoder, micro_batch_size
-        self.skipped: Counter = Counter()
+        self.skipped: dict[str, Counter] = {source.label: Counter() for source in cfg.sources}
         self.counts: Counter = Counter()
         streams = [
-            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped) for source in cfg.sources
+            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped[source.label])
+            for source in cfg.sources
         ]
         self.mixture = Mixture(streams, [source.weight for source in cfg.sources], reader_seed(seed, reader, "mixture"))
+        self.documents = self.mixture.documents()
         self.shuffle = ShuffleBuffer(
             cfg.shuffle_buffer, reader_seed(seed, reader, "shuffle"), max_tokens=cfg.shuffle_buffer_tokens
         )
@@ -59,12 +62,13 @@ class TrainReader:
 
     def _next_document(self) -> np.ndarray:
         while self.shuffle.needs_more():
-            texts = read_batch(self.mixture.next_document, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
-            for document in self.encoder(texts):
-                self.shuffle.push(document)
-        document = self.shuffle.pop()
-        self.counts["documents"] += 1
-        self.counts["tokens"] += len(document)
+            batch = read_batch(self.documents, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
+            for (source, _), document in zip(batch, self.encoder([text for _, text in batch]), strict=True):
+                self.shuffle.push(document, source)
+        document, source = self.shuffle.pop()
+        label = self.cfg.sources[source].label
+        self.counts[source_key(label, "documents")] += 1
+        self.counts[source_key(label, "tokens")] += len(document)
         return document
 
     def state_dict(self) -> dict:
@@ -72,7 +76,7 @@ class TrainReader:
             "mixture": self.mixture.state_dict(),
             "shuffle": self.shuffle.state_dict(),
             "packer": self.packer.state_dict(),
-            "skipped": dict(self.skipped),
+            "skipped": {label: dict(skipped) for label, skipped in self.skipped.items()},
             "counts": dict(self.counts),
         }
 
@@ -80,17 +84,24 @@ class TrainReader:
         self.mixture.load_state_dict(state["mixture"])
         self.shuffle.load_state_dict(state["shuffle"])
         self.packer.load_state_dict(state["packer"])
-        self.skipped.clear()
-        self.skipped.update(state["skipped"])
+        for label, skipped in self.skipped.items():
+            skipped.clear()
+            skipped.update(state["skipped"][label])
         self.counts.clear()
         self.counts.update(state["counts"])
 
     def progress(self) -> dict[str, float]:
-        """Cheap counters for metrics: skipped records by reason, documents, tokens, batches, epochs."""
-        progress = {f"skipped/{reason}": float(self.skipped[reason]) for reason in SKIP_REASONS}
-        progress.update({name: float(value) for name, value in self.counts.items()})
+        """This reader's counters (`counters.zero_counters` names them): totals and per source."""
+        progress = zero_counters(self.cfg)
+        progress["batches"] = float(self.counts["batches"])
         for source, stream in zip(self.cfg.sources, self.mixture.streams, strict=True):
-            progress[f"epoch/{source.label}"] = float(stream.cursor.epoch)
+            progress[f"{EPOCH_PREFIX}{source.label}"] = float(stream.cursor.epoch)
+            for name in ("documents", "tokens"):
+                progress[source_key(source.label, name)] = float(self.counts[source_key(source.label, name)])
+                progress[name] += progress[source_key(source.label, name)]
+            for reason, count in self.skipped[source.label].items():
+                progress[source_key(source.label, f"skipped/{reason}")] = float(count)
+                progress[f"skipped/{reason}"] += count
         return progress
 
 
@@ -130,11 +141,12 @@ def validation_batches(
 def _validation_blocks(cfg: DataConfig, encoder: DocumentEncoder, skipped: Counter) -> Iterator[tuple[np.ndarray, int]]:
     """(block, number of labels in it): each source packed on its own (full blocks, then its padded remainder), so
     that a source's blocks, and its validation numbers, do not depend on which other sources are listed."""
-    for source in cfg.validation:
+    for index, source in enumerate(cfg.validation):
         packer = Packer(cfg.seq_len)
         stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=skipped)
-        while texts := read_batch(stream.next_document, cfg.tokenize_batch, cfg.tokenize_batch_chars):
-            for document in encoder(texts):
+        documents = ((index, text) for text in iter(stream.next_document, None))
+        while batch := read_batch(documents, cfg.tokenize_batch, cfg.tokenize_batch_chars):
+            for document in encoder([text for _, text in batch]):
                 packer.add(document)
                 while packer.has_block():
                     yield packer.take_block(), cfg.seq_len

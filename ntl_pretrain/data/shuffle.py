@@ -25,6 +25,8 @@ class ShuffleBuffer:
         self.max_tokens = max_tokens
         self.rng = random.Random(seed)
         self.documents: list[np.ndarray] = []
+        self.sources: list[int] = []
+        """The source index of each document, for per-source counters."""
         self.tokens = 0
 
     def __len__(self) -> int:
@@ -35,20 +37,22 @@ class ShuffleBuffer:
             return True
         return len(self.documents) < self.size and self.tokens < self.max_tokens
 
-    def push(self, document: np.ndarray) -> None:
+    def push(self, document: np.ndarray, source: int) -> None:
         self.documents.append(document)
+        self.sources.append(source)
         self.tokens += len(document)
 
-    def pop(self) -> np.ndarray:
-        if self.size <= 1:
-            document = self.documents.pop(0)
-        else:
-            index = self.rng.randrange(len(self.documents))
+    def pop(self) -> tuple[np.ndarray, int]:
+        """A document and its source index."""
+        index = 0 if self.size <= 1 else self.rng.randrange(len(self.documents))
+        if self.size > 1:
             # Swap-remove: O(1), and the order of the rest is part of the (saved) state anyway.
-            self.documents[index], self.documents[-1] = self.documents[-1], self.documents[index]
-            document = self.documents.pop()
+            for items in (self.documents, self.sources):
+                items[index], items[-1] = items[-1], items[index]
+            index = -1
+        document, source = self.documents.pop(index), self.sources.pop(index)
         self.tokens -= len(document)
-        return document
+        return document, source
 
     def state_dict(self) -> dict:
         lengths = [len(document) for document in self.documents]
@@ -57,6 +61,7 @@ class ShuffleBuffer:
             "rng": rng_state(self.rng),
             "tokens": torch.from_numpy(tokens),
             "lengths": torch.tensor(lengths, dtype=torch.int64),
+            "sources": torch.tensor(self.sources, dtype=torch.int64),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -65,4 +70,5 @@ class ShuffleBuffer:
         ends = np.cumsum(state["lengths"].numpy()).tolist()
         starts = [0, *ends[:-1]]
         self.documents = [tokens[start:end].copy() for start, end in zip(starts, ends, strict=True)]
+        self.sources = state["sources"].tolist()
         self.tokens = len(tokens)
