@@ -51,6 +51,9 @@ class SourceConfig:
         formats = {source_format(self, path) for path in resolve_files(self)}
         if len(formats) > 1:
             raise ValueError(f"path: {self.path!r} mixes formats {sorted(formats)}; use one source per format")
+        from ntl_pretrain.data.probe import probe_source  # probe reads files through sources, which imports this
+
+        probe_source(self)
 
     @property
     def label(self) -> str:
