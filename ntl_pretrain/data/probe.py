@@ -58,19 +58,35 @@ def _probe_file(source: SourceConfig, file: str) -> None:
     if fmt in ("parquet", "arrow"):
         return
     with reading_errors(source, file), open_binary(file) as stream:
-        head = stream.read(PROBE_BYTES).removeprefix(UTF8_BOM)
+        start = stream.read(4096).removeprefix(UTF8_BOM)
+        if fmt == "json" and start.lstrip().startswith(b"["):
+            head = start + stream.read(PROBE_BYTES - len(start))
+            whole = len(head) < PROBE_BYTES
+        else:
+            head, whole = start + (stream.read(PROBE_BYTES) if fmt == "txt" else _first_lines(stream)), True
     if not head.strip():
         raise DataError(f"{file}: empty file (no record)")
     if fmt == "txt":
         return
     if fmt == "json" and head.lstrip().startswith(b"["):
-        records = _array_head(file, head, whole=len(head) < PROBE_BYTES)
+        records = _array_head(file, head, whole)
         _check_records(source, file, records, parse=lambda record: render(record, source))
         return
-    lines = [line for line in head.splitlines()[:PROBE_RECORDS] if line.strip()]
-    if len(head) == PROBE_BYTES and len(lines) > 1:
-        lines = lines[:-1]  # may be cut by the probe's byte limit
+    lines = [line for line in head.splitlines() if line.strip()][:PROBE_RECORDS]
     _check_records(source, file, lines, parse=lambda line: parse_unit(line, "jsonl", source))
+
+
+def _first_lines(stream) -> bytes:
+    """Whole lines up to `PROBE_RECORDS` of them or `PROBE_BYTES` (a longer first line is read to its end)."""
+    lines: list[bytes] = []
+    size = 0
+    while len(lines) < PROBE_RECORDS and size < PROBE_BYTES:
+        line = stream.readline()
+        if not line:
+            break
+        lines.append(line)
+        size += len(line)
+    return b"".join(lines)
 
 
 def _check_content_matches_name(file: str, fmt: str) -> None:
