@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 from real_tokenizers import TOKENIZER_FILES, real_tokenizer
 from transformers import AutoTokenizer
 
+from ntl_pretrain.data import DataConfig, SourceConfig, build_dataloader
 from ntl_pretrain.data.commands import CORPUS
 from ntl_pretrain.data.encoding import DocumentEncoder, piece_bounds
 
@@ -90,3 +93,56 @@ def test_reader_over_2mb_documents_stays_in_memory_bound_and_starts_quickly(tmp_
     document_bytes = DOCUMENT_MB * 2**20
     assert measured["growth"] < 40 * document_bytes, f"peak grew {measured['growth'] / document_bytes:.1f}x a document"
     assert measured["first_batch"] < 5 * measured["one_book"], measured
+
+
+def long_and_short_corpus(folder) -> tuple[SourceConfig, list[str]]:
+    text = mixed_text()
+    documents = []
+    for index in range(12):
+        length = 5000 + 700 * index if index % 3 == 0 else 40 + index
+        documents.append(f"Document {index}: " + text[index * 997 : index * 997 + length])
+    (folder / "d.jsonl").write_text("".join(json.dumps({"text": document}) + "\n" for document in documents))
+    return SourceConfig(path=str(folder / "d.jsonl")), documents
+
+
+def small_bounds(source: SourceConfig, shuffle_buffer: int) -> DataConfig:
+    """Bounds small enough that the corpus's 5,000+ character documents stream through the reader in pieces."""
+    return DataConfig(
+        sources=[source], seq_len=64, shuffle_buffer=shuffle_buffer, shuffle_buffer_tokens=800, tokenize_batch_chars=600
+    )
+
+
+def test_streamed_documents_give_the_whole_documents_ids_in_stream_order(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+    source, documents = long_and_short_corpus(tmp_path)
+    reader = build_dataloader(
+        small_bounds(source, 0), tokenizer, micro_batch_size=4, dp_rank=0, dp_world_size=1, seed=0
+    )
+    batches = iter(reader)
+    stream = [
+        t for d in documents for t in [*tokenizer(d, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    ]
+    rows = [row for _ in range(len(stream) // 64 // 4) for row in next(batches)["input_ids"].tolist()]
+    assert rows == [stream[k * 64 : k * 64 + 64] for k in range(len(rows))]
+
+
+def test_resume_inside_a_streamed_document_reproduces_the_uninterrupted_run(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(CORPUS / "tiny-tokenizer")
+    source, _ = long_and_short_corpus(tmp_path)
+    cfg = small_bounds(source, 8)
+
+    def loader():
+        return build_dataloader(cfg, tokenizer, micro_batch_size=2, dp_rank=0, dp_world_size=1, seed=3)
+
+    expected = [batch["input_ids"] for batch in itertools.islice(loader(), 60)]
+    got, state, streamed = [], None, 0
+    for count in (5, 17, 38):
+        resumed = loader()
+        if state is not None:
+            resumed.load_state_dict(state)
+        got += [batch["input_ids"] for batch in itertools.islice(resumed, count)]
+        state = resumed.state_dict()
+        snapshot = state["readers"][0]["snapshot"]
+        streamed += snapshot is not None and snapshot["streamed"] is not None
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert streamed, "no saved state fell inside a streamed document"

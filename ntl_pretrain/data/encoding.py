@@ -42,16 +42,23 @@ def piece_bounds(text: str, max_chars: int) -> Iterator[tuple[int, int]]:
     """(start, end) of consecutive pieces of about `max_chars` characters or fewer, each after the first starting
     at a space that precedes a non-space; a stretch without such a space stays in one piece, however long."""
     start = 0
-    while len(text) - start > max_chars:
-        cut = _last_space_before_word(text, start + max_chars // 2, start + max_chars)
-        if cut is None:
-            following = SPACE_BEFORE_WORD.search(text, start + max_chars)
-            cut = following.start() if following else None
-        if cut is None:
-            break
-        yield start, cut
-        start = cut
-    yield start, len(text)
+    while True:
+        end = piece_end(text, start, max_chars)
+        yield start, end
+        if end == len(text):
+            return
+        start = end
+
+
+def piece_end(text: str, start: int, max_chars: int) -> int:
+    """Where the piece starting at `start` ends (see `piece_bounds`)."""
+    if len(text) - start <= max_chars:
+        return len(text)
+    cut = _last_space_before_word(text, start + max_chars // 2, start + max_chars)
+    if cut is None:
+        following = SPACE_BEFORE_WORD.search(text, start + max_chars)
+        cut = following.start() if following else len(text)
+    return cut
 
 
 def _last_space_before_word(text: str, low: int, high: int) -> int | None:
@@ -86,6 +93,16 @@ class DocumentEncoder:
                 pieces_per_document[document].append(np.array(ids, dtype=np.int32))
         eos = np.array([self.eos_id], dtype=np.int32)
         return [np.concatenate([*pieces, eos]) for pieces in pieces_per_document]
+
+    def encode_piece(self, text: str, start: int, continues: bool) -> tuple[np.ndarray, int]:
+        """The ids of the piece of `text` starting at `start` (with EOS when it is the last) and where it ends;
+        `continues` when the piece is not the document's first."""
+        end = piece_end(text, start, self.max_chars)
+        skip_space = continues and self.piece_join == "drop_space"
+        ids = np.array(self._encode([text[start + skip_space : end]])[0], dtype=np.int32)
+        if end == len(text):
+            ids = np.append(ids, np.int32(self.eos_id))
+        return ids, end
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         if self.encode_batch is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +28,33 @@ Batch = dict[str, torch.Tensor]
 def reader_seed(seed: int, reader: int, purpose: str) -> str:
     """String seeds: `random.Random` hashes them with SHA-512, stable across processes and runs."""
     return f"ntl_pretrain/{purpose}/seed={seed}/reader={reader}"
+
+
+@dataclass
+class StreamedDocument:
+    """A document with more characters than the shuffle buffer holds tokens. It passes the buffer by and is
+    tokenised one piece at a time as the packer asks for tokens, so that its ids never pile up and the first batch
+    does not wait for all of them (a 50 MB document takes a minute to tokenise). Documents that long would fill
+    the buffer alone, so little mixing is lost."""
+
+    source: int
+    text: str
+    offset: int = 0
+    continued: bool = False
+    """`text` is what a restored state kept: the document started before it."""
+
+    def state_dict(self) -> dict:
+        remaining = self.text[self.offset :].encode("utf-8")
+        return {
+            "source": self.source,
+            "text": torch.frombuffer(bytearray(remaining), dtype=torch.uint8),
+            "continued": self.continued or self.offset > 0,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> StreamedDocument:
+        text = state["text"].numpy().tobytes().decode("utf-8")
+        return cls(state["source"], text, continued=state["continued"])
 
 
 class TrainReader:
@@ -48,6 +76,9 @@ class TrainReader:
             cfg.shuffle_buffer, reader_seed(seed, reader, "shuffle"), max_tokens=cfg.shuffle_buffer_tokens
         )
         self.packer = Packer(cfg.seq_len)
+        self.streamed: StreamedDocument | None = None
+        # Above both bounds, so that a streamed document always ends its tokenizer batch (see `read_batch`).
+        self.stream_above_chars = max(cfg.shuffle_buffer_tokens, cfg.tokenize_batch_chars)
 
     def next_batch(self) -> Batch:
         blocks = [self.next_block() for _ in range(self.micro_batch_size)]
@@ -57,25 +88,47 @@ class TrainReader:
     def next_block(self) -> np.ndarray:
         """The next `seq_len + 1` tokens of this reader's stream (a micro-batch row)."""
         while not self.packer.has_block():
-            self.packer.add(self._next_document())
+            self.packer.add(self._next_tokens())
         return self.packer.take_block()
 
-    def _next_document(self) -> np.ndarray:
-        while self.shuffle.needs_more():
-            batch = read_batch(self.documents, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
-            for (source, _), document in zip(batch, self.encoder([text for _, text in batch]), strict=True):
-                self.shuffle.push(document, source)
+    def _next_tokens(self) -> np.ndarray:
+        """A document from the shuffle buffer, or the next piece of a streamed document."""
+        while self.streamed is None and self.shuffle.needs_more():
+            self._read_batch()
+        # In stream order (no shuffling) the documents read before the streamed one go first.
+        if self.streamed is not None and not (self.shuffle.keeps_order and len(self.shuffle)):
+            return self._next_piece()
         document, source = self.shuffle.pop()
-        label = self.cfg.sources[source].label
-        self.counts[source_key(label, "documents")] += 1
-        self.counts[source_key(label, "tokens")] += len(document)
+        self._count(source, document, starts_document=True)
         return document
+
+    def _read_batch(self) -> None:
+        batch = read_batch(self.documents, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
+        if self.encoder.piece_join is not None and len(batch[-1][1]) > self.stream_above_chars:
+            self.streamed = StreamedDocument(*batch.pop())
+        for (source, _), document in zip(batch, self.encoder([text for _, text in batch]), strict=True):
+            self.shuffle.push(document, source)
+
+    def _next_piece(self) -> np.ndarray:
+        streamed = self.streamed
+        starts_document = streamed.offset == 0 and not streamed.continued
+        ids, streamed.offset = self.encoder.encode_piece(streamed.text, streamed.offset, continues=not starts_document)
+        if streamed.offset == len(streamed.text):
+            self.streamed = None
+        self._count(streamed.source, ids, starts_document)
+        return ids
+
+    def _count(self, source: int, tokens: np.ndarray, starts_document: bool) -> None:
+        label = self.cfg.sources[source].label
+        self.counts[source_key(label, "documents")] += starts_document
+        self.counts[source_key(label, "tokens")] += len(tokens)
 
     def state_dict(self) -> dict:
         return {
             "mixture": self.mixture.state_dict(),
             "shuffle": self.shuffle.state_dict(),
             "packer": self.packer.state_dict(),
+            "streamed": None if self.streamed is None else self.streamed.state_dict(),
             "skipped": {label: dict(skipped) for label, skipped in self.skipped.items()},
             "counts": dict(self.counts),
         }
@@ -84,6 +137,7 @@ class TrainReader:
         self.mixture.load_state_dict(state["mixture"])
         self.shuffle.load_state_dict(state["shuffle"])
         self.packer.load_state_dict(state["packer"])
+        self.streamed = None if state["streamed"] is None else StreamedDocument.from_state(state["streamed"])
         for label, skipped in self.skipped.items():
             skipped.clear()
             skipped.update(state["skipped"][label])

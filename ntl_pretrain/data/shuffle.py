@@ -32,6 +32,10 @@ class ShuffleBuffer:
     def __len__(self) -> int:
         return len(self.documents)
 
+    @property
+    def keeps_order(self) -> bool:
+        return self.size <= 1
+
     def needs_more(self) -> bool:
         if not self.documents:
             return True
@@ -44,8 +48,8 @@ class ShuffleBuffer:
 
     def pop(self) -> tuple[np.ndarray, int]:
         """A document and its source index."""
-        index = 0 if self.size <= 1 else self.rng.randrange(len(self.documents))
-        if self.size > 1:
+        index = 0 if self.keeps_order else self.rng.randrange(len(self.documents))
+        if not self.keeps_order:
             # Swap-remove: O(1), and the order of the rest is part of the (saved) state anyway.
             for items in (self.documents, self.sources):
                 items[index], items[-1] = items[-1], items[index]
