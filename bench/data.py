@@ -7,8 +7,8 @@ peak memory and time to its first batch by document size.
 
 `--document-sizes` runs each corpus in its own process (peak RSS is per process): one reader with the recipe's
 tokenizer and data defaults, `num_workers: 0`, micro-batch 8. It reports the time to the first batch (which
-includes filling the shuffle buffer), tokens/s after it, and the growth of peak RSS over the process after imports
-and the tokenizer load.
+includes filling the shuffle buffer), tokens/s after it, and the growth of peak RSS over the resident size after
+imports and the tokenizer load.
 
 The pipeline runs in this process with one tokenizer thread (`RAYON_NUM_THREADS=1`), reading, mixing,
 tokenising, shuffling, packing and snapshotting its state after every batch, exactly as a training rank
@@ -93,12 +93,17 @@ def write_documents(path: Path, characters: int, count: int) -> None:
             out.write(json.dumps({"text": text[:characters]}) + "\n")
 
 
+def current_rss() -> int:
+    """Resident bytes now (`ru_maxrss` is the peak so far, which imports may have set higher)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
 def reader_profile(recipe_path: Path, corpus: Path, seconds: float) -> dict[str, float]:
     """Time to the first batch, tokens/s after it and peak-RSS growth of one reader over `corpus` (this process)."""
     recipe = load_recipe(recipe_path)
     tokenizer = load_tokenizer(recipe.tokenizer.path)
     data = DataConfig(sources=[SourceConfig(path=str(corpus))], seq_len=recipe.data.seq_len)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = current_rss()
     start = time.perf_counter()
     batches = iter(build_dataloader(data, tokenizer, micro_batch_size=8, dp_rank=0, dp_world_size=1, seed=0))
     next(batches)

@@ -27,14 +27,16 @@ def mixed_text() -> str:
 
 
 def test_pieces_start_at_a_space_before_a_word_and_cover_the_text():
-    text = "a" * 30 + "  " + "b" * 10 + " c" * 40 + "\n" + "d" * 100
-    bounds = list(piece_bounds(text, 16))
-    assert "".join(text[start:end] for start, end in bounds) == text
-    assert all(start == end_before for (_, end_before), (start, _) in zip(bounds, bounds[1:], strict=False))
-    for start, _ in bounds[1:]:
-        assert text[start] == " " and not text[start + 1].isspace()
-    last = text[bounds[-1][0] :]
-    assert last.endswith("\n" + "d" * 100) and len(last) > 100  # no space to cut at: the stretch stays whole
+    text = "a" * 30 + "  " + "b" * 10 + " ç日" * 40 + "\n" + "d" * 100
+    for whole in (text, text.encode()):  # characters, or the UTF-8 bytes a streamed document is kept as
+        bounds = list(piece_bounds(whole, 16))
+        assert whole[:0].join(whole[start:end] for start, end in bounds) == whole
+        assert all(start == end_before for (_, end_before), (start, _) in zip(bounds, bounds[1:], strict=False))
+        for start, end in bounds[1:]:
+            piece = whole[start:end] if isinstance(whole, str) else whole[start:end].decode()
+            assert piece[0] == " " and not piece[1].isspace()
+        last = whole[bounds[-1][0] :]
+        assert last.endswith(whole[-101:]) and len(last) > 100  # no space to cut at: the stretch stays whole
 
 
 @pytest.mark.parametrize("name", ["tiny", *TOKENIZER_FILES])
@@ -64,7 +66,8 @@ READER = textwrap.dedent(
             book = f"Book {index}. " + base * (mb * 2**20 // len(base) + 1)
             out.write(json.dumps({"text": book[: mb * 2**20]}) + "\\n")
     DocumentEncoder(tokenizer)(["warm up the tokenizer"])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # Resident size now: ru_maxrss, the peak so far, may have been set higher by the imports.
+    before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
     cfg = DataConfig(sources=[SourceConfig(path=str(folder / "books.jsonl"))], seq_len=128)
     start = time.perf_counter()
     next(iter(build_dataloader(cfg, tokenizer, micro_batch_size=8, dp_rank=0, dp_world_size=1, seed=0)))

@@ -13,7 +13,6 @@ each document in one call (its memory then grows with the longest document).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -21,7 +20,6 @@ from transformers import PreTrainedTokenizerBase
 
 # Tokenised whole and in the two pieces at " sat", to learn how pieces join for this tokenizer.
 JOIN_PROBE = ("The cat sat on the mat, 12 times.", 7)
-SPACE_BEFORE_WORD = re.compile(r" (?=\S)")
 
 
 def read_batch(documents: Iterator[tuple[int, str]], max_documents: int, max_chars: int) -> list[tuple[int, str]]:
@@ -38,37 +36,41 @@ def read_batch(documents: Iterator[tuple[int, str]], max_documents: int, max_cha
     return batch
 
 
-def piece_bounds(text: str, max_chars: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of consecutive pieces of about `max_chars` characters or fewer, each after the first starting
-    at a space that precedes a non-space; a stretch without such a space stays in one piece, however long."""
+def piece_bounds(text: str | bytes, max_length: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of consecutive pieces of about `max_length` characters (or UTF-8 bytes) or fewer, each after
+    the first starting at a space that precedes a non-space; a stretch without such a space stays in one piece,
+    however long. In UTF-8 a space byte is always a whole character, so byte pieces decode on their own."""
     start = 0
     while True:
-        end = piece_end(text, start, max_chars)
+        end = piece_end(text, start, max_length)
         yield start, end
         if end == len(text):
             return
         start = end
 
 
-def piece_end(text: str, start: int, max_chars: int) -> int:
+def piece_end(text: str | bytes, start: int, max_length: int) -> int:
     """Where the piece starting at `start` ends (see `piece_bounds`)."""
-    if len(text) - start <= max_chars:
+    if len(text) - start <= max_length:
         return len(text)
-    cut = _last_space_before_word(text, start + max_chars // 2, start + max_chars)
-    if cut is None:
-        following = SPACE_BEFORE_WORD.search(text, start + max_chars)
-        cut = following.start() if following else len(text)
-    return cut
+    space = " " if isinstance(text, str) else b" "
+    cut = text.rfind(space, start + max_length // 2, start + max_length)
+    while cut > start + max_length // 2 and not _starts_word(text, cut + 1):
+        cut = text.rfind(space, start + max_length // 2, cut)
+    if cut > start + max_length // 2:
+        return cut
+    cut = text.find(space, start + max_length)
+    while cut != -1 and not _starts_word(text, cut + 1):
+        cut = text.find(space, cut + 1)
+    return len(text) if cut == -1 else cut
 
 
-def _last_space_before_word(text: str, low: int, high: int) -> int | None:
-    """The last index in (low, high) holding a space followed by a non-space character, if any."""
-    cut = text.rfind(" ", low, high)
-    while cut > low:
-        if cut + 1 < len(text) and not text[cut + 1].isspace():
-            return cut
-        cut = text.rfind(" ", low, cut)
-    return None
+def _starts_word(text: str | bytes, index: int) -> bool:
+    """Whether a non-space character starts at `index`."""
+    following = text[index : index + 4]
+    if not isinstance(following, str):
+        following = following.decode("utf-8", errors="ignore")
+    return bool(following) and not following[0].isspace()
 
 
 class DocumentEncoder:
@@ -94,13 +96,14 @@ class DocumentEncoder:
         eos = np.array([self.eos_id], dtype=np.int32)
         return [np.concatenate([*pieces, eos]) for pieces in pieces_per_document]
 
-    def encode_piece(self, text: str, start: int, continues: bool) -> tuple[np.ndarray, int]:
-        """The ids of the piece of `text` starting at `start` (with EOS when it is the last) and where it ends;
-        `continues` when the piece is not the document's first."""
-        end = piece_end(text, start, self.max_chars)
+    def encode_piece(self, data: bytes | bytearray, start: int, continues: bool) -> tuple[np.ndarray, int]:
+        """The ids of the piece of UTF-8 `data` starting at byte `start` (with EOS when it is the last) and where it
+        ends; `continues` when the piece is not the document's first."""
+        end = piece_end(data, start, self.max_chars)
         skip_space = continues and self.piece_join == "drop_space"
-        ids = np.array(self._encode([text[start + skip_space : end]])[0], dtype=np.int32)
-        if end == len(text):
+        piece = data[start + skip_space : end].decode("utf-8")
+        ids = np.array(self._encode([piece])[0], dtype=np.int32)
+        if end == len(data):
             ids = np.append(ids, np.int32(self.eos_id))
         return ids, end
 
