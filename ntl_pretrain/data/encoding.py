@@ -96,7 +96,7 @@ class DocumentEncoder:
         eos = np.array([self.eos_id], dtype=np.int32)
         return [np.concatenate([*pieces, eos]) for pieces in pieces_per_document]
 
-    def encode_piece(self, data: bytes | bytearray, start: int, continues: bool) -> tuple[np.ndarray, int]:
+    def encode_piece(self, data: bytes, start: int, continues: bool) -> tuple[np.ndarray, int]:
         """The ids of the piece of UTF-8 `data` starting at byte `start` (with EOS when it is the last) and where it
         ends; `continues` when the piece is not the document's first."""
         end = piece_end(data, start, self.max_chars)

@@ -35,30 +35,20 @@ class StreamedDocument:
     """A document with more characters than the shuffle buffer holds tokens. It passes the buffer by and is
     tokenised one piece at a time as the packer asks for tokens, so that its ids never pile up and the first batch
     does not wait for all of them (a 50 MB document takes a minute to tokenise). Documents that long would fill
-    the buffer alone, so little mixing is lost. It is kept as UTF-8 so that a state is a view of what is left,
-    not a copy (the loader snapshots every few batches)."""
+    the buffer alone, so little mixing is lost. It is kept as immutable UTF-8 bytes, so that a state refers to
+    them rather than copying them (the loader snapshots every few batches)."""
 
     source: int
-    data: bytearray
+    data: bytes
     offset: int = 0
     """Bytes of `data` already tokenised."""
-    continued: bool = False
-    """`data` is what a restored state kept: the document started before it."""
-
-    @property
-    def starts(self) -> bool:
-        return self.offset == 0 and not self.continued
 
     def state_dict(self) -> dict:
-        return {
-            "source": self.source,
-            "text": torch.frombuffer(memoryview(self.data)[self.offset :], dtype=torch.uint8),
-            "continued": not self.starts,
-        }
+        return {"source": self.source, "data": self.data, "offset": self.offset}
 
     @classmethod
     def from_state(cls, state: dict) -> StreamedDocument:
-        return cls(state["source"], bytearray(state["text"].numpy().tobytes()), continued=state["continued"])
+        return cls(state["source"], state["data"], state["offset"])
 
 
 class TrainReader:
@@ -110,13 +100,13 @@ class TrainReader:
         batch = read_batch(self.documents, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
         if self.encoder.piece_join is not None and len(batch[-1][1]) > self.stream_above_chars:
             source, text = batch.pop()
-            self.streamed = StreamedDocument(source, bytearray(text.encode("utf-8")))
+            self.streamed = StreamedDocument(source, text.encode("utf-8"))
         for (source, _), document in zip(batch, self.encoder([text for _, text in batch]), strict=True):
             self.shuffle.push(document, source)
 
     def _next_piece(self) -> np.ndarray:
         streamed = self.streamed
-        starts_document = streamed.starts
+        starts_document = streamed.offset == 0
         ids, streamed.offset = self.encoder.encode_piece(streamed.data, streamed.offset, continues=not starts_document)
         if streamed.offset == len(streamed.data):
             self.streamed = None
