@@ -7,8 +7,8 @@ peak memory and time to its first batch by document size.
 
 `--document-sizes` runs each corpus in its own process (peak RSS is per process): one reader with the recipe's
 tokenizer and data defaults, `num_workers: 0`, micro-batch 8. It reports the time to the first batch (which
-includes filling the shuffle buffer), tokens/s after it, and the growth of peak RSS over the resident size after
-imports and the tokenizer load.
+includes filling the shuffle buffer), tokens/s after it, and the growth of peak RSS (Linux `VmHWM`, restarted after
+imports and the tokenizer load) over the resident size then.
 
 The pipeline runs in this process with one tokenizer thread (`RAYON_NUM_THREADS=1`), reading, mixing,
 tokenising, shuffling, packing and snapshotting its state after every batch, exactly as a training rank
@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -93,9 +93,14 @@ def write_documents(path: Path, characters: int, count: int) -> None:
             out.write(json.dumps({"text": text[:characters]}) + "\n")
 
 
-def current_rss() -> int:
-    """Resident bytes now (`ru_maxrss` is the peak so far, which imports may have set higher)."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+def peak_rss() -> int:
+    """This process's peak resident bytes since the last `restart_peak_rss()` (Linux)."""
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def restart_peak_rss() -> None:
+    """Make the current resident size the peak, so that imports and set-up do not count."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def reader_profile(recipe_path: Path, corpus: Path, seconds: float) -> dict[str, float]:
@@ -103,7 +108,8 @@ def reader_profile(recipe_path: Path, corpus: Path, seconds: float) -> dict[str,
     recipe = load_recipe(recipe_path)
     tokenizer = load_tokenizer(recipe.tokenizer.path)
     data = DataConfig(sources=[SourceConfig(path=str(corpus))], seq_len=recipe.data.seq_len)
-    before = current_rss()
+    restart_peak_rss()
+    before = peak_rss()
     start = time.perf_counter()
     batches = iter(build_dataloader(data, tokenizer, micro_batch_size=8, dp_rank=0, dp_world_size=1, seed=0))
     next(batches)
@@ -112,7 +118,7 @@ def reader_profile(recipe_path: Path, corpus: Path, seconds: float) -> dict[str,
     while time.perf_counter() - start < seconds:
         tokens += next(batches)["input_ids"].numel()
     tokens_per_s = tokens / (time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = peak_rss() - before
     return {"first_batch_s": first_batch, "tokens_per_s": tokens_per_s, "peak_growth_mb": peak / 2**20}
 
 

@@ -51,7 +51,7 @@ def test_piecewise_tokenisation_gives_the_whole_documents_ids(name):
 
 READER = textwrap.dedent(
     """
-    import json, resource, sys, time
+    import json, re, sys, time
     from pathlib import Path
     from transformers import AutoTokenizer
     from ntl_pretrain.data import DataConfig, SourceConfig, build_dataloader
@@ -66,13 +66,16 @@ READER = textwrap.dedent(
             book = f"Book {index}. " + base * (mb * 2**20 // len(base) + 1)
             out.write(json.dumps({"text": book[: mb * 2**20]}) + "\\n")
     DocumentEncoder(tokenizer)(["warm up the tokenizer"])
-    # Resident size now: ru_maxrss, the peak so far, may have been set higher by the imports.
-    before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+    def peak_bytes():
+        return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+    open("/proc/self/clear_refs", "w").write("5")  # the peak so far (imports, writing the corpus) restarts here
+    before = peak_bytes()
     cfg = DataConfig(sources=[SourceConfig(path=str(folder / "books.jsonl"))], seq_len=128)
     start = time.perf_counter()
     next(iter(build_dataloader(cfg, tokenizer, micro_batch_size=8, dp_rank=0, dp_world_size=1, seed=0)))
     first_batch = time.perf_counter() - start
-    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    growth = peak_bytes() - before
     book = json.loads(open(folder / "books.jsonl").readline())["text"]
     start = time.perf_counter()
     tokenizer(book, add_special_tokens=False)
