@@ -83,7 +83,8 @@ class DataConfig:
     """Documents held in the seeded shuffle buffer per reader; 0 or 1 keeps the stream order."""
     shuffle_buffer_tokens: int = 1_000_000
     """Tokens held in the shuffle buffer per reader, at most (plus one tokenizer call's worth): 4 bytes each, in
-    memory and in the checkpoint. With long documents this bound, not `shuffle_buffer`, sets how many are mixed."""
+    memory and in the checkpoint. A document with more characters than this passes the buffer by and is tokenised
+    piece by piece (docs/data.md)."""
     per_document_attention: bool = False
     """Reset position ids at document starts and drop the cross-document label after each EOS; transformers then
     also keeps attention inside each document with sdpa/eager (no cache, no mask: the trainer's forward), and
