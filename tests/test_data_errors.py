@@ -62,10 +62,19 @@ CASES = [
     ("bz2 named .gz", "a.jsonl.gz", bz2.compress(RECORDS), {}, "named .gz but its content is bz2"),
     ("text named .jsonl", "a.jsonl", b"Plain prose.\nMore prose.\n", {}, "is valid UTF-8 JSON; is it JSON lines"),
     ("parquet named .jsonl", "a.jsonl", None, {}, "a parquet file read as jsonl"),
+    (
+        "parquet without the field",
+        "a.parquet",
+        None,
+        {"text_field": "body"},
+        r"no column 'body'; the columns are \['text'\]",
+    ),
+    ("truncated parquet", "a.parquet", b"PAR1" + bytes(100), {}, "not a readable parquet file"),
 ]
 
 
 def write_case(folder: Path, name: str, content: bytes | None) -> Path:
+    """`content` None: a parquet file with a `text` column."""
     path = folder / name
     if content is None:
         pq.write_table(pa.table({"text": ["a", "b"]}), path)

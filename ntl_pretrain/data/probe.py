@@ -3,8 +3,9 @@
 A damaged or mislabelled file otherwise surfaces minutes into a run, on one rank, as a skip counter or "too few
 valid records". Here each one fails the recipe with one line naming the file and the cause: an empty file, a
 compression the name does not match (or a name promising one the content lacks), a parquet or arrow file named as
-text, a compressed file truncated within its first records, a malformed JSON array, or first records none of which
-holds the fields the source reads (the message lists the fields they do have). Remote files and hub datasets are
+text, a compressed file truncated within its first records, a malformed JSON array, an unreadable parquet footer
+or arrow header, or first records (a schema, for parquet and arrow) none of which holds the fields the source reads
+(the message lists the fields there are). Remote files and hub datasets are
 not opened here; the same causes found later during the run stop it with the same kind of message.
 """
 
@@ -56,6 +57,7 @@ def _probe_file(source: SourceConfig, file: str) -> None:
     fmt = source_format(source, file)
     _check_content_matches_name(file, fmt)
     if fmt in ("parquet", "arrow"):
+        _check_columns(source, file, fmt)
         return
     with reading_errors(source, file), open_binary(file) as stream:
         start = stream.read(4096).removeprefix(UTF8_BOM)
@@ -109,6 +111,26 @@ def _check_content_matches_name(file: str, fmt: str) -> None:
         raise DataError(f"{file}: not a {fmt} file (format {fmt}, from its name or `format:`)")
     if fmt in ("jsonl", "json", "txt") and content in ("parquet", "arrow"):
         raise DataError(f"{file}: a {content} file read as {fmt}; name it .{content} or set `format: {content}`")
+
+
+def _check_columns(source: SourceConfig, file: str, fmt: str) -> None:
+    """A parquet footer or arrow stream header is read (a truncated file fails here) and must name every field
+    the source reads."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if fmt == "parquet":
+            columns = pq.ParquetFile(file).schema_arrow.names
+        else:
+            with pa.OSFile(file) as stream:
+                columns = pa.ipc.open_stream(stream).schema.names
+    except (OSError, pa.ArrowException) as error:
+        raise DataError(f"{file}: not a readable {fmt} file ({type(error).__name__}: {error})") from None
+    missing = [name for name in source.template_fields if name not in columns]
+    if missing:
+        wanted = ", ".join(repr(name) for name in missing)
+        raise DataError(f"{file}: no column {wanted}; the columns are {columns}")
 
 
 def _array_head(file: str, head: bytes, whole: bool) -> list:
