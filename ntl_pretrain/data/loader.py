@@ -31,7 +31,7 @@ from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, vali
 from ntl_pretrain.data.reslice import ResumeRefused, SlicedStreams, positions_from_ranks
 from ntl_pretrain.data.sources import SKIP_REASONS
 
-STATE_VERSION = 2  # 2: per-source counters and the source of each buffered document
+STATE_VERSION = 2  # 2: per-source counters, the source of each buffered document, a streamed document
 SNAPSHOT_EVERY = 16
 
 

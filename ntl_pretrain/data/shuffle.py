@@ -48,13 +48,14 @@ class ShuffleBuffer:
 
     def pop(self) -> tuple[np.ndarray, int]:
         """A document and its source index."""
-        index = 0 if self.keeps_order else self.rng.randrange(len(self.documents))
-        if not self.keeps_order:
+        if self.keeps_order:
+            document, source = self.documents.pop(0), self.sources.pop(0)
+        else:
+            index = self.rng.randrange(len(self.documents))
             # Swap-remove: O(1), and the order of the rest is part of the (saved) state anyway.
             for items in (self.documents, self.sources):
                 items[index], items[-1] = items[-1], items[index]
-            index = -1
-        document, source = self.documents.pop(index), self.sources.pop(index)
+            document, source = self.documents.pop(), self.sources.pop()
         self.tokens -= len(document)
         return document, source
 
