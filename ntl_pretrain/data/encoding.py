@@ -1,8 +1,9 @@
 """Tokenise documents in calls bounded by their size, so that memory follows the text, not the document count.
 
-A fast tokenizer holds far more per token than the ids (token strings, offsets, per-byte alignments: ~100 bytes),
-so one call on a 50 MB document, or on 64 of them, needs gigabytes. Calls here take at most `max_chars` characters:
-short documents are grouped, and a longer one is cut into pieces whose ids are joined.
+A fast tokenizer holds far more than the ids while it runs (token strings, offsets, per-byte alignments: a few
+hundred bytes per character of text), so one call on a 50 MB document, or on 64 of them, needs gigabytes. Calls here
+take at most `max_chars` characters: short documents are grouped, and a longer one is cut into pieces whose ids are
+joined; `encode_piece` tokenises one piece of a document kept as UTF-8 (`pipeline.StreamedDocument`).
 
 A piece starts at a space followed by a non-space character, where byte-level BPE pre-tokenizers (GPT-2, Llama 3,
 Qwen) start a new pre-token anyway, so the joined ids equal the whole document's. SentencePiece-style tokenizers
