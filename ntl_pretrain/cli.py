@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterable
 
 from ntl_pretrain.config import RecipeError, dump_recipe
+from ntl_pretrain.data.sources import DataError
 
 OWN_COMMANDS = ("train", "export", "convert-gguf")
 # Commands whose modules own them (each module has `register(subparsers)`).
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         result = args.func(args)
     except RecipeError as error:
         print(f"ntl-pretrain: recipe error: {error}", file=sys.stderr)
+        return 2
+    except DataError as error:
+        print(f"ntl-pretrain: data error: {error.one_line()}", file=sys.stderr)
         return 2
     return result or 0
 

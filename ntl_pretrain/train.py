@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ntl_pretrain import checkpoint, reshard, vocab_parallel
 from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu, peak_memory_mib
@@ -256,7 +258,7 @@ class Trainer:
             "mfu": mfu(self.flops_per_token, tokens_per_s, peak, self.world_size),
             "skipped_steps": self.skipped_steps,
         }
-        record.update({f"data/{key}": value for key, value in self.loader.metrics().items()})
+        record.update({f"data/{key}": value for key, value in self.loader.metrics(all_ranks=True).items()})
         return record
 
     # ---- eval ----------------------------------------------------------------------------------------------
@@ -381,7 +383,12 @@ def main(argv: list[str] | None = None) -> None:
     if dist.get_rank() == 0:
         Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(recipe.train.output_dir) / "recipe.yaml").write_text(dump_recipe(recipe))
-    Trainer(recipe, ds_config).train()
+    try:
+        Trainer(recipe, ds_config).train()
+    except DataError as error:
+        # One line, then exit at once: the launcher stops the other ranks, which would wait in a collective.
+        print(f"ntl-pretrain: rank {dist.get_rank()}: data error: {error.one_line()}", file=sys.stderr, flush=True)
+        os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
 

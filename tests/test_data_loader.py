@@ -149,3 +149,40 @@ def test_real_sentencepiece_tokenizer_packs_its_own_encoding(tmp_path):
     labels = torch.cat([batch["labels"] for batch in batches])
     inputs = torch.cat([batch["input_ids"] for batch in batches])
     assert (labels[inputs == tokenizer.eos_token_id] == IGNORE_INDEX).all()
+
+
+def check_counters_over_ranks(folder: str) -> None:
+    import torch.distributed as dist
+    from distributed import counting_collectives
+
+    rank = dist.get_rank()
+    cfg = DataConfig(sources=write_corpus(Path(folder)), seq_len=48, shuffle_buffer=16, tokenize_batch=8)
+    data_loader = loader(cfg, rank=rank, world=2)
+    take(data_loader, 5 + 20 * rank)  # the ranks stand at different points
+    local = data_loader.metrics()
+    with counting_collectives() as calls:
+        summed = data_loader.metrics(all_ranks=True)
+    assert calls == {"all_gather": 1}
+    per_rank: list[dict] = [{}, {}]
+    dist.all_gather_object(per_rank, local)
+    assert per_rank[1]["skipped/invalid_json"] == 0 < per_rank[0]["skipped/invalid_json"]  # bad lines 10, 20: even
+    for name, value in summed.items():
+        if name.startswith("epoch"):
+            assert value == min(part[name] for part in per_rank), name
+        elif not name.endswith(("_share", "/weight")):
+            assert value == sum(part[name] for part in per_rank), name
+    labels = [source.label for source in cfg.sources]
+    assert summed["documents"] == sum(summed[f"source/{label}/documents"] for label in labels) > 0
+    assert summed["skipped/invalid_json"] == sum(summed[f"source/{label}/skipped/invalid_json"] for label in labels)
+    for label, weight in zip(labels, (0.6, 0.2, 0.2), strict=True):
+        assert summed[f"source/{label}/weight"] == pytest.approx(weight)
+        tokens = sum(part[f"source/{label}/tokens"] for part in per_rank)
+        assert summed[f"source/{label}/token_share"] == pytest.approx(tokens / summed["tokens"])
+
+
+@pytest.mark.slow
+def test_counters_summed_over_two_gloo_ranks_equal_the_per_rank_sums(tmp_path):
+    from distributed import run_distributed
+
+    write_corpus(tmp_path)
+    run_distributed(check_counters_over_ranks, 2, str(tmp_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import numpy as np
@@ -36,6 +37,45 @@ def test_blocks_overlap_by_one_token_and_drop_nothing():
         np.testing.assert_array_equal(got, want)
     state = packer.state_dict()["tokens"].numpy()
     np.testing.assert_array_equal(state, stream[len(blocks) * 16 :])
+
+
+def packing_seconds(document: np.ndarray, seq_len: int) -> float:
+    """CPU time of this process, so that other processes sharing the cores do not count."""
+    packer = Packer(seq_len)
+    start = time.process_time()
+    packer.add(document)
+    while packer.has_block():
+        packer.take_block()
+    return time.process_time() - start
+
+
+def test_packing_one_long_document_costs_time_linear_in_its_length():
+    document = np.arange(400_000, dtype=np.int32)
+    short, long = float("inf"), float("inf")
+    for _ in range(5):  # alternate the sizes and keep each one's fastest run
+        short = min(short, packing_seconds(document[:100_000], 32))
+        long = min(long, packing_seconds(document, 32))
+    assert long <= 5 * short, f"4x the tokens took {long / short:.1f}x the time"
+
+
+def test_state_of_a_partly_packed_long_document_resumes_the_same_blocks():
+    documents = [np.arange(1000, dtype=np.int32), np.arange(5, dtype=np.int32), np.arange(300, dtype=np.int32)]
+    packer = Packer(seq_len=64)
+    for document in documents:
+        packer.add(document)
+    first = [packer.take_block() for _ in range(7)]
+    resumed = Packer(seq_len=64)
+    resumed.load_state_dict(packer.state_dict())
+    rest, resumed_rest = [], []
+    while packer.has_block():
+        rest.append(packer.take_block())
+        resumed_rest.append(resumed.take_block())
+    assert not resumed.has_block()
+    stream = np.concatenate(documents)
+    for index, block in enumerate(first + rest):
+        np.testing.assert_array_equal(block, stream[index * 64 : index * 64 + 65])
+    for got, want in zip(resumed_rest, rest, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def reference_sample(block: list[int], per_document: bool) -> tuple[list[int], list[int], list[int]]:

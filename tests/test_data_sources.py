@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ntl_pretrain.data import DataConfig, SourceConfig, validate_sources
-from ntl_pretrain.data.sources import SourceStream
+from ntl_pretrain.data.sources import DataError, SourceStream
 
 
 def write_lines(path: Path, lines: list[bytes]) -> Path:
@@ -162,7 +162,7 @@ def test_cursor_resumes_exactly_twice_across_epochs(tmp_path, fmt):
 def test_too_few_records_for_the_readers_is_an_error(tmp_path):
     source = SourceConfig(path=str(write_lines(tmp_path / "one.jsonl", jsonl_docs(1))))
     stream = SourceStream(source, shard=1, num_shards=2, cycle=True, skipped=Counter())
-    with pytest.raises(RuntimeError, match="too few valid records"):
+    with pytest.raises(DataError, match="too few valid records"):
         stream.next_document()
 
 

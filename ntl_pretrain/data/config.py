@@ -51,6 +51,9 @@ class SourceConfig:
         formats = {source_format(self, path) for path in resolve_files(self)}
         if len(formats) > 1:
             raise ValueError(f"path: {self.path!r} mixes formats {sorted(formats)}; use one source per format")
+        from ntl_pretrain.data.probe import probe_source  # probe reads files through sources, which imports this
+
+        probe_source(self)
 
     @property
     def label(self) -> str:
@@ -78,6 +81,10 @@ class DataConfig:
     """Packed sequence length in tokens (documents are joined with EOS and cut into blocks)."""
     shuffle_buffer: int = 1000
     """Documents held in the seeded shuffle buffer per reader; 0 or 1 keeps the stream order."""
+    shuffle_buffer_tokens: int = 1_000_000
+    """Tokens held in the shuffle buffer per reader, at most (plus one tokenizer call's worth): 4 bytes each, in
+    memory and in the checkpoint. A document with more characters than this passes the buffer by and is tokenised
+    piece by piece (docs/data.md)."""
     per_document_attention: bool = False
     """Reset position ids at document starts and drop the cross-document label after each EOS; transformers then
     also keeps attention inside each document with sdpa/eager (no cache, no mask: the trainer's forward), and
@@ -85,7 +92,10 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank (0 = read in the training process)."""
     tokenize_batch: int = 64
-    """Documents tokenised per call of the fast tokenizer."""
+    """Documents tokenised per call of the fast tokenizer, at most."""
+    tokenize_batch_chars: int = 1 << 16
+    """Characters per call of the fast tokenizer, at most: a longer document is tokenised in pieces of about
+    this size (same ids, see docs/data.md). A call needs ~400 bytes per character while it runs."""
     prefetch_batches: int = 4
     """Batches each worker prepares ahead (with `num_workers` > 0)."""
 
@@ -100,6 +110,10 @@ class DataConfig:
             raise ValueError(f"num_workers: must be >= 0, got {self.num_workers}")
         if self.tokenize_batch < 1:
             raise ValueError(f"tokenize_batch: must be >= 1, got {self.tokenize_batch}")
+        if self.shuffle_buffer_tokens < 1:
+            raise ValueError(f"shuffle_buffer_tokens: must be >= 1, got {self.shuffle_buffer_tokens}")
+        if self.tokenize_batch_chars < 1:
+            raise ValueError(f"tokenize_batch_chars: must be >= 1, got {self.tokenize_batch_chars}")
         if self.prefetch_batches < 1:
             raise ValueError(f"prefetch_batches: must be >= 1, got {self.prefetch_batches}")
         labels = [source.label for source in self.sources]

@@ -26,11 +26,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import PreTrainedTokenizerBase
 
 from ntl_pretrain.data.config import DataConfig, validate_sources
+from ntl_pretrain.data.counters import combine, combined_over_ranks, with_mixture
 from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, validation_batches
 from ntl_pretrain.data.reslice import ResumeRefused, SlicedStreams, positions_from_ranks
 from ntl_pretrain.data.sources import SKIP_REASONS
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: per-source counters, the source of each buffered document, a streamed document
 SNAPSHOT_EVERY = 16
 
 
@@ -78,7 +79,7 @@ class PackedLoader:
         self.cfg, self.split, self.seed = cfg, split, seed
         self.micro_batch_size, self.dp_rank, self.dp_world_size = micro_batch_size, dp_rank, dp_world_size
         self.grad_accum = grad_accum
-        self.encoder = DocumentEncoder(tokenizer)
+        self.encoder = DocumentEncoder(tokenizer, max_chars=cfg.tokenize_batch_chars)
         self.num_workers = cfg.num_workers if split == "train" else 0
         self.first_reader = 0
         # Per local reader: its last snapshot (None = fresh start), batches handed out since, counters.
@@ -215,25 +216,23 @@ class PackedLoader:
     def _stream_reader(self, stream: int, num_streams: int) -> TrainReader:
         return TrainReader(self.cfg, self.encoder, 1, reader=stream, num_readers=num_streams, seed=self.seed)
 
-    def metrics(self) -> dict[str, float]:
-        """This rank's counters: `skipped/<reason>`, `documents`, `tokens`, `batches`, `epoch/<source>`,
-        and `epoch` (the fewest completed passes over any source). Passes are the readers': they include the
+    def metrics(self, all_ranks: bool = False) -> dict[str, float]:
+        """Counters (see `counters.py`): `documents`, `tokens`, `batches`, `skipped/<reason>`, `epoch/<source>`,
+        `epoch` (the fewest completed passes over any source), and per source `source/<label>/documents`,
+        `.../tokens`, `.../skipped/<reason>`, with `.../weight` (normalised) next to the realised
+        `.../document_share` and `.../token_share`. This rank's readers, or with `all_ranks` (a collective: every
+        rank calls it at the same step) the sums over all ranks. Passes are the readers': they include the
         documents read ahead into the shuffle buffer, so a source smaller than the buffer is several epochs in
         before the first step."""
         if self.split == "validation":
             return {f"skipped/{reason}": float(self.validation_skipped[reason]) for reason in SKIP_REASONS}
         if self.sliced is not None:
-            return self.sliced.metrics()
-        totals = Counter({f"skipped/{reason}": 0.0 for reason in SKIP_REASONS})
-        epochs = {f"epoch/{source.label}": 0.0 for source in self.cfg.sources}
-        started = [saved["progress"] for saved in self.readers if saved["progress"]]
-        for index, progress in enumerate(started):
-            for name, value in progress.items():
-                if name.startswith("epoch/"):
-                    epochs[name] = value if index == 0 else min(epochs[name], value)
-                else:
-                    totals[name] += value
-        return {**dict(totals), **epochs, "epoch": min(epochs.values())}
+            counters = self.sliced.counters()
+        else:
+            counters = combine((saved["progress"] for saved in self.readers if saved["progress"]), self.cfg)
+        if all_ranks:
+            counters = combined_over_ranks(counters, self.cfg)
+        return with_mixture(counters, self.cfg)
 
 
 def build_dataloader(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from ntl_pretrain.data.sources import SourceStream
 
@@ -27,11 +28,16 @@ class Mixture:
         self.weights = weights
         self.rng = random.Random(seed)
 
-    def next_document(self) -> str:
-        (stream,) = self.rng.choices(self.streams, weights=self.weights)
-        document = stream.next_document()
+    def documents(self) -> Iterator[tuple[int, str]]:
+        """(source index, text) of each next document, drawn only when asked for (the state stays exact)."""
+        while True:
+            yield self.next_document()
+
+    def next_document(self) -> tuple[int, str]:
+        (source,) = self.rng.choices(range(len(self.streams)), weights=self.weights)
+        document = self.streams[source].next_document()
         assert document is not None, "training streams cycle, so they never run out"
-        return document
+        return source, document
 
     def state_dict(self) -> dict:
         return {"rng": rng_state(self.rng), "sources": [stream.state_dict() for stream in self.streams]}

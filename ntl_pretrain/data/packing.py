@@ -7,6 +7,8 @@ one token, so every token after the first is a label exactly once and nothing is
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 
@@ -14,11 +16,18 @@ IGNORE_INDEX = -100
 
 
 class Packer:
-    """Concatenates documents and cuts them into blocks of `seq_len + 1` tokens."""
+    """Concatenates documents and cuts them into blocks of `seq_len + 1` tokens.
+
+    A block costs O(seq_len) however long the pending documents are: the packer keeps the documents as they
+    came and an offset into the first, rather than re-joining what is pending for every block (a book-length
+    document would otherwise be copied once per block, quadratic in its length).
+    """
 
     def __init__(self, seq_len: int):
         self.seq_len = seq_len
-        self.pending: list[np.ndarray] = []
+        self.pending: deque[np.ndarray] = deque()
+        self.offset = 0
+        """Tokens of `pending[0]` already behind the stream position."""
         self.pending_tokens = 0
 
     def add(self, document: np.ndarray) -> None:
@@ -30,27 +39,53 @@ class Packer:
 
     def take_block(self) -> np.ndarray:
         """The next `seq_len + 1` tokens; the last of them stays as the first input of the next block."""
-        tokens = np.concatenate(self.pending)
-        block, rest = tokens[: self.seq_len + 1], tokens[self.seq_len :]
-        self.pending, self.pending_tokens = [rest], len(rest)
+        block = self._peek(self.seq_len + 1)
+        self._advance(self.seq_len)
         return block
 
     def take_last_block(self, pad_id: int) -> tuple[np.ndarray, int]:
         """What is left at the end of a finite stream, padded to a block, and its number of labels."""
-        tokens = np.concatenate(self.pending) if self.pending else np.zeros(0, dtype=np.int32)
-        self.pending, self.pending_tokens = [], 0
+        tokens = self._remaining()
+        self.pending, self.offset, self.pending_tokens = deque(), 0, 0
         num_labels = max(0, len(tokens) - 1)
         block = np.full(self.seq_len + 1, pad_id, dtype=np.int32)
         block[: len(tokens)] = tokens
         return block, num_labels
 
+    def _peek(self, count: int) -> np.ndarray:
+        """A copy of the next `count` pending tokens (there are at least that many)."""
+        parts, start, missing = [], self.offset, count
+        for document in self.pending:
+            part = document[start : start + missing]
+            parts.append(part)
+            missing -= len(part)
+            if missing == 0:
+                break
+            start = 0
+        return np.concatenate(parts)
+
+    def _advance(self, count: int) -> None:
+        self.pending_tokens -= count
+        while count:
+            left_in_first = len(self.pending[0]) - self.offset
+            if left_in_first > count:
+                self.offset += count
+                return
+            count -= left_in_first
+            self.pending.popleft()
+            self.offset = 0
+
+    def _remaining(self) -> np.ndarray:
+        if not self.pending:
+            return np.zeros(0, dtype=np.int32)
+        return np.concatenate([self.pending[0][self.offset :], *list(self.pending)[1:]])
+
     def state_dict(self) -> dict:
-        tokens = np.concatenate(self.pending) if self.pending else np.zeros(0, dtype=np.int32)
-        return {"tokens": torch.from_numpy(tokens)}
+        return {"tokens": torch.from_numpy(self._remaining())}
 
     def load_state_dict(self, state: dict) -> None:
         tokens = state["tokens"].numpy().copy()
-        self.pending, self.pending_tokens = [tokens], len(tokens)
+        self.pending, self.offset, self.pending_tokens = deque([tokens]), 0, len(tokens)
 
 
 def make_batch(

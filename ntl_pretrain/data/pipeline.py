@@ -9,43 +9,46 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.counters import EPOCH_PREFIX, source_key, zero_counters
+from ntl_pretrain.data.encoding import DocumentEncoder, read_batch
 from ntl_pretrain.data.mixture import Mixture
 from ntl_pretrain.data.packing import Packer, make_batch
 from ntl_pretrain.data.shuffle import ShuffleBuffer
-from ntl_pretrain.data.sources import SKIP_REASONS, SourceStream
+from ntl_pretrain.data.sources import SourceStream
 
 Batch = dict[str, torch.Tensor]
-
-
-class DocumentEncoder:
-    """Batched fast tokenisation; every document ends with EOS so that packed documents stay apart."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to separate documents")
-        self.eos_id = int(tokenizer.eos_token_id)
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        # encode_batch_fast skips offsets, which packing never uses (tokenizers >= 0.21).
-        self.encode_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
-
-    def __call__(self, texts: list[str]) -> list[np.ndarray]:
-        if self.encode_batch is not None:
-            ids = [encoding.ids for encoding in self.encode_batch(texts, add_special_tokens=False)]
-        else:
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [np.array([*document, self.eos_id], dtype=np.int32) for document in ids]
 
 
 def reader_seed(seed: int, reader: int, purpose: str) -> str:
     """String seeds: `random.Random` hashes them with SHA-512, stable across processes and runs."""
     return f"ntl_pretrain/{purpose}/seed={seed}/reader={reader}"
+
+
+@dataclass
+class StreamedDocument:
+    """A document with more characters than the shuffle buffer holds tokens. It passes the buffer by and is
+    tokenised one piece at a time as the packer asks for tokens, so that its ids never pile up and the first batch
+    does not wait for all of them (a 50 MB document takes a minute to tokenise). Documents that long would fill
+    the buffer alone, so little mixing is lost. It is kept as immutable UTF-8 bytes, so that a state refers to
+    them rather than copying them (the loader snapshots every few batches)."""
+
+    source: int
+    data: bytes
+    offset: int = 0
+    """Bytes of `data` already tokenised."""
+
+    def state_dict(self) -> dict:
+        return {"source": self.source, "data": self.data, "offset": self.offset}
+
+    @classmethod
+    def from_state(cls, state: dict) -> StreamedDocument:
+        return cls(state["source"], state["data"], state["offset"])
 
 
 class TrainReader:
@@ -55,14 +58,21 @@ class TrainReader:
         self, cfg: DataConfig, encoder: DocumentEncoder, micro_batch_size: int, reader: int, num_readers: int, seed: int
     ):
         self.cfg, self.encoder, self.micro_batch_size = cfg, encoder, micro_batch_size
-        self.skipped: Counter = Counter()
+        self.skipped: dict[str, Counter] = {source.label: Counter() for source in cfg.sources}
         self.counts: Counter = Counter()
         streams = [
-            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped) for source in cfg.sources
+            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped[source.label])
+            for source in cfg.sources
         ]
         self.mixture = Mixture(streams, [source.weight for source in cfg.sources], reader_seed(seed, reader, "mixture"))
-        self.shuffle = ShuffleBuffer(cfg.shuffle_buffer, reader_seed(seed, reader, "shuffle"))
+        self.documents = self.mixture.documents()
+        self.shuffle = ShuffleBuffer(
+            cfg.shuffle_buffer, reader_seed(seed, reader, "shuffle"), max_tokens=cfg.shuffle_buffer_tokens
+        )
         self.packer = Packer(cfg.seq_len)
+        self.streamed: StreamedDocument | None = None
+        # Above both bounds, so that a streamed document always ends its tokenizer batch (see `read_batch`).
+        self.stream_above_chars = max(cfg.shuffle_buffer_tokens, cfg.tokenize_batch_chars)
 
     def next_batch(self) -> Batch:
         blocks = [self.next_block() for _ in range(self.micro_batch_size)]
@@ -72,25 +82,49 @@ class TrainReader:
     def next_block(self) -> np.ndarray:
         """The next `seq_len + 1` tokens of this reader's stream (a micro-batch row)."""
         while not self.packer.has_block():
-            self.packer.add(self._next_document())
+            self.packer.add(self._next_tokens())
         return self.packer.take_block()
 
-    def _next_document(self) -> np.ndarray:
-        while self.shuffle.needs_more():
-            texts = [self.mixture.next_document() for _ in range(self.cfg.tokenize_batch)]
-            for document in self.encoder(texts):
-                self.shuffle.push(document)
-        document = self.shuffle.pop()
-        self.counts["documents"] += 1
-        self.counts["tokens"] += len(document)
+    def _next_tokens(self) -> np.ndarray:
+        """A document from the shuffle buffer, or the next piece of a streamed document."""
+        while self.streamed is None and self.shuffle.needs_more():
+            self._read_batch()
+        # In stream order (no shuffling) the documents read before the streamed one go first.
+        if self.streamed is not None and not (self.shuffle.keeps_order and len(self.shuffle)):
+            return self._next_piece()
+        document, source = self.shuffle.pop()
+        self._count(source, document, starts_document=True)
         return document
+
+    def _read_batch(self) -> None:
+        batch = read_batch(self.documents, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
+        if self.encoder.piece_join is not None and len(batch[-1][1]) > self.stream_above_chars:
+            source, text = batch.pop()
+            self.streamed = StreamedDocument(source, text.encode("utf-8"))
+        for (source, _), document in zip(batch, self.encoder([text for _, text in batch]), strict=True):
+            self.shuffle.push(document, source)
+
+    def _next_piece(self) -> np.ndarray:
+        streamed = self.streamed
+        starts_document = streamed.offset == 0
+        ids, streamed.offset = self.encoder.encode_piece(streamed.data, streamed.offset, continues=not starts_document)
+        if streamed.offset == len(streamed.data):
+            self.streamed = None
+        self._count(streamed.source, ids, starts_document)
+        return ids
+
+    def _count(self, source: int, tokens: np.ndarray, starts_document: bool) -> None:
+        label = self.cfg.sources[source].label
+        self.counts[source_key(label, "documents")] += starts_document
+        self.counts[source_key(label, "tokens")] += len(tokens)
 
     def state_dict(self) -> dict:
         return {
             "mixture": self.mixture.state_dict(),
             "shuffle": self.shuffle.state_dict(),
             "packer": self.packer.state_dict(),
-            "skipped": dict(self.skipped),
+            "streamed": None if self.streamed is None else self.streamed.state_dict(),
+            "skipped": {label: dict(skipped) for label, skipped in self.skipped.items()},
             "counts": dict(self.counts),
         }
 
@@ -98,17 +132,25 @@ class TrainReader:
         self.mixture.load_state_dict(state["mixture"])
         self.shuffle.load_state_dict(state["shuffle"])
         self.packer.load_state_dict(state["packer"])
-        self.skipped.clear()
-        self.skipped.update(state["skipped"])
+        self.streamed = None if state["streamed"] is None else StreamedDocument.from_state(state["streamed"])
+        for label, skipped in self.skipped.items():
+            skipped.clear()
+            skipped.update(state["skipped"][label])
         self.counts.clear()
         self.counts.update(state["counts"])
 
     def progress(self) -> dict[str, float]:
-        """Cheap counters for metrics: skipped records by reason, documents, tokens, batches, epochs."""
-        progress = {f"skipped/{reason}": float(self.skipped[reason]) for reason in SKIP_REASONS}
-        progress.update({name: float(value) for name, value in self.counts.items()})
+        """This reader's counters (`counters.zero_counters` names them): totals and per source."""
+        progress = zero_counters(self.cfg)
+        progress["batches"] = float(self.counts["batches"])
         for source, stream in zip(self.cfg.sources, self.mixture.streams, strict=True):
-            progress[f"epoch/{source.label}"] = float(stream.cursor.epoch)
+            progress[f"{EPOCH_PREFIX}{source.label}"] = float(stream.cursor.epoch)
+            for name in ("documents", "tokens"):
+                progress[source_key(source.label, name)] = float(self.counts[source_key(source.label, name)])
+                progress[name] += progress[source_key(source.label, name)]
+            for reason, count in self.skipped[source.label].items():
+                progress[source_key(source.label, f"skipped/{reason}")] = float(count)
+                progress[f"skipped/{reason}"] += count
         return progress
 
 
@@ -148,11 +190,12 @@ def validation_batches(
 def _validation_blocks(cfg: DataConfig, encoder: DocumentEncoder, skipped: Counter) -> Iterator[tuple[np.ndarray, int]]:
     """(block, number of labels in it): each source packed on its own (full blocks, then its padded remainder), so
     that a source's blocks, and its validation numbers, do not depend on which other sources are listed."""
-    for source in cfg.validation:
+    for index, source in enumerate(cfg.validation):
         packer = Packer(cfg.seq_len)
         stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=skipped)
-        while texts := [text for text in (stream.next_document() for _ in range(cfg.tokenize_batch)) if text]:
-            for document in encoder(texts):
+        documents = ((index, text) for text in iter(stream.next_document, None))
+        while batch := read_batch(documents, cfg.tokenize_batch, cfg.tokenize_batch_chars):
+            for document in encoder([text for _, text in batch]):
                 packer.add(document)
                 while packer.has_block():
                     yield packer.take_block(), cfg.seq_len

@@ -21,14 +21,13 @@ Shapes: B micro-batch rows, T = seq_len.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from ntl_pretrain.data.counters import EPOCH_PREFIX, combine
 from ntl_pretrain.data.packing import make_batch
 from ntl_pretrain.data.pipeline import Batch, TrainReader
-from ntl_pretrain.data.sources import SKIP_REASONS
 
 # A stream's saved position: a reader state (None = fresh) and the rows drawn after it.
 Position = dict
@@ -162,20 +161,20 @@ class SlicedStreams:
             "into_step": 0 if between_steps else self.into_step,
         }
 
-    def metrics(self) -> dict[str, float]:
-        """Counters of the streams whose first row of a step is this rank's (each stream counts on one rank);
+    def counters(self) -> dict[str, float]:
+        """Sums over the streams whose first row of a step is this rank's (each stream counts on one rank);
         epochs over every stream this rank reads."""
-        totals = Counter({f"skipped/{reason}": 0.0 for reason in SKIP_REASONS})
-        epochs: dict[str, float] = {}
-        for stream, reader in self.readers.items():
-            progress = reader.progress()
-            owned = self.first_row <= stream * self.rows_per_stream < self.first_row + self.rows_per_rank
-            for name, value in progress.items():
-                if name.startswith("epoch/"):
-                    epochs[name] = min(epochs.get(name, value), value)
-                elif owned and name != "batches":
-                    totals[name] += value
-        return {**dict(totals), **epochs, "epoch": min(epochs.values())}
+        cfg = next(iter(self.readers.values())).cfg
+        progress = {stream: reader.progress() for stream, reader in self.readers.items()}
+        owned = [
+            p
+            for stream, p in progress.items()
+            if self.first_row <= stream * self.rows_per_stream < self.first_row + self.rows_per_rank
+        ]
+        counters = combine(owned, cfg)
+        epochs = combine(progress.values(), cfg)
+        counters.update({name: value for name, value in epochs.items() if name.startswith(EPOCH_PREFIX)})
+        return counters
 
 
 def _restore(reader: TrainReader, position: Position) -> TrainReader:

@@ -14,20 +14,33 @@ exactly (no HF shuffle buffer is used: ours in `shuffle.py` keeps its contents i
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import IO
 
 from ntl_pretrain.data.config import COMPRESSION_SUFFIXES, SourceConfig, is_remote, resolve_files, source_format
 
+UTF8_BOM = b"\xef\xbb\xbf"
+COMPRESSION_NAMES = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 SKIP_REASONS = ("invalid_utf8", "invalid_json", "not_a_record", "missing_field", "not_string", "empty")
 HF_FORMATS = ("parquet", "arrow", "hub")
 
 
 class BadRecord(Exception):
     """A record that cannot become a document; `args[0]` is one of `SKIP_REASONS`."""
+
+
+class DataError(ValueError):
+    """A source that cannot be read; the one-line message names the source, the file and the cause."""
+
+    def one_line(self) -> str:
+        """The message, also when a DataLoader worker re-raised it with the worker's traceback around it."""
+        return str(self).strip().splitlines()[-1].split("DataError: ", 1)[-1]
 
 
 @dataclass
@@ -79,11 +92,78 @@ def parse_unit(raw: bytes, fmt: str, source: SourceConfig) -> str:
 
 
 def open_binary(path: str) -> IO[bytes]:
+    if path.endswith(".zst"):
+        raw = fsspec_open(path) if is_remote(path) else open(path, "rb")
+        return io.BufferedReader(ZstdReader(raw))
     if is_remote(path) or path.endswith(COMPRESSION_SUFFIXES):
-        import fsspec
-
-        return fsspec.open(path, "rb", compression="infer").open()
+        return fsspec_open(path, compression="infer")
     return open(path, "rb")
+
+
+def fsspec_open(path: str, compression: str | None = None) -> IO[bytes]:
+    import fsspec
+
+    return fsspec.open(path, "rb", compression=compression).open()
+
+
+class ZstdReader(io.RawIOBase):
+    """Decompressed bytes of a (multi-frame) zstd stream. Unlike `zstandard`'s own stream reader it raises
+    `EOFError` when the input ends inside a frame, as gzip, bz2 and xz do, so a truncated file is not read as a
+    short one."""
+
+    def __init__(self, raw: IO[bytes]):
+        import zstandard
+
+        self.raw, self.zstandard = raw, zstandard
+        self.decompressor = zstandard.ZstdDecompressor().decompressobj()
+        self.in_frame = False
+        self.pending = memoryview(b"")
+        """Decompressed bytes not yet handed out (one chunk's output may exceed the caller's buffer)."""
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            compressed = self.raw.read(1 << 16)
+            if not compressed:
+                if self.in_frame:
+                    raise EOFError("zstd file ended before the end of its last frame")
+                return 0
+            self.pending = memoryview(self._decompress(compressed))
+        count = min(len(buffer), len(self.pending))
+        buffer[:count] = self.pending[:count]
+        self.pending = self.pending[count:]  # a view: no copy of the rest
+        self.position += count
+        return count
+
+    def _decompress(self, compressed: bytes) -> bytes:
+        output = []
+        while compressed:
+            self.in_frame = True
+            output.append(self.decompressor.decompress(compressed))
+            if not self.decompressor.eof:
+                break
+            compressed, self.in_frame = self.decompressor.unused_data, False
+            self.decompressor = self.zstandard.ZstdDecompressor().decompressobj()
+        return b"".join(output)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def seek_forward(stream: IO[bytes], offset: int) -> None:
+    """Move to `offset` from the start of a freshly opened stream; a zstd stream can only read its way there."""
+    if stream.seekable():
+        stream.seek(offset)
+        return
+    while stream.tell() < offset and stream.read(min(1 << 20, offset - stream.tell())):
+        pass
 
 
 def iter_units(stream: IO[bytes], sample_by: str) -> Iterator[tuple[bytes, int]]:
@@ -141,10 +221,11 @@ class SourceStream:
 
     def _start_next_epoch(self) -> None:
         if self.cursor.documents_this_epoch == 0:
-            raise RuntimeError(
+            skipped = ", ".join(f"{count} {reason}" for reason, count in sorted(self.skipped.items())) or "none"
+            raise DataError(
                 f"source {self.source.label!r} ({self.source.path}): a whole epoch gave reader {self.shard} of "
-                f"{self.num_shards} no usable document; the source has too few valid records for this "
-                f"many readers (data-parallel ranks x workers)"
+                f"{self.num_shards} no usable document (records skipped so far: {skipped}); the source has too few "
+                f"valid records for this many readers (data-parallel ranks x workers)"
             )
         self.cursor = Cursor(epoch=self.cursor.epoch + 1)
         self._documents = None
@@ -174,14 +255,16 @@ class SourceStream:
         sample_by = self.source.sample_by if self.format == "txt" else "line"
         cursor = self.cursor
         while cursor.file_index < len(self.files):
-            with open_binary(self.files[cursor.file_index]) as stream:
-                stream.seek(cursor.offset)
+            file = self.files[cursor.file_index]
+            with reading_errors(self.source, file), open_binary(file) as stream:
+                seek_forward(stream, cursor.offset)
                 for raw, end in iter_units(stream, sample_by):
                     owned = self._owns(cursor.unit_index)
                     cursor.unit_index += 1
+                    first = cursor.offset == 0
                     cursor.offset = end
                     if owned:
-                        yield raw
+                        yield raw.removeprefix(UTF8_BOM) if first else raw
             cursor.file_index += 1
             cursor.offset = 0
 
@@ -190,13 +273,14 @@ class SourceStream:
         # its state_dict() then resumes exactly, also when resumed again.
         from datasets.distributed import split_dataset_by_node
 
-        dataset = split_dataset_by_node(self._hf_dataset(), rank=self.shard, world_size=self.num_shards)
-        if self.cursor.hf_state is not None:
-            dataset.load_state_dict(self.cursor.hf_state)
-        # `.iter()` rather than `iter(dataset)`: inside a DataLoader worker the latter re-shards by worker.
-        for batch in dataset.iter(batch_size=1):
-            self.cursor.hf_state = dataset.state_dict()
-            yield {key: values[0] for key, values in batch.items()}
+        with reading_errors(self.source, self.source.path):
+            dataset = split_dataset_by_node(self._hf_dataset(), rank=self.shard, world_size=self.num_shards)
+            if self.cursor.hf_state is not None:
+                dataset.load_state_dict(self.cursor.hf_state)
+            # `.iter()` rather than `iter(dataset)`: inside a DataLoader worker the latter re-shards by worker.
+            for batch in dataset.iter(batch_size=1):
+                self.cursor.hf_state = dataset.state_dict()
+                yield {key: values[0] for key, values in batch.items()}
 
     def _hf_dataset(self):
         from datasets import load_dataset
@@ -207,8 +291,28 @@ class SourceStream:
         return load_dataset(builder, data_files=self.files, split="train", streaming=True)
 
 
+@contextmanager
+def reading_errors(source: SourceConfig, file: str) -> Iterator[None]:
+    """Turn a failure to read `file` (a truncated or corrupt compressed file, malformed JSON) into a `DataError`
+    naming the source and the file. Only reading happens inside: a generator's consumer runs outside it."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as error:
+        raise DataError(f"source {source.label!r}: {file}: {describe_read_error(file, error)}") from error
+
+
+def describe_read_error(file: str, error: Exception) -> str:
+    compression = COMPRESSION_NAMES.get(Path(file).suffix.lower())
+    cause = f"{type(error).__name__}: {error}".splitlines()[0]
+    if compression:
+        return f"truncated or corrupt {compression} file ({cause})"
+    return f"cannot read it ({cause})"
+
+
 def _is_json_array(path: str) -> bool:
     """A `.json` file holding one JSON array goes to HF's json builder; JSON lines are read line by line."""
     with open_binary(path) as stream:
-        head = stream.read(4096).lstrip()
+        head = stream.read(4096).removeprefix(UTF8_BOM).lstrip()
     return head.startswith(b"[")
