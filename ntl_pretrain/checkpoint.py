@@ -4,22 +4,32 @@ A save writes to `step_<N>.tmp`, then rank 0 renames it to `step_<N>` (atomic on
 rewrites the `latest` pointer (temp file + `os.replace`). A kill at any moment therefore leaves `latest`
 naming a complete checkpoint. Old checkpoints beyond `keep_last` are deleted after the pointer moves.
 
+The last file written before the rename is `manifest.json` (`ntl_pretrain.manifest`): every file's size and
+checksum. A resume verifies the checkpoint on all ranks before anything loads (`resolve_verified_resume`): `auto`
+falls back to the newest checkpoint that verifies, an explicit path that fails stops the run naming the file.
+
 Each published folder also holds what export needs without the recipe: `hf_config/` (config.json),
-`tokenizer/` and `recipe.yaml`; with a vocabulary-parallel output layer, every rank's slice (`vocab_parallel/`).
+`tokenizer/` and `recipe.yaml`; every rank's data-loader and RNG state (`rank_state/rank_<r>.pt`); with a
+vocabulary-parallel output layer, every rank's slice (`vocab_parallel/`).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ntl_pretrain import manifest
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -28,6 +38,8 @@ HF_CONFIG = "hf_config"
 # back on load, so ours lives under one key of its own.
 CLIENT_STATE_KEY = "ntl_pretrain"
 TOKENIZER = "tokenizer"
+RANK_STATE = "rank_state"
+logger = logging.getLogger(__name__)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -35,7 +47,10 @@ def checkpoints_root(output_dir: str | Path) -> Path:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's random generators, as types `torch.load(weights_only=True)` reads back."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -43,10 +58,55 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save failed on some rank; nothing was published, so the previous checkpoint and `latest` are untouched."""
+
+
+def write_rank_state(folder: Path, state: dict) -> None:
+    """This rank's state that the engine does not hold (data loader, RNGs), in a file of its own: a save moves
+    nothing between ranks, and each rank writes only its own bytes."""
+    path = folder / RANK_STATE / f"rank_{dist.get_rank():05d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+class SavedRankStates(Sequence):
+    """Every saved rank's `write_rank_state` state, `[saved rank]`, each file read when first indexed: resuming
+    on the same ranks reads rank 0's and its own, on another number all of them."""
+
+    def __init__(self, folder: Path, world_size: int):
+        self.folder, self.world_size, self.loaded = folder, world_size, {}
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __getitem__(self, rank: int) -> dict:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(rank)
+        if rank not in self.loaded:
+            path = self.folder / RANK_STATE / f"rank_{rank:05d}.pt"
+            self.loaded[rank] = torch.load(path, map_location="cpu", weights_only=True)
+        return self.loaded[rank]
+
+
+class Part(Sequence):
+    """`[states[r][key] for r ...]` that indexes `states` only where asked (so no rank file is read early)."""
+
+    def __init__(self, states: Sequence[dict], key: str):
+        self.states, self.key = states, key
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, rank: int):
+        return self.states[rank][self.key]
 
 
 def save(
@@ -59,23 +119,78 @@ def save(
     write_rank_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save on all ranks, publish on rank 0; `write_extras(folder)` adds the export files (rank 0),
-    `write_rank_files(folder)` state the engine does not hold (every rank), both before the folder is published."""
-    tag, temp_tag = f"step_{step}", f"step_{step}.tmp"
+    `write_rank_files(folder)` state the engine does not hold (every rank), both before the folder is published.
+
+    A write that fails on any rank (a full disk) fails the save on every rank with `CheckpointWriteError`."""
+    tag, temp = f"step_{step}", root / f"step_{step}.tmp"
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(root / temp_tag, ignore_errors=True)
+        shutil.rmtree(temp, ignore_errors=True)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=temp_tag, client_state={CLIENT_STATE_KEY: client_state}, save_latest=False)
-    if write_rank_files is not None:
-        write_rank_files(root / temp_tag)
+    failure = _attempt(
+        lambda: engine.save_checkpoint(str(root), tag=temp.name, client_state={CLIENT_STATE_KEY: client_state},
+                                       save_latest=False)
+    )  # fmt: skip
+    if failure is not None:
+        # DeepSpeed's save ends in one barrier, after its writes: the peers wait there for this rank.
+        dist.barrier()
+    writes = [write_rank_files, write_extras if rank == 0 else None]
+    for write in writes:
+        if failure is None and write is not None:
+            failure = _attempt(lambda write=write: write(temp))
+    entries = {}
+    if failure is None:
+        failure = _attempt(lambda: entries.update(manifest.describe(temp, manifest.files_written_by(temp, rank))))
+    failure = _write_manifest(temp, failure, entries)
+    if failure is not None:
+        if rank == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise CheckpointWriteError(f"checkpoint {tag} was not saved: {failure}; {_previous(root)}")
     if rank == 0:
-        write_extras(root / temp_tag)
-    dist.barrier()
-    if rank == 0:
-        _publish(root, temp_tag, tag)
-        _prune(root, keep_last)
+        _publish(root, temp.name, tag)
+        _prune(root, root / tag, keep_last)
     dist.barrier()
     return root / tag
+
+
+def _attempt(write: Callable[[], object]) -> str | None:
+    """None when `write` succeeds, else what went wrong on this rank, in words."""
+    try:
+        write()
+    except (OSError, RuntimeError) as error:  # torch.save's zip writer reports a failed write as a RuntimeError
+        return f"rank {dist.get_rank()}: {_describe_write_error(error)}"
+    return None
+
+
+def _describe_write_error(error: Exception) -> str:
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    if full or "No space left on device" in str(error):
+        return f"the disk is full ({type(error).__name__}: {error})"
+    return f"{type(error).__name__}: {error}"
+
+
+def _write_manifest(temp: Path, failure: str | None, entries: dict) -> str | None:
+    """Rank 0 gathers every rank's file entries (or failure) and writes the manifest; returns the save's failure,
+    the same on every rank."""
+    rank = dist.get_rank()
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((failure, entries), gathered, dst=0)
+    outcome = [None]
+    if rank == 0:
+        failures = [found for found, _ in gathered if found is not None]
+        if not failures:
+            merged = {relative: entry for _, found in gathered for relative, entry in found.items()}
+            failures = [found for found in [_attempt(lambda: manifest.write(temp, merged))] if found is not None]
+        outcome = ["; ".join(failures) if failures else None]
+    dist.broadcast_object_list(outcome, src=0)
+    return outcome[0]
+
+
+def _previous(root: Path) -> str:
+    previous = latest(root)
+    if previous is None:
+        return "there is no earlier checkpoint"
+    return f"the previous checkpoint {previous.name} is untouched and `latest` still names it"
 
 
 def _publish(root: Path, temp_tag: str, tag: str) -> None:
@@ -88,9 +203,17 @@ def _publish(root: Path, temp_tag: str, tag: str) -> None:
     os.replace(pointer, root / LATEST)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    for old in published_steps(root)[:-keep_last]:
+def _prune(root: Path, published: Path, keep_last: int) -> None:
+    """Delete the checkpoints older than `keep_last - 1` steps before the one just published (which is whole).
+    Newer ones (left by a run that resumed from an earlier, intact checkpoint) are kept: the rotation never
+    removes one it has not replaced."""
+    older = [folder for folder in published_steps(root) if step_of(folder) < step_of(published)]
+    for old in older[: max(len(older) - (keep_last - 1), 0)]:
         shutil.rmtree(old)
+
+
+def step_of(folder: Path) -> int:
+    return int(STEP_DIR.match(folder.name).group(1))
 
 
 def published_steps(root: Path) -> list[Path]:
@@ -124,6 +247,63 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
             raise FileNotFoundError(f"train.resume: no checkpoint in {folder}")
         folder = found
     return folder
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint's files are not what its manifest says; nothing was loaded."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    folder: Path | None
+    """The verified step folder to load; None on a fresh run."""
+    skipped: list[dict] = field(default_factory=list)
+    """`{"checkpoint", "problems"}` of newer checkpoints `auto` passed over because they failed verification."""
+
+
+def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.VerifyMode) -> ResumePoint:
+    """`resolve_resume`, verified on all ranks before anything loads. `auto` takes the newest checkpoint that
+    verifies (the one `latest` names first); an explicit folder that fails raises `DamagedCheckpointError`."""
+    if resume != "auto":
+        folder = resolve_resume(resume, output_dir)
+        if folder is not None and (problems := agree_on_problems(folder, mode)):
+            raise DamagedCheckpointError(f"train.resume: {damage_report(folder, problems)}")
+        return ResumePoint(folder)
+    skipped = []
+    for folder in newest_first(checkpoints_root(output_dir)):
+        problems = agree_on_problems(folder, mode)
+        if not problems:
+            return ResumePoint(folder, skipped)
+        if dist.get_rank() == 0:
+            logger.warning("train.resume: auto: skipping %s", damage_report(folder, problems))
+        skipped.append({"checkpoint": str(folder), "problems": problems})
+    return ResumePoint(None, skipped)
+
+
+def damage_report(folder: Path, problems: list[str]) -> str:
+    return f"checkpoint {folder} is damaged, nothing was loaded from it: {'; '.join(problems)}"
+
+
+def newest_first(root: Path) -> list[Path]:
+    """Published checkpoints, the one `latest` names first, then the others from the highest step down."""
+    steps = published_steps(root)[::-1]
+    pointed = latest(root)
+    return [pointed, *(folder for folder in steps if folder != pointed)] if pointed is not None else steps
+
+
+def agree_on_problems(folder: Path, mode: manifest.VerifyMode) -> list[str]:
+    """Every rank checks its share of the checkpoint's files (`manifest.share`) and one all-gather gives every rank
+    all findings, so all ranks decide alike and none waits for a peer that stopped. [] without a manifest."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    try:
+        entries = manifest.read(folder)
+        found = [] if entries is None else manifest.check(folder, manifest.share(entries, rank, world_size), mode)
+        mine = [str(problem) for problem in found]
+    except manifest.ManifestError as error:
+        mine = [str(error)]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return sorted({problem for found in gathered for problem in found})
 
 
 def load(engine, folder: Path) -> dict:

@@ -178,6 +178,9 @@ class CheckpointConfig:
     """Save every N steps (and after the last step); null = only after the last step."""
     keep_last: int = 2
     """Keep this many most recent checkpoints; older ones are deleted after a successful save."""
+    verify: Literal["checksum", "size"] = "checksum"
+    """Before a resume, check every file of the checkpoint against its manifest: sizes and checksums, or sizes
+    only (`size`: no file is read, for very large checkpoints on slow storage)."""
 
     def check(self) -> None:
         if self.keep_last < 1:

@@ -1,14 +1,15 @@
 """`ntl-pretrain plot RUN_DIR [RUN_DIR ...] -o OUT.png`: training and numeric metrics of runs on shared axes.
 
-Reads each run's metrics.jsonl: training records (loss, CE, NTL; smoothed with an exponential moving average),
-validation records (val_ce, val_ntl) and evaluation records (`eval/<set>/<metric>`, from `eval.every_steps`
-or `ntl-pretrain eval --log-metrics`). One panel per metric, one line per run; runs of the same group (e.g. the
-seeds of one study variant) share a colour. In the validation panels the trainer's periodic validation (records
-with `"split": "validation"`, often the first `train.eval_max_batches` batches per rank) is a line, and
-`ntl-pretrain eval --log-metrics` records (`"split": "eval"`, by default the whole split) are hollow diamonds
-beside it: different measurements, never joined into one line. A metric measured once per run (a final
-evaluation) is drawn as one dot per run above its group's name instead. A training NTL that is zero throughout
-(a CE-only run has no NTL term) is left out rather than drawn as a flat line at 0.
+Reads each run's metrics.jsonl (without the records a resume superseded: `current_records`): training records
+(loss, CE, NTL; smoothed with an exponential moving average), validation records (val_ce, val_ntl) and evaluation
+records (`eval/<set>/<metric>`, from `eval.every_steps` or `ntl-pretrain eval --log-metrics`). One panel per
+metric, one line per run; runs of the same group (e.g. the seeds of one study variant) share a colour. In the
+validation panels the trainer's periodic validation (records with `"split": "validation"`, often the first
+`train.eval_max_batches` batches per rank) is a line, and `ntl-pretrain eval --log-metrics` records (`"split":
+"eval"`, by default the whole split) are hollow diamonds beside it: different measurements, never joined into one
+line. A metric measured once per run (a final evaluation) is drawn as one dot per run above its group's name
+instead. A training NTL that is zero throughout (a CE-only run has no NTL term) is left out rather than drawn as
+a flat line at 0.
 """
 
 from __future__ import annotations
@@ -47,9 +48,22 @@ COLUMNS = 3
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The run's records in file order, without those a resume superseded (`current_records`)."""
     path = Path(run_dir) / "metrics.jsonl"
     with path.open() as lines:
-        return [json.loads(line) for line in lines if line.strip()]
+        return current_records([json.loads(line) for line in lines if line.strip()])
+
+
+def current_records(records: list[dict]) -> list[dict]:
+    """Drop the records a resumed run replaced: a `split: resume` record at step S (the checkpoint it continued
+    from) supersedes every earlier record of a later step, which the resumed run logs again (or, when it stops
+    sooner, never reached). Of the records left, readers take the last one of a step."""
+    kept: list[dict] = []
+    for record in records:
+        if record.get("split") == "resume":
+            kept = [old for old in kept if old.get("step") is None or old["step"] <= record["step"]]
+        kept.append(record)
+    return kept
 
 
 def series(records: list[dict], key: str, split: str | None = None) -> tuple[list[int], list[float]]:

@@ -67,7 +67,10 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.output_dir = Path(recipe.train.output_dir)
         set_seed(recipe.seed)
-        self.resume_from = checkpoint.resolve_resume(recipe.train.resume, str(self.output_dir))
+        self.resume_point = checkpoint.resolve_verified_resume(
+            recipe.train.resume, str(self.output_dir), recipe.checkpoint.verify
+        )
+        self.resume_from = self.resume_point.folder
         vocab_parallel.check_resume(self.resume_from, recipe.loss.vocab_parallel_size, self.world_size)
         self.tokenizer = load_tokenizer(self._tokenizer_spec(), trust_remote_code=recipe.tokenizer.trust_remote_code)
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
@@ -117,6 +120,7 @@ class Trainer:
     def train(self) -> None:
         self.resume()
         self.logger = self._make_logger()
+        self._log_resume()
         batches = iter(self.loader)
         try:
             while self.step < self.recipe.train.max_steps:
@@ -324,14 +328,11 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        per_rank = [None] * self.world_size
-        dist.all_gather_object(per_rank, {"data": self.loader.state_dict(), "rng": checkpoint.rng_state()})
         client_state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "skipped_steps": self.skipped_steps,
             "world_size": self.world_size,
-            "per_rank": per_rank,
         }
         root = checkpoint.checkpoints_root(self.output_dir)
         self.last_saved_step = self.step
@@ -342,13 +343,25 @@ class Trainer:
             client_state,
             self.recipe.checkpoint.keep_last,
             self._write_export_files,
-            self.head.save,
+            self._write_rank_files,
         )
+
+    def _write_rank_files(self, folder: Path) -> None:
+        checkpoint.write_rank_state(folder, {"data": self.loader.state_dict(), "rng": checkpoint.rng_state()})
+        self.head.save(folder)
 
     def _write_export_files(self, folder: Path) -> None:
         self.built.module.lm.config.save_pretrained(folder / checkpoint.HF_CONFIG)
         self.tokenizer.save_pretrained(folder / checkpoint.TOKENIZER)
         (folder / "recipe.yaml").write_text(dump_recipe(self.recipe))
+
+    def _log_resume(self) -> None:
+        """One `split: resume` record: where the run continued from and the damaged checkpoints passed over."""
+        point = self.resume_point
+        if point.folder is not None or point.skipped:
+            resumed_from = None if point.folder is None else str(point.folder)
+            record = {"step": self.step, "split": "resume", "resumed_from": resumed_from}
+            self.logger.log({**record, "skipped_checkpoints": point.skipped})
 
     def resume(self) -> None:
         folder = self.resume_from
@@ -358,8 +371,9 @@ class Trainer:
         self.head.load(folder)
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
         self.last_saved_step = self.step
-        per_rank = state["per_rank"]
-        self.loader.load_world_state([saved["data"] for saved in per_rank])
+        # Checkpoints written before per-rank state files hold every rank's state in the client state.
+        per_rank = state.get("per_rank") or checkpoint.SavedRankStates(folder, state["world_size"])
+        self.loader.load_world_state(checkpoint.Part(per_rank, "data"))
         if state["world_size"] == self.world_size:  # on a new world size every rank keeps its fresh dropout seed
             checkpoint.set_rng_state(per_rank[self.rank]["rng"])
 
