@@ -127,13 +127,7 @@ def save(
     if rank == 0:
         shutil.rmtree(temp, ignore_errors=True)
     dist.barrier()
-    failure = _attempt(
-        lambda: engine.save_checkpoint(str(root), tag=temp.name, client_state={CLIENT_STATE_KEY: client_state},
-                                       save_latest=False)
-    )  # fmt: skip
-    if failure is not None:
-        # DeepSpeed's save ends in one barrier, after its writes: the peers wait there for this rank.
-        dist.barrier()
+    failure = _engine_save(engine, root, temp.name, client_state)
     writes = [write_rank_files, write_extras if rank == 0 else None]
     for write in writes:
         if failure is None and write is not None:
@@ -151,6 +145,27 @@ def save(
         _prune(root, root / tag, keep_last)
     dist.barrier()
     return root / tag
+
+
+def _engine_save(engine, root: Path, tag: str, client_state: dict) -> str | None:
+    """`engine.save_checkpoint`, with a failed file write recorded instead of raised: DeepSpeed's save has
+    collectives after its writes (ZeRO-3 re-gathers persistent parameters, then a barrier) that the other ranks
+    wait in, so the failing rank must go through them too before the ranks agree on the outcome."""
+    failures: list[str | None] = []
+    write = engine.checkpoint_engine.save
+
+    def write_unless_failed(state_dict, path) -> None:
+        if not any(failures):  # after one failed write the others are skipped: the save is lost anyway
+            failures.append(_attempt(lambda: write(state_dict, path)))
+
+    engine.checkpoint_engine.save = write_unless_failed
+    try:
+        client = {CLIENT_STATE_KEY: client_state}
+        failures.append(_attempt(lambda: engine.save_checkpoint(str(root), tag=tag, client_state=client,
+                                                                save_latest=False)))  # fmt: skip
+    finally:
+        del engine.checkpoint_engine.save  # the class's method again
+    return next((failure for failure in failures if failure is not None), None)
 
 
 def _attempt(write: Callable[[], object]) -> str | None:
@@ -249,10 +264,6 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
     return folder
 
 
-class DamagedCheckpointError(RuntimeError):
-    """A checkpoint's files are not what its manifest says; nothing was loaded."""
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     folder: Path | None
@@ -263,11 +274,11 @@ class ResumePoint:
 
 def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.VerifyMode) -> ResumePoint:
     """`resolve_resume`, verified on all ranks before anything loads. `auto` takes the newest checkpoint that
-    verifies (the one `latest` names first); an explicit folder that fails raises `DamagedCheckpointError`."""
+    verifies (the one `latest` names first); an explicit folder that fails raises `manifest.DamagedCheckpointError`."""
     if resume != "auto":
         folder = resolve_resume(resume, output_dir)
         if folder is not None and (problems := agree_on_problems(folder, mode)):
-            raise DamagedCheckpointError(f"train.resume: {damage_report(folder, problems)}")
+            raise manifest.DamagedCheckpointError(f"train.resume: {damage_report(folder, problems)}")
         return ResumePoint(folder)
     skipped = []
     for folder in newest_first(checkpoints_root(output_dir)):
@@ -304,6 +315,21 @@ def agree_on_problems(folder: Path, mode: manifest.VerifyMode) -> list[str]:
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     return sorted({problem for found in gathered for problem in found})
+
+
+def verify_before_reading(folder: Path, mode: manifest.VerifyMode = "checksum") -> None:
+    """Raise `manifest.DamagedCheckpointError` naming every bad file; for one process (export, eval, the
+    universal converter's command)."""
+    problems = manifest.verify(folder, mode)
+    if problems:
+        raise manifest.DamagedCheckpointError(damage_report(folder, [str(problem) for problem in problems]))
+
+
+def checkpoints_in(path: Path) -> list[Path]:
+    """The step folder `path`, or every published checkpoint of a run directory or its `checkpoints/` folder."""
+    if STEP_DIR.match(path.name) or (path / manifest.MANIFEST).is_file():
+        return [path]
+    return published_steps(path) or published_steps(checkpoints_root(path))
 
 
 def load(engine, folder: Path) -> dict:

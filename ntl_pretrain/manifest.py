@@ -67,6 +67,10 @@ def write(folder: Path, entries: dict[str, dict]) -> None:
     (folder / MANIFEST).write_text(json.dumps(document, indent=1) + "\n")
 
 
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint's files are not what its manifest says; nothing was loaded."""
+
+
 class ManifestError(ValueError):
     """The manifest itself cannot be read."""
 

@@ -9,6 +9,8 @@ is re-partitioned by `ntl_pretrain.data` (`PackedLoader.load_world_state`).
 The conversion runs once, on global rank 0, into the step folder itself (so pruning old checkpoints removes it);
 every rank reads it, so checkpoints must live on a filesystem all nodes share, as ZeRO-3 resumes already require.
 For very large models convert ahead of the relaunch: `python -m ntl_pretrain.reshard <output_dir>/checkpoints/step_N`.
+Either way the checkpoint is verified against its manifest first (the trainer does so on all ranks before
+`prepare_resume`), so a damaged shard stops the resume instead of being merged into the universal copy.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("step_folder", type=Path, help="<output_dir>/checkpoints/step_<N>")
     parser.add_argument("--workers", type=int, default=4, help="converter processes")
     args = parser.parse_args(argv)
+    checkpoint.verify_before_reading(args.step_folder)
     print(convert_to_universal(args.step_folder, args.workers))
 
 

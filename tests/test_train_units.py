@@ -93,7 +93,7 @@ class TestCheckpointFolders:
         (root / "step_30.tmp").mkdir()
         (root / "step_30.tmp" / "weights").write_text("w")
         checkpoint._publish(root, "step_30.tmp", "step_30")
-        checkpoint._prune(root, keep_last=2)
+        checkpoint._prune(root, root / "step_30", keep_last=2)
         assert (root / checkpoint.LATEST).read_text() == "step_30"
         assert [p.name for p in checkpoint.published_steps(root)] == ["step_20", "step_30"]
         assert (root / "step_30" / "weights").read_text() == "w"

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.checkpoint import verify_before_reading
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
@@ -165,7 +166,10 @@ def run_eval(args: argparse.Namespace) -> int:
         bind_local_device()
         dist.init_process_group(default_backend())
     try:
-        cfg = eval_config_from_args(args, recipe_eval(resolve_target(args.target)))
+        target = resolve_target(args.target)
+        if target.checkpoint is not None:  # every process alike, before any collective or checkpoint file is read
+            verify_before_reading(target.checkpoint)
+        cfg = eval_config_from_args(args, recipe_eval(target))
         record = evaluate_target(
             args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention
         )

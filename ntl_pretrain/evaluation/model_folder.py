@@ -45,10 +45,11 @@ def resolve_target(path: str | Path) -> Target:
 
 
 def export_for_eval(target: Target, out_dir: Path) -> Target:
-    """Write the checkpoint's fp32 master weights as an HF folder (evaluation never rounds to bf16)."""
+    """Write the checkpoint's fp32 master weights as an HF folder (evaluation never rounds to bf16); the eval
+    command verified the checkpoint already."""
     from ntl_pretrain.export import export_checkpoint
 
-    return Target(export_checkpoint(target.checkpoint, out_dir, dtype="float32"), target.checkpoint)
+    return Target(export_checkpoint(target.checkpoint, out_dir, dtype="float32", verify=False), target.checkpoint)
 
 
 def saved_recipe(target: Target) -> dict:

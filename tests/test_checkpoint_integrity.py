@@ -1,0 +1,284 @@
+"""Checkpoints that prove they are whole (issue #15): manifests, verification before loading, fallback to the
+newest intact checkpoint, and saves that fail together when a disk fills up.
+
+Verification is a pure function of the folder, so most damage cases run over one real checkpoint of the 2-rank
+tiny run (`launches.two_node_run`, shared with the multi-node and resume tests): every kind of file truncated,
+deleted or with one bit flipped. Two gloo ranks check that the ranks agree (each verifies its share) and that a
+full disk fails a real ZeRO-3 save on every rank. Two real launches close the loop: `resume: auto` past a
+damaged newest checkpoint logs the uninterrupted run's losses, an explicit resume of it stops naming the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from distributed import run_distributed
+from launches import (
+    LAUNCH_TIMEOUT_S,
+    RUNNER,
+    SAVE_AT,
+    STEPS,
+    TINY,
+    environment,
+    partition_all_config,
+    recipe_overrides,
+    records,
+    single_launcher_run,
+    step_records,
+    two_node_run,
+)
+
+from ntl_pretrain import checkpoint, cli, manifest, reshard
+from ntl_pretrain.manifest import DamagedCheckpointError
+from ntl_pretrain.plot import current_records
+
+# One file of each kind in a 2-rank checkpoint; the model states also hold the client state (step, tokens seen,
+# learning-rate schedule) that DeepSpeed saves with them.
+KINDS = {
+    "model states": "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    "optimizer states": "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "data-loader state": "rank_state/rank_00001.pt",
+    "tokenizer": "tokenizer/tokenizer.json",
+    "model config": "hf_config/config.json",
+    "recipe": "recipe.yaml",
+}
+EXPECTED = {"truncate": "size", "delete": "missing", "flip": "checksum"}
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "delete":
+        path.unlink()
+    else:
+        flipped = bytearray(data)
+        flipped[len(data) // 3] ^= 0x01
+        path.write_bytes(bytes(flipped))
+
+
+def copy_run(run: Path, into: Path) -> Path:
+    """The run's checkpoints (steps 3 and 6) in a folder of their own, to damage."""
+    shutil.copytree(run / "checkpoints", into / "checkpoints", ignore=shutil.ignore_patterns("universal*"))
+    return into
+
+
+# ---- manifests, without a launch ---------------------------------------------------------------------------
+
+
+def test_every_file_is_verified_by_exactly_one_rank_whatever_the_world_size():
+    saved = ["hf_config/config.json", "recipe.yaml", "tokenizer/tokenizer.json", "vocab_parallel/layout.json"]
+    for rank in range(3):
+        saved += [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+                  f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                  f"rank_state/rank_{rank:05d}.pt", f"vocab_parallel/rank_{rank:05d}.pt"]  # fmt: skip
+    entries = {relative: {"size": 1, "xxh3_64": "0"} for relative in saved}
+    assert manifest.writer("bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt") == 2
+    assert manifest.writer("rank_state/rank_00001.pt") == 1
+    assert manifest.writer("tokenizer/tokenizer.json") is None
+    for world_size in (1, 2, 3, 4):
+        shares = [set(manifest.share(entries, rank, world_size)) for rank in range(world_size)]
+        assert sorted(relative for share in shares for relative in share) == sorted(saved), world_size
+    assert set(manifest.share(entries, 1, 3)) == {relative for relative in saved if "rank_1_" in relative or
+                                                  "rank_00001" in relative}  # fmt: skip
+
+
+def test_prune_keeps_the_new_checkpoint_and_newer_ones_a_fallback_left(tmp_path):
+    """After `auto` fell back from a damaged step 30 to step 10, saving step 20 with keep_last=1 removes step 10
+    only: step 30 is newer than anything this run replaced."""
+    root = checkpoint.checkpoints_root(tmp_path)
+    for step in (10, 30):
+        (root / f"step_{step}").mkdir(parents=True)
+    (root / "step_20.tmp").mkdir()
+    checkpoint._publish(root, "step_20.tmp", "step_20")
+    checkpoint._prune(root, root / "step_20", keep_last=1)
+    assert [folder.name for folder in checkpoint.published_steps(root)] == ["step_20", "step_30"]
+    assert checkpoint.newest_first(root) == [root / "step_20", root / "step_30"]  # `latest` first
+
+
+def test_readers_drop_the_records_a_resume_superseded():
+    """A run logged steps 1-5, fell back to the checkpoint of step 2 and stopped after step 3: steps 4 and 5 of the
+    first attempt are gone, step 3 is the resumed run's."""
+    first = [{"step": step, "loss": float(step)} for step in range(1, 6)] + [{"step": 4, "split": "validation"}]
+    resumed = [{"step": 2, "split": "resume", "resumed_from": "step_2"}, {"step": 3, "loss": 30.0}]
+    kept = current_records(first + resumed)
+    training = [(record["step"], record["loss"]) for record in kept if "split" not in record]
+    assert training == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert not [record for record in kept if record.get("split") == "validation"]
+
+
+# ---- every kind of damage in a real checkpoint -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    return two_node_run(tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_a_fresh_checkpoint_lists_every_file_and_verifies(saved_run):
+    folder = saved_run / "checkpoints" / f"step_{STEPS}"
+    files = {path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()}
+    files -= {manifest.MANIFEST}
+    assert set(manifest.read(folder)) == {f for f in files if not f.startswith(reshard.UNIVERSAL)}
+    assert set(KINDS.values()) <= files
+    assert manifest.verify(folder) == []
+
+
+@pytest.mark.slow
+def test_each_kind_of_damage_is_named_with_what_is_wrong(saved_run, tmp_path, capsys):
+    run = copy_run(saved_run, tmp_path)
+    folder = run / "checkpoints" / f"step_{STEPS}"
+    for kind, relative in KINDS.items():
+        path, original = folder / relative, (folder / relative).read_bytes()
+        for how, what in EXPECTED.items():
+            damage(path, how)
+            problems = manifest.verify(folder)
+            assert [(problem.path, problem.what.split()[0]) for problem in problems] == [(path, what)], (kind, how)
+            by_size = manifest.verify(folder, "size")
+            assert by_size == ([] if how == "flip" else problems), (kind, how)  # `size` reads no file
+            with pytest.raises(DamagedCheckpointError, match=f"{relative}: {what}"):
+                checkpoint.verify_before_reading(folder)
+            path.write_bytes(original)
+    assert manifest.verify(folder) == []
+    capsys.readouterr()
+
+    damage(folder / KINDS["data-loader state"], "truncate")
+    assert cli.main(["verify", str(run)]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"{run}/checkpoints/step_{SAVE_AT}: intact", f"{folder}: damaged: {problems_of(folder)}"]
+    for command in (["export", str(folder), str(tmp_path / "hf")], ["eval", str(folder)]):
+        assert cli.main(command) == 1, command  # stops before any weight is read
+        assert f"{folder / KINDS['data-loader state']}: size" in capsys.readouterr().err
+        assert not (tmp_path / "hf").exists()
+    with pytest.raises(DamagedCheckpointError, match="rank_00001.pt: size"):
+        reshard.main([str(folder)])
+    assert not (folder / reshard.UNIVERSAL).exists()
+
+    (folder / manifest.MANIFEST).write_text('{"version": 1, "fi')
+    assert [problem.path.name for problem in manifest.verify(folder)] == [manifest.MANIFEST]
+    (folder / manifest.MANIFEST).unlink()
+    assert manifest.verify(folder) is None  # saved before manifests existed: loads, unverified
+    assert cli.main(["verify", str(folder)]) == 0
+    assert "unverifiable" in capsys.readouterr().out
+
+
+def problems_of(folder: Path) -> str:
+    return "; ".join(str(problem) for problem in manifest.verify(folder))
+
+
+# ---- two gloo ranks: agreement, fallback, a full disk ------------------------------------------------------
+
+
+def check_ranks_agree_and_saves_fail_together(run: str, scratch: str) -> None:
+    root = checkpoint.checkpoints_root(run)
+    # Rank 1 verifies the damaged data-loader state file; rank 0 learns of it through the all-gather.
+    point = checkpoint.resolve_verified_resume("auto", run, "checksum")
+    assert point.folder == root / f"step_{SAVE_AT}"
+    assert [skipped["checkpoint"] for skipped in point.skipped] == [str(root / f"step_{STEPS}")]
+    assert "rank_state/rank_00001.pt: checksum" in point.skipped[0]["problems"][0]
+    with pytest.raises(DamagedCheckpointError, match="rank_state/rank_00001.pt: checksum"):
+        checkpoint.resolve_verified_resume(str(root / f"step_{STEPS}"), run, "checksum")
+    size_only = checkpoint.resolve_verified_resume("auto", run, "size")  # a flipped bit keeps the size
+    assert size_only.folder == root / f"step_{STEPS}" and not size_only.skipped
+    check_full_disk_fails_the_save_on_every_rank(Path(scratch) / "zero3_saves")
+
+
+def check_full_disk_fails_the_save_on_every_rank(run: Path) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    root = checkpoint.checkpoints_root(run)
+
+    def save(step: int, write_rank_files=None) -> Path:
+        return checkpoint.save(engine, root, step, {"step": step}, 2, lambda folder: None, write_rank_files)
+
+    save(1)
+    assert manifest.verify(root / "step_1") == []
+    real_save = torch.save
+
+    def disk_full_on_rank_1(obj, path, *args, **kwargs):
+        if dist.get_rank() == 1 and "optim_states" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    def disk_full_on_rank_0(folder: Path) -> None:
+        if dist.get_rank() == 0:
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder / "rank_state"))
+
+    torch.save = disk_full_on_rank_1  # DeepSpeed's checkpoint engine writes every shard through torch.save
+    try:
+        with pytest.raises(checkpoint.CheckpointWriteError, match="step_2 was not saved: rank 1: the disk is full"):
+            save(2)
+    finally:
+        torch.save = real_save
+    with pytest.raises(checkpoint.CheckpointWriteError, match="rank 0: the disk is full.*step_1 is untouched"):
+        save(3, disk_full_on_rank_0)
+    dist.barrier()
+    assert (root / checkpoint.LATEST).read_text() == "step_1"
+    assert [folder.name for folder in root.iterdir() if folder.is_dir()] == ["step_1"]
+    assert manifest.verify(root / "step_1") == []
+    save(4)  # the next save works again
+    assert (root / checkpoint.LATEST).read_text() == "step_4"
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_damage_and_a_full_disk_fails_every_rank(saved_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    run = copy_run(saved_run, tmp_path / "run")
+    damage(run / "checkpoints" / f"step_{STEPS}" / KINDS["data-loader state"], "flip")
+    run_distributed(check_ranks_agree_and_saves_fail_together, 2, str(run), str(tmp_path))
+
+
+# ---- real launches -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_logs_the_same_losses(saved_run, tmp_path):
+    run = copy_run(saved_run, tmp_path / "run")
+    damaged = run / "checkpoints" / f"step_{STEPS}"
+    damage(damaged / KINDS["optimizer states"], "flip")
+    single_launcher_run(run, partition_all_config(tmp_path), 2)
+    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert resumed[0]["split"] == "resume"
+    assert resumed[0]["resumed_from"] == str(run / "checkpoints" / f"step_{SAVE_AT}")
+    assert resumed[0]["skipped_checkpoints"][0]["checkpoint"] == str(damaged)
+    assert f"{KINDS['optimizer states']}: checksum" in resumed[0]["skipped_checkpoints"][0]["problems"][0]
+    continued, reference = step_records(run), step_records(saved_run)
+    assert sorted(continued) == list(range(SAVE_AT + 1, STEPS + 1))
+    assert [continued[step]["loss"] for step in continued] == [reference[step]["loss"] for step in continued]
+    assert not records(run, "validation")
+    assert manifest.verify(damaged) == []  # re-saved at the same step: a whole copy replaced the damaged one
+
+
+@pytest.mark.slow
+def test_explicit_resume_of_a_damaged_checkpoint_stops_every_rank_naming_the_file(saved_run, tmp_path):
+    run = copy_run(saved_run, tmp_path / "damaged")
+    damaged = run / "checkpoints" / f"step_{STEPS}"
+    damage(damaged / KINDS["model states"], "truncate")
+    output_dir, log = tmp_path / "run", tmp_path / "run.log"
+    overrides = [*recipe_overrides(output_dir, partition_all_config(tmp_path)), f"train.resume={damaged}"]
+    command = [*RUNNER, "--num_gpus", "2", "--module", "ntl_pretrain.train", str(TINY), *overrides]
+    started = time.monotonic()
+    with log.open("w") as out:
+        done = subprocess.run(command, env=environment(), stdout=out, stderr=subprocess.STDOUT,
+                              timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    print(f"explicit resume of a damaged checkpoint stopped after {time.monotonic() - started:.1f} s")
+    text = log.read_text()
+    assert done.returncode != 0
+    named = f"DamagedCheckpointError: train.resume: checkpoint {damaged} is damaged"
+    assert text.count(named) == 2, text[-4000:]  # both ranks, the same verdict
+    assert f"{damaged / KINDS['model states']}: size" in text
+    assert not (output_dir / "metrics.jsonl").exists()
