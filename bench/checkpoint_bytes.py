@@ -1,9 +1,10 @@
 """Bytes a checkpoint save moves between ranks and writes, for the state the engine does not hold (every rank's
 data-loader state with its shuffle buffer, and its RNG states), against the number of ranks.
 
-    python bench/checkpoint_bytes.py [--ranks 1 2 4 8] [--shuffle-buffer 1000]
+    python bench/checkpoint_bytes.py [--ranks 1 2 4 8] [--shuffle-buffer 1000] [--steps 40]
 
-W gloo ranks on this machine each read the tiny recipe's corpus for a few steps, then save their state two ways:
+W gloo ranks on this machine each read the tiny recipe's corpus for `--steps` micro-batches (enough to fill the
+shuffle buffer), then save their state two ways:
 - before (all-gather): `all_gather_object` of every rank's state to every rank, and every rank's model-states
   file holds the whole list (DeepSpeed saves the client state on every rank);
 - now (per-rank files): each rank writes `rank_state/rank_<r>.pt`; what crosses the network is rank 0's gather of
@@ -31,7 +32,6 @@ import torch.multiprocessing as mp
 from ntl_pretrain import checkpoint, manifest
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 4
 
 
 def free_port() -> int:
@@ -70,7 +70,7 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def rank_state(world_size: int, shuffle_buffer: int) -> dict:
+def rank_state(world_size: int, shuffle_buffer: int, steps: int) -> dict:
     from ntl_pretrain.config import load_recipe
     from ntl_pretrain.data import build_dataloader
     from ntl_pretrain.tokenizer import load_tokenizer
@@ -80,15 +80,15 @@ def rank_state(world_size: int, shuffle_buffer: int) -> dict:
     loader = build_dataloader(recipe.data, tokenizer, micro_batch_size=2, dp_rank=dist.get_rank(),
                               dp_world_size=world_size, seed=0, grad_accum=1)  # fmt: skip
     batches = iter(loader)
-    for _ in range(STEPS):
+    for _ in range(steps):
         next(batches)
     return {"data": loader.state_dict(), "rng": checkpoint.rng_state()}
 
 
-def measure(rank: int, world_size: int, port: int, shuffle_buffer: int, folder: str, results) -> None:
+def measure(rank: int, world_size: int, port: int, shuffle_buffer: int, steps: int, folder: str, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    state = rank_state(world_size, shuffle_buffer)
+    state = rank_state(world_size, shuffle_buffer, steps)
     with ReceivedBytes() as before:
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, state)
@@ -112,19 +112,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--shuffle-buffer", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=40, help="micro-batches each rank reads before the save")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     context = mp.get_context("spawn")
-    print(f"tiny recipe, micro-batch 2, {STEPS} steps read, shuffle_buffer {args.shuffle_buffer}; bytes per save")
-    print("| ranks | before: moved | before: written | now: moved | now: written |")
+    print(f"tiny recipe, micro-batch 2, {args.steps} micro-batches read, shuffle_buffer {args.shuffle_buffer}")
+    print("| ranks | before: moved (B) | before: written (B) | now: moved (B) | now: written (B) |")
     print("|---:|---:|---:|---:|---:|")
     for world_size in args.ranks:
         results = context.Queue()
         with tempfile.TemporaryDirectory() as folder:
-            mp.start_processes(measure, args=(world_size, free_port(), args.shuffle_buffer, folder, results),
-                               nprocs=world_size, start_method="spawn")  # fmt: skip
+            settings = (world_size, free_port(), args.shuffle_buffer, args.steps, folder, results)
+            mp.start_processes(measure, args=settings, nprocs=world_size, start_method="spawn")
         moved_before, written_before, moved_now, written_now = results.get()
-        cells = [f"{value / 1e6:.3f} MB" for value in (moved_before, written_before, moved_now, written_now)]
+        cells = [f"{value:,.0f}" for value in (moved_before, written_before, moved_now, written_now)]
         print(f"| {world_size} | " + " | ".join(cells) + " |")
 
 
