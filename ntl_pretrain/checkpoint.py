@@ -274,7 +274,8 @@ class ResumePoint:
 
 def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.VerifyMode) -> ResumePoint:
     """`resolve_resume`, verified on all ranks before anything loads. `auto` takes the newest checkpoint that
-    verifies (the one `latest` names first); an explicit folder that fails raises `manifest.DamagedCheckpointError`."""
+    verifies (the one `latest` names first), and raises `manifest.DamagedCheckpointError` when there are checkpoints
+    and none verifies; so does an explicit folder that fails."""
     if resume != "auto":
         folder = resolve_resume(resume, output_dir)
         if folder is not None and (problems := agree_on_problems(folder, mode)):
@@ -288,7 +289,12 @@ def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.
         if dist.get_rank() == 0:
             logger.warning("train.resume: auto: skipping %s", damage_report(folder, problems))
         skipped.append({"checkpoint": str(folder), "problems": problems})
-    return ResumePoint(None, skipped)
+    if skipped:  # starting afresh would overwrite the damaged checkpoints with a run that forgot them
+        raise manifest.DamagedCheckpointError(
+            f"train.resume: auto: no checkpoint in {checkpoints_root(output_dir)} verifies; repair or move them away "
+            "to start afresh"
+        )
+    return ResumePoint(None)
 
 
 def damage_report(folder: Path, problems: list[str]) -> str:

@@ -177,6 +177,8 @@ def problems_of(folder: Path) -> str:
 
 
 def check_ranks_agree_and_saves_fail_together(run: str, scratch: str) -> None:
+    import torch.distributed as dist
+
     root = checkpoint.checkpoints_root(run)
     # Rank 1 verifies the damaged data-loader state file; rank 0 learns of it through the all-gather.
     point = checkpoint.resolve_verified_resume("auto", run, "checksum")
@@ -187,6 +189,11 @@ def check_ranks_agree_and_saves_fail_together(run: str, scratch: str) -> None:
         checkpoint.resolve_verified_resume(str(root / f"step_{STEPS}"), run, "checksum")
     size_only = checkpoint.resolve_verified_resume("auto", run, "size")  # a flipped bit keeps the size
     assert size_only.folder == root / f"step_{STEPS}" and not size_only.skipped
+    if dist.get_rank() == 0:
+        damage(root / f"step_{SAVE_AT}" / KINDS["tokenizer"], "delete")
+    dist.barrier()
+    with pytest.raises(DamagedCheckpointError, match="auto: no checkpoint in .* verifies"):
+        checkpoint.resolve_verified_resume("auto", run, "checksum")  # never a fresh start over damaged ones
     check_full_disk_fails_the_save_on_every_rank(Path(scratch) / "zero3_saves")
 
 
