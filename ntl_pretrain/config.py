@@ -160,12 +160,17 @@ class TrainConfig:
     """Cap on validation micro-batches per rank and evaluation; null = the whole split."""
     max_nonfinite_steps: int = 5
     """Skip steps whose loss is NaN/inf; stop the run after this many in a row."""
+    dist_timeout_seconds: int = 300
+    """How long ranks wait for each other: for all nodes to join the process group at start, and in any
+    collective; a rank that gives up names the master address and port."""
 
     def check(self) -> None:
         if self.max_steps < 1:
             raise ValueError("max_steps: must be >= 1")
         if self.micro_batch_size < 1:
             raise ValueError("micro_batch_size: must be >= 1")
+        if self.dist_timeout_seconds < 1:
+            raise ValueError("dist_timeout_seconds: must be >= 1")
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
             raise ValueError("global_batch_tokens: set either global_batch_size or global_batch_tokens")
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import math
 import os
 import random
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import checkpoint, reshard, vocab_parallel
+from ntl_pretrain import checkpoint, reshard, resume_guard, vocab_parallel
 from ntl_pretrain.config import Recipe, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.sources import DataError
@@ -48,13 +49,17 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: int) -> None:
     import deepspeed
 
     # Training never uses DeepSpeed's shared-memory op; without this it compiles for ~140 s per process on CPU.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     bind_local_device()
-    deepspeed.init_distributed(dist_backend=default_backend())  # NCCL alone would reject our CPU metric sums
+    try:  # NCCL alone would reject our CPU metric sums
+        deepspeed.init_distributed(dist_backend=default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistError as error:
+        print(f"ntl-pretrain: {resume_guard.rendezvous_failure(error, timeout_s)}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 class Trainer:
@@ -71,8 +76,9 @@ class Trainer:
             recipe.train.resume, str(self.output_dir), recipe.checkpoint.verify
         )
         self.resume_from = self.resume_point.folder
-        vocab_parallel.check_resume(self.resume_from, recipe.loss.vocab_parallel_size, self.world_size)
         self.tokenizer = load_tokenizer(self._tokenizer_spec(), trust_remote_code=recipe.tokenizer.trust_remote_code)
+        resume_guard.check_resume(self.resume_from, recipe, self.tokenizer)  # before anything is loaded or written
+        vocab_parallel.check_resume(self.resume_from, recipe.loss.vocab_parallel_size, self.world_size)
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
         self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
         self.head = self.built.module.head
@@ -354,6 +360,7 @@ class Trainer:
         self.built.module.lm.config.save_pretrained(folder / checkpoint.HF_CONFIG)
         self.tokenizer.save_pretrained(folder / checkpoint.TOKENIZER)
         (folder / "recipe.yaml").write_text(dump_recipe(self.recipe))
+        resume_guard.write_data_fingerprint(folder, self.recipe)
 
     def _log_resume(self) -> None:
         """One `split: resume` record: where the run continued from and the damaged checkpoints passed over."""
@@ -376,6 +383,18 @@ class Trainer:
         self.loader.load_world_state(checkpoint.Part(per_rank, "data"))
         if state["world_size"] == self.world_size:  # on a new world size every rank keeps its fresh dropout seed
             checkpoint.set_rng_state(per_rank[self.rank]["rng"])
+        self._apply_recipe_schedule(folder)
+
+    def _apply_recipe_schedule(self, folder: Path) -> None:
+        """The recipe's learning rate and schedule from the resumed step on (docs/recipes.md), logged when they
+        differ from the checkpoint's, so that the run's recipe.yaml describes what it does."""
+        schedulers = [self.scheduler, *([self.head.scheduler] if hasattr(self.head, "scheduler") else [])]
+        resume_guard.apply_recipe_learning_rate(schedulers, self.recipe.optimizer.lr)
+        changes = resume_guard.schedule_changes(folder, self.recipe)
+        if changes and self.rank == 0:
+            listed = "; ".join(map(str, changes))
+            message = f"resuming step {self.step} with the recipe's {listed} (checkpoint → recipe, from the next step)"
+            print(f"ntl-pretrain: {message}", file=sys.stderr, flush=True)
 
 
 def _float_or_none(value) -> float | None:
@@ -393,12 +412,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
-    init_distributed()
-    if dist.get_rank() == 0:
-        Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(recipe.train.output_dir) / "recipe.yaml").write_text(dump_recipe(recipe))
+    init_distributed(recipe.train.dist_timeout_seconds)
     try:
-        Trainer(recipe, ds_config).train()
+        resume_guard.check_same_recipe(recipe)
+        trainer = Trainer(recipe, ds_config)
+        if dist.get_rank() == 0:  # only now: a refused run leaves the output folder as it was
+            resume_guard.remove_leftover_saves(recipe.train.output_dir)
+            Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(recipe.train.output_dir) / "recipe.yaml").write_text(dump_recipe(recipe))
+        trainer.train()
+    except resume_guard.RunRefused as error:
+        # Every rank refuses alike; one prints. Exit at once: the launcher stops any rank still starting.
+        if dist.get_rank() == 0:
+            print(f"ntl-pretrain: recipe error: {error}", file=sys.stderr, flush=True)
+        os._exit(2)
     except DataError as error:
         # One line, then exit at once: the launcher stops the other ranks, which would wait in a collective.
         print(f"ntl-pretrain: rank {dist.get_rank()}: data error: {error.one_line()}", file=sys.stderr, flush=True)
