@@ -131,7 +131,7 @@ def check_resume(folder: Path | None, recipe: Recipe, tokenizer) -> None:
     saved_recipe = saved_recipe or {}
     found = [
         *model_differences(folder, recipe, tokenizer),
-        *tokenizer_differences(folder, tokenizer),
+        *tokenizer_differences(folder, tokenizer, recipe.tokenizer.trust_remote_code),
         *layout_differences(saved_recipe, recipe),
         *data_differences(folder, saved_recipe, recipe),
     ]
@@ -151,6 +151,8 @@ def model_differences(folder: Path, recipe: Recipe, tokenizer) -> list[Differenc
     from ntl_pretrain.model import hf_config
 
     saved_path = folder / checkpoint.HF_CONFIG / "config.json"
+    if not saved_path.is_file():
+        return []
     saved = json.loads(saved_path.read_text())
     wanted = hf_config(recipe, tokenizer, folder / checkpoint.HF_CONFIG).to_dict()
     shared = sorted((set(saved) & set(wanted)) - RUNTIME_CONFIG_KEYS)
@@ -168,13 +170,13 @@ def tokenizer_identity(tokenizer) -> str:
     return f"{len(tokenizer)} tokens, xxh3 {xxhash.xxh3_64_hexdigest(content.encode())}"
 
 
-def tokenizer_differences(folder: Path, tokenizer) -> list[Difference]:
+def tokenizer_differences(folder: Path, tokenizer, trust_remote_code: bool = False) -> list[Difference]:
     from ntl_pretrain.tokenizer import load_tokenizer
 
     saved_folder = folder / checkpoint.TOKENIZER
     if not saved_folder.is_dir():
         return []
-    saved = tokenizer_identity(load_tokenizer(str(saved_folder)))
+    saved = tokenizer_identity(load_tokenizer(str(saved_folder), trust_remote_code=trust_remote_code))
     wanted = tokenizer_identity(tokenizer)
     return [] if saved == wanted else [Difference("tokenizer (content of its files)", saved, wanted)]
 

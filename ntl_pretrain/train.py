@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain import checkpoint, reshard, resume_guard, vocab_parallel
-from ntl_pretrain.config import Recipe, dump_recipe
+from ntl_pretrain.config import Recipe, TrainConfig, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
@@ -49,7 +49,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def init_distributed(timeout_s: int) -> None:
+def init_distributed(timeout_s: int = TrainConfig.dist_timeout_seconds) -> None:
     import deepspeed
 
     # Training never uses DeepSpeed's shared-memory op; without this it compiles for ~140 s per process on CPU.
