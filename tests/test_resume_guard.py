@@ -120,17 +120,20 @@ def test_a_changed_model_tokenizer_or_source_is_refused_and_nothing_is_touched(t
 
 
 @pytest.mark.slow
-def test_a_changed_learning_rate_is_applied_from_the_resumed_step(tmp_path_factory, tmp_path):
+def test_a_changed_learning_rate_is_applied_from_the_resumed_step_and_leftovers_are_removed(tmp_path_factory, tmp_path):
     reference_dir = trained_run(tmp_path_factory)
     output_dir = tmp_path / "run"
     saved = f"step_{SAVE_AT}"
     shutil.copytree(reference_dir / "checkpoints" / saved, output_dir / "checkpoints" / saved)
     shutil.copy(reference_dir.parent / "zero3_partition_all.json", tmp_path)
+    leftover = output_dir / "checkpoints" / f"step_{SAVE_AT + 1}.tmp"  # what a save killed mid-way leaves
+    (leftover / "rank_state").mkdir(parents=True)
     old_lr = load_recipe(TINY).optimizer.lr
     done = launch(output_dir, 2, [f"optimizer.lr={old_lr / 3}"], tmp_path / "log.txt")
     text = (tmp_path / "log.txt").read_text()
     assert done.returncode == 0, text[-4000:]
     assert f"optimizer.lr: {old_lr} → {old_lr / 3}" in text
+    assert f"removed {leftover}, left by a save that did not finish" in text and not leftover.exists()
     resumed, reference = step_records(output_dir), step_records(reference_dir)
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     for step in resumed:  # warmup: the multiplier changes every step, the peak is the recipe's
