@@ -49,6 +49,8 @@ def train_command(args: argparse.Namespace) -> list[str]:
 def run_train(args: argparse.Namespace) -> int:
     from ntl_pretrain.deepspeed_config import load_run
 
+    if args.nproc is not None and args.nproc < 1:
+        raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
     args.nproc = args.nproc or default_nproc()
     from ntl_pretrain.heads.architectures import check_recipe_architecture
 

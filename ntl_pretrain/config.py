@@ -9,6 +9,8 @@ file (or command-line override) that set it, before any process group starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -111,6 +113,10 @@ class OptimizerConfig:
             raise ValueError(f"betas: need two values in [0, 1), got {self.betas}")
         if self.lr <= 0:
             raise ValueError("lr: must be > 0")
+        if self.eps <= 0:
+            raise ValueError(f"eps: must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
         if self.grad_clip < 0:
             raise ValueError("grad_clip: must be >= 0")
 
@@ -171,6 +177,11 @@ class TrainConfig:
             raise ValueError("micro_batch_size: must be >= 1")
         if self.dist_timeout_seconds < 1:
             raise ValueError("dist_timeout_seconds: must be >= 1")
+        for name in ("global_batch_size", "global_batch_tokens", "eval_every_steps", "eval_max_batches"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError("max_nonfinite_steps: must be >= 1")
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
             raise ValueError("global_batch_tokens: set either global_batch_size or global_batch_tokens")
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
@@ -245,6 +256,8 @@ class Recipe:
     """HF model folder to load weights from (continued pretraining); excludes `train.resume`."""
 
     def check(self) -> None:
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed: must be in [0, 2^32), got {self.seed}")
         if self.init_from is not None and self.train.resume is not None:
             raise ValueError("init_from: excludes train.resume (resume restores the weights)")
         saved_architecture = self.init_from is not None or self.train.resume is not None
@@ -271,8 +284,7 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     raw, origins = _load_yaml_chain(Path(path), seen=())
     for item in overrides:
         key, value = _parse_override(item)
-        _set_dotted(raw, key, value)
-        origins[key] = OVERRIDE_ORIGIN
+        _apply_override(raw, key, value, origins)
     return _build(Recipe, raw, (), _Origins(origins, str(path)))
 
 
@@ -285,18 +297,64 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str
     path = path.expanduser().resolve()
     if path in seen:
         raise RecipeError(f"{path}: base: inheritance cycle through {[str(p) for p in seen]}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise RecipeError(f"{path}: cannot read recipe: {error}") from error
+    raw = _read_yaml(path)
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping, got {type(raw).__name__}")
     _anchor_relative_paths(raw, path.parent)
     base = raw.pop("base", None)
-    merged, origins = ({}, {}) if base is None else _load_yaml_chain(path.parent / base, seen + (path,))
+    merged, origins = ({}, {}) if base is None else _load_yaml_chain(_base_path(path, base), seen + (path,))
     _deep_merge(merged, raw)
     origins.update({key: str(path) for key in _dotted_keys(raw)})
     return merged, origins
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise RecipeError(f"line {line}: duplicate key {key!r} (first at line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(path: Path) -> object:
+    """The parsed recipe file; every failure is one RecipeError naming the file."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise RecipeError(f"{path}: cannot read recipe: {error.strerror or error}") from error
+    if b"\0" in data:
+        raise RecipeError(f"{path}: not a recipe: binary file (NUL bytes)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {error.start}); save the recipe as UTF-8") from error
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except RecipeError as error:
+        raise RecipeError(f"{path}: {error}") from error
+    except yaml.YAMLError as error:
+        raise RecipeError(f"{path}: invalid YAML: {_one_line(error)}") from error
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _base_path(path: Path, base: object) -> Path:
+    """`base:` is a non-empty path string, relative to the file that names it; `~` is expanded."""
+    if not isinstance(base, str) or not base.strip():
+        raise RecipeError(f"{path}: base: expected a path to one recipe file, got {base!r}")
+    target = (path.parent / Path(base).expanduser()).resolve()
+    if not target.is_file():
+        what = "is a folder, not a recipe file" if target.is_dir() else "does not exist"
+        raise RecipeError(f"{path}: base: {target} {what}")
+    return target
 
 
 def _anchor_relative_paths(raw: dict, directory: Path) -> None:
@@ -328,20 +386,57 @@ def _dotted_keys(raw: Mapping, prefix: str = "") -> list[str]:
 
 def _parse_override(item: str) -> tuple[str, object]:
     key, sep, text = item.partition("=")
-    if not sep or not key:
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(f"{OVERRIDE_ORIGIN} {item!r}: expected key.path=value")
-    return key.strip(), yaml.safe_load(text)
+    if not text.strip():
+        # `loss.ntl.kind=` would parse as null and silently switch a feature off.
+        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: empty value; write {key}=null to mean null")
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader)
+    except (yaml.YAMLError, RecipeError) as error:
+        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: value {text!r} is not valid YAML ({_one_line(error)})") from error
+    return key, value
 
 
-def _set_dotted(raw: dict, key: str, value: object) -> None:
+def _apply_override(raw: dict, key: str, value: object, origins: dict[str, str]) -> None:
+    """Like one more child file: a mapping merges into the mapping it replaces; `a.b.0.c` addresses list item 0.
+    Every key the override touches is blamed on it, so a typo in its path is reported as the override's."""
     *parents, leaf = key.split(".")
-    node = raw
-    for name in parents:
-        child = node.setdefault(name, {})
-        if not isinstance(child, dict):
-            raise RecipeError(f"{OVERRIDE_ORIGIN} {key}: {name} is not a section")
-        node = child
-    node[leaf] = value
+    node: dict | list = raw
+    for depth, name in enumerate(parents):
+        node = _child_for_override(node, name, key, ".".join(parents[: depth + 1]), origins)
+    if isinstance(node, list):
+        node[_list_index(node, leaf, key)] = value
+    elif isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
+        _deep_merge(node[leaf], value)
+    else:
+        node[leaf] = dict(value) if isinstance(value, Mapping) else value
+    origins[key] = OVERRIDE_ORIGIN
+    if isinstance(value, Mapping):
+        origins.update({f"{key}.{dotted}": OVERRIDE_ORIGIN for dotted in _dotted_keys(value)})
+
+
+def _child_for_override(node: dict | list, name: str, key: str, dotted: str, origins: dict[str, str]):
+    if isinstance(node, list):
+        child = node[_list_index(node, name, key)]
+    else:
+        if name not in node:
+            node[name] = {}
+            origins[dotted] = OVERRIDE_ORIGIN
+        child = node[name]
+    if not isinstance(child, (dict, list)):
+        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: {dotted} is {child!r}, not a section or a list")
+    return child
+
+
+def _list_index(items: list, name: str, key: str) -> int:
+    if not name.isdigit() or int(name) >= len(items):
+        raise RecipeError(
+            f"{OVERRIDE_ORIGIN}: {key}: {name!r} is not an item of this list (items 0..{len(items) - 1}); "
+            "address one as key.N.field=value, or give the whole list as key=[...]"
+        )
+    return int(name)
 
 
 @dataclass
@@ -366,7 +461,11 @@ def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins)
     for key in raw:
         if key not in names:
             dotted = ".".join(key_path + (str(key),))
-            raise RecipeError(f"{origins.of(key_path + (str(key),))}: {dotted}: unknown key (known: {sorted(names)})")
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RecipeError(
+                f"{origins.of(key_path + (str(key),))}: {dotted}: unknown key ({hint}known: {sorted(names)})"
+            )
     values = {key: _coerce(hints[key], value, key_path + (key,), origins) for key, value in raw.items()}
     obj = cls(**values)
     _run_check(obj, key_path, origins)
@@ -425,14 +524,12 @@ def _coerce_scalar(hint: object, value: object, key_path, origins) -> object:
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
-        # YAML 1.1 reads `3e-4` (no dot) as a string; accept the number it obviously means.
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if hint is float and not isinstance(value, bool):
+        number = _as_float(value)
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:
+            return _type_error(hint, value, key_path, origins, "a finite number")
     if hint is str and isinstance(value, str):
         return value
     if hint is type(None) and value is None:
@@ -440,10 +537,38 @@ def _coerce_scalar(hint: object, value: object, key_path, origins) -> object:
     return _type_error(hint, value, key_path, origins)
 
 
+def _as_float(value: object) -> float | None:
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf
+    if isinstance(value, str):
+        # YAML 1.1 reads `3e-4` (no dot) as a string; accept the number it obviously means.
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
 def _type_error(hint, value, key_path, origins, expected: str | None = None) -> typing.NoReturn:
     expected = expected or _type_name(hint)
-    raise RecipeError(f"{origins.of(key_path)}: {'.'.join(key_path)}: expected {expected}, got {value!r}")
+    hint_null = " (write null, not None)" if isinstance(value, str) and value.strip().lower() == "none" else ""
+    raise RecipeError(f"{origins.of(key_path)}: {'.'.join(key_path)}: expected {expected}, got {value!r}{hint_null}")
 
 
 def _type_name(hint: object) -> str:
+    """Readable expected type: `one of ['was', 'mse'] or null`, `int or null`, `list of float`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "null"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in args)
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return "mapping"
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -53,11 +53,13 @@ def check_vocab_parallel_size(recipe: Recipe, world_size: int) -> None:
 
 
 def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
-    path = resolve_path(recipe.deepspeed.config)
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise RecipeError(f"deepspeed.config: cannot read {path}: {error}") from error
+        path = resolve_path(recipe.deepspeed.config)
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, ImportError) as error:  # bad JSON, not UTF-8, a pkg: path to a missing package
+        raise RecipeError(f"deepspeed.config: cannot read {recipe.deepspeed.config}: {error}") from error
+    if not isinstance(config, dict):
+        raise RecipeError(f"{path}: the DeepSpeed JSON must be an object (mapping), got {type(config).__name__}")
     for key in RECIPE_OWNED_KEYS:
         if config.get(key, "auto") != "auto":
             raise RecipeError(f'{path}: {key}: set by the recipe; remove it from the DeepSpeed JSON or use "auto"')

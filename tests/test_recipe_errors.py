@@ -1,0 +1,195 @@
+"""Bad recipe inputs, one row each: `ntl-pretrain train` and `--dry-run` both exit 2 with one line that names the
+key or file, no traceback, nothing launched and nothing written (an existing recipe.yaml in output_dir is kept).
+
+Validation runs in-process through `cli.main`; the launcher call is replaced by a recorder, so a row that would
+launch fails the test instead of starting ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ntl_pretrain import cli
+from ntl_pretrain.config import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny-cpu.yaml"
+KEPT = "# a recipe.yaml from an earlier run\n"
+CHILD = "base: {common}\n"
+
+# (id, text of r.yaml ({common} = a recipe extending tiny-cpu with output_dir in tmp), overrides, options,
+#  fragments the error line must contain)
+ROWS = [
+    # files
+    ("non-utf8", b"seed: \xff\xfe\n", [], [], ["r.yaml", "not UTF-8"]),
+    ("binary", b"\x00\x01\x02\x03", [], [], ["r.yaml", "binary"]),
+    ("bad-yaml", "train: [1, 2\n", [], [], ["r.yaml", "invalid YAML"]),
+    ("top-level-list", "- train\n", [], [], ["r.yaml", "must be a mapping"]),
+    ("missing-file", None, [], [], ["nope.yaml", "cannot read"]),
+    (
+        "duplicate-section",
+        CHILD + "train: {max_steps: 2}\ntrain: {max_steps: 3}\n",
+        [],
+        [],
+        ["r.yaml", "duplicate key 'train'", "line 3"],
+    ),
+    (
+        "duplicate-nested",
+        CHILD + "loss:\n  ntl:\n    weight: 1\n    weight: 2\n",
+        [],
+        [],
+        ["r.yaml", "duplicate key 'weight'"],
+    ),
+    # base: chains
+    ("base-int", "base: 5\n", [], [], ["r.yaml", "base:", "5"]),
+    ("base-list", "base: [a.yaml]\n", [], [], ["r.yaml", "base:", "['a.yaml']"]),
+    ("base-empty", 'base: ""\n', [], [], ["r.yaml", "base:", "''"]),
+    ("base-missing", "base: missing.yaml\n", [], [], ["r.yaml", "base:", "missing.yaml does not exist"]),
+    ("base-folder", "base: .\n", [], [], ["r.yaml", "base:", "is a folder"]),
+    ("base-cycle", "base: r.yaml\n", [], [], ["base:", "cycle"]),
+    # keys
+    ("typo-in-file", CHILD + "trian: {max_steps: 5}\n", [], [], ["r.yaml", "trian: unknown key", "'train'"]),
+    ("typo-nested-file", CHILD + "loss: {ntl: {wieght: 1}}\n", [], [], ["r.yaml", "loss.ntl.wieght", "'weight'"]),
+    ("typo-override", CHILD, ["trian.max_steps=5"], [], ["command-line override", "trian: unknown key", "'train'"]),
+    ("typo-override-leaf", CHILD, ["train.max_step=5"], [], ["command-line override", "'max_steps'"]),
+    ("section-not-mapping", CHILD + "model: 5\n", [], [], ["r.yaml", "model: expected a mapping"]),
+    # override syntax
+    ("override-unclosed", CHILD, ["data.sources=[{"], [], ["command-line override", "data.sources", "not valid YAML"]),
+    ("override-empty", CHILD, ["loss.ntl.kind="], [], ["command-line override", "loss.ntl.kind", "null"]),
+    ("override-empty-key", CHILD, ["=3"], [], ["command-line override", "key.path=value"]),
+    ("override-into-scalar", CHILD, ["train.max_steps.x=1"], [], ["command-line override", "not a section"]),
+    ("override-list-index-range", CHILD, ["data.sources.9.weight=2"], [], ["data.sources.9.weight", "items 0..2"]),
+    ("override-list-index-name", CHILD, ["data.sources.arithmetic.weight=2"], [], ["not an item", "key.N.field"]),
+    ("override-dup-in-mapping", CHILD, ["model.config={hidden_size: 1, hidden_size: 2}"], [], ["duplicate key"]),
+    # types and choices
+    ("kind-wass", CHILD, ["loss.ntl.kind=wass"], [], ["loss.ntl.kind", "'was', 'mse', 'mae', 'huber'", "null"]),
+    ("schedule-kind", CHILD + "schedule: {kind: linear}\n", [], [], ["r.yaml", "schedule.kind", "'wsd'"]),
+    ("precision-fp16", CHILD, ["train.precision=fp16"], [], ["train.precision", "'bf16', 'fp32'"]),
+    ("none-string", CHILD, ["train.eval_every_steps=None"], [], ["train.eval_every_steps", "write null"]),
+    ("int-abc", CHILD, ["train.max_steps=abc"], [], ["train.max_steps", "expected int"]),
+    ("int-float", CHILD, ["train.max_steps=1.5"], [], ["train.max_steps", "expected int"]),
+    ("bool-string", CHILD, ["model.gradient_checkpointing=maybe"], [], ["model.gradient_checkpointing", "bool"]),
+    ("betas-one", CHILD, ["optimizer.betas=[0.9]"], [], ["optimizer.betas"]),
+    # finite floats and ranges
+    ("weight-nan", CHILD, ["loss.ntl.weight=nan"], [], ["loss.ntl.weight", "finite"]),
+    ("weight-yaml-nan", CHILD + "loss: {ntl: {weight: .nan}}\n", [], [], ["r.yaml", "loss.ntl.weight", "finite"]),
+    ("lr-inf", CHILD, ["optimizer.lr=inf"], [], ["optimizer.lr", "finite"]),
+    ("lr-overflow", CHILD, ["optimizer.lr=1e999"], [], ["optimizer.lr", "finite"]),
+    ("lr-zero", CHILD, ["optimizer.lr=0"], [], ["optimizer.lr", "> 0"]),
+    ("eps-negative", CHILD, ["optimizer.eps=-1"], [], ["optimizer.eps", "> 0"]),
+    ("weight-decay-negative", CHILD, ["optimizer.weight_decay=-0.1"], [], ["optimizer.weight_decay"]),
+    ("global-batch-zero", CHILD, ["train.global_batch_size=0"], [], ["train.global_batch_size", ">= 1"]),
+    ("eval-every-zero", CHILD, ["train.eval_every_steps=0"], [], ["train.eval_every_steps"]),
+    ("seed-huge", CHILD, ["seed=100000000000000000000000"], [], ["seed", "2^32"]),
+    ("seed-negative", CHILD, ["seed=-1"], [], ["seed"]),
+    ("micro-batch-zero", CHILD, ["train.micro_batch_size=0"], [], ["train.micro_batch_size"]),
+    ("keep-last-zero", CHILD, ["checkpoint.keep_last=0"], [], ["checkpoint.keep_last"]),
+    (
+        "source-weight-negative",
+        CHILD,
+        ["data.sources.0.weight=-1"],
+        [],
+        ["command-line override", "data.sources.0.weight"],
+    ),
+    ("max-steps-zero", CHILD, ["train.max_steps=0"], [], ["train.max_steps"]),
+    # contradictions and paths
+    ("resume-missing", CHILD, ["train.resume=/no/such/checkpoint"], [], ["train.resume", "does not exist"]),
+    ("init-and-resume", CHILD, ["init_from=/x", "train.resume=auto", "model.model_type=null"], [], ["init_from"]),
+    ("no-tokenizer", CHILD, ["tokenizer.path=null", "train.resume=null"], [], ["tokenizer.path", "required"]),
+    ("ds-json-list", CHILD, ["deepspeed.config={tmp}/list.json"], [], ["list.json", "must be an object"]),
+    (
+        "ds-json-missing-pkg",
+        CHILD,
+        ["deepspeed.config=pkg:no_such_package_x/zero3.json"],
+        [],
+        ["deepspeed.config", "no_such_package_x"],
+    ),
+    ("ds-json-missing", CHILD, ["deepspeed.config={tmp}/none.json"], [], ["deepspeed.config", "none.json"]),
+    ("ds-json-invalid", CHILD, ["deepspeed.config={tmp}/bad.json"], [], ["deepspeed.config", "bad.json"]),
+    # launcher options
+    ("nproc-zero", CHILD, [], ["--nproc", "0"], ["--nproc", ">= 1"]),
+    ("nproc-negative", CHILD, [], ["--nproc", "-1"], ["--nproc", ">= 1"]),
+]
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "recipe.yaml").write_text(KEPT)
+    common = tmp_path / "common.yaml"
+    common.write_text(yaml.safe_dump({"base": str(TINY), "train": {"output_dir": str(out)}}))
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "bad.json").write_text("{")
+    return tmp_path
+
+
+def run_cli(argv, monkeypatch, capsys):
+    launches = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, **kwargs: launches.append(command) or 0)
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.err, launches
+
+
+@pytest.mark.parametrize(("text", "overrides", "options", "fragments"), [row[1:] for row in ROWS],
+                         ids=[row[0] for row in ROWS])  # fmt: skip
+def test_bad_input_is_one_line_exit_2_and_nothing_written(workspace, monkeypatch, capsys, text, overrides, options,
+                                                          fragments):  # fmt: skip
+    recipe = workspace / ("nope.yaml" if text is None else "r.yaml")
+    if isinstance(text, bytes):
+        recipe.write_bytes(text)
+    elif text is not None:
+        recipe.write_text(text.replace("{common}", str(workspace / "common.yaml")))
+    overrides = [item.replace("{tmp}", str(workspace)) for item in overrides]
+    results = {}
+    for dry in ([], ["--dry-run"]):
+        code, err, launches = run_cli(["train", str(recipe), "--nproc", "2", *options, *dry, *overrides],
+                                      monkeypatch, capsys)  # fmt: skip
+        assert code == 2, err
+        assert not launches
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith("ntl-pretrain: ")
+        for fragment in fragments:
+            assert fragment in lines[0], lines[0]
+        results[bool(dry)] = lines[0]
+    assert results[False] == results[True]  # --dry-run refuses exactly what train refuses
+    assert sorted(p.name for p in (workspace / "out").iterdir()) == ["recipe.yaml"]
+    assert (workspace / "out" / "recipe.yaml").read_text() == KEPT
+
+
+def test_mapping_override_merges_like_a_child_file(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(yaml.safe_dump({"base": str(TINY), "model": {"config": {"hidden_size": 32}}}))
+    from_file = load_recipe(child)
+    from_override = load_recipe(TINY, ["model.config={hidden_size: 32}"])
+    assert from_override == from_file
+    assert from_override.model.config["hidden_size"] == 32
+    assert from_override.model.config["num_hidden_layers"] == load_recipe(TINY).model.config["num_hidden_layers"]
+
+
+def test_list_items_are_addressable_by_index():
+    base = load_recipe(TINY)
+    recipe = load_recipe(TINY, ["data.sources.1.weight=2.5", "data.validation.0.name=held_out"])
+    assert recipe.data.sources[1].weight == 2.5
+    assert recipe.data.validation[0].name == "held_out"
+    assert [s.weight for i, s in enumerate(recipe.data.sources) if i != 1] == [
+        s.weight for i, s in enumerate(base.data.sources) if i != 1
+    ]
+
+
+def test_whole_list_override_still_replaces(tmp_path):
+    recipe = load_recipe(TINY, ["optimizer.betas=[0.8, 0.9]"])
+    assert recipe.optimizer.betas == [0.8, 0.9]
+
+
+def test_base_path_expands_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "parent.yaml").write_text(yaml.safe_dump({"base": str(TINY), "seed": 7}))
+    child = tmp_path / "sub" / "child.yaml"
+    child.parent.mkdir()
+    child.write_text("base: ~/parent.yaml\n")
+    assert load_recipe(child).seed == 7
