@@ -29,7 +29,7 @@ import torch.distributed as dist
 import xxhash
 import yaml
 
-from ntl_pretrain import checkpoint
+from ntl_pretrain import checkpoint, vocab_parallel
 from ntl_pretrain.config import Recipe, RecipeError, dump_recipe
 from ntl_pretrain.data.config import SourceConfig, is_remote, resolve_files
 
@@ -124,7 +124,8 @@ def flatten(tree: object, prefix: str = "") -> dict[str, object]:
 
 def check_resume(folder: Path | None, recipe: Recipe, tokenizer) -> None:
     """Refuse (every rank alike) to resume `folder` with a recipe that describes another model, tokenizer,
-    vocabulary-parallel layout, number vocabulary or data; reads only small files of the checkpoint."""
+    vocabulary-parallel layout (`loss.vocab_parallel_size`, and for k > 1 the world size), number vocabulary or
+    data; reads only small files of the checkpoint."""
     if folder is None:
         return
     saved_recipe = yaml.safe_load((folder / "recipe.yaml").read_text()) if (folder / "recipe.yaml").is_file() else {}
@@ -144,6 +145,10 @@ def check_resume(folder: Path | None, recipe: Recipe, tokenizer) -> None:
             + "; ".join(lines)
             + f"; nothing was loaded; {WAYS_OUT}"
         )
+    try:  # output-layer slices also need the world size that wrote them
+        vocab_parallel.check_resume(folder, recipe.loss.vocab_parallel_size, dist.get_world_size())
+    except ValueError as error:
+        raise RunRefused(str(error)) from None
 
 
 def model_differences(folder: Path, recipe: Recipe, tokenizer) -> list[Difference]:
@@ -189,11 +194,9 @@ def layout_differences(saved_recipe: dict, recipe: Recipe) -> list[Difference]:
     saved_k = saved_loss.get("vocab_parallel_size", 1)
     if saved_k != recipe.loss.vocab_parallel_size:
         found.append(Difference("loss.vocab_parallel_size", saved_k, recipe.loss.vocab_parallel_size))
-    saved_numbers = (saved_loss.get("ntl") or {}).get("kind", "was") is not None
-    if saved_numbers != (recipe.loss.ntl.kind is not None):
-        found.append(
-            Difference("loss.ntl.kind (the number vocabulary)", saved_loss["ntl"]["kind"], recipe.loss.ntl.kind)
-        )
+    saved_kind = (saved_loss.get("ntl") or {}).get("kind", "was")
+    if (saved_kind is not None) != (recipe.loss.ntl.kind is not None):
+        found.append(Difference("loss.ntl.kind (the number vocabulary)", saved_kind, recipe.loss.ntl.kind))
     return found
 
 

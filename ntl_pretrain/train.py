@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import checkpoint, reshard, resume_guard, vocab_parallel
+from ntl_pretrain import checkpoint, reshard, resume_guard
 from ntl_pretrain.config import Recipe, TrainConfig, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.sources import DataError
@@ -78,7 +78,6 @@ class Trainer:
         self.resume_from = self.resume_point.folder
         self.tokenizer = load_tokenizer(self._tokenizer_spec(), trust_remote_code=recipe.tokenizer.trust_remote_code)
         resume_guard.check_resume(self.resume_from, recipe, self.tokenizer)  # before anything is loaded or written
-        vocab_parallel.check_resume(self.resume_from, recipe.loss.vocab_parallel_size, self.world_size)
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
         self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
         self.head = self.built.module.head
