@@ -52,17 +52,25 @@ def run_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
     args.nproc = args.nproc or default_nproc()
+    from ntl_pretrain import preflight
     from ntl_pretrain.heads.architectures import check_recipe_architecture
 
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
+    preflight.check_world(recipe, args.master_port)
     check_recipe_architecture(recipe)
+    done = None if getattr(recipe.train, "overwrite", False) else preflight.finished_step(recipe)
+    finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
+        "nothing to train (raise train.max_steps to continue)"  # fmt: skip
     command = train_command(args)
     env = dict(os.environ)
     if not _cuda_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
     if args.dry_run:
         print(dump_recipe(recipe), end="")
-        print("# " + shlex.join(command))
+        print("# " + (finished if done is not None else shlex.join(command)))
+        return 0
+    if done is not None:
+        print(f"ntl-pretrain: {finished}")
         return 0
     return subprocess.call(command, env=env)
 

@@ -467,6 +467,9 @@ def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins)
                 f"{origins.of(key_path + (str(key),))}: {dotted}: unknown key ({hint}known: {sorted(names)})"
             )
     values = {key: _coerce(hints[key], value, key_path + (key,), origins) for key, value in raw.items()}
+    for name in names - set(raw):  # a section the recipe omits still gets its checks (`data:` needs sources)
+        if dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], {}, key_path + (name,), origins)
     obj = cls(**values)
     _run_check(obj, key_path, origins)
     return obj

@@ -6,6 +6,7 @@ launch fails the test instead of starting ranks."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,46 @@ ROWS = [
     ),
     ("ds-json-missing", CHILD, ["deepspeed.config={tmp}/none.json"], [], ["deepspeed.config", "none.json"]),
     ("ds-json-invalid", CHILD, ["deepspeed.config={tmp}/bad.json"], [], ["deepspeed.config", "bad.json"]),
+    # pre-flight: the world (ntl_pretrain/preflight.py)
+    ("no-data-section", "base: {nodata}\n", [], [], ["data.sources", "at least one"]),
+    ("model-type-typo", CHILD, ["model.model_type=lama"], [], ["model.model_type", "'lama'", "llama"]),
+    ("seq-len-beyond-positions", CHILD, ["data.seq_len=1024"], [], ["data.seq_len", "max_position_embeddings (512)"]),
+    ("tokenizer-missing", CHILD, ["tokenizer.path={tmp}/no-tokenizer.json"], [], ["tokenizer.path", "does not exist"]),
+    (
+        "tokenizer-missing-pkg",
+        CHILD,
+        ["tokenizer.path=pkg:no_such_package_x/t.json"],
+        [],
+        ["tokenizer.path", "no_such_package_x"],
+    ),
+    ("tokenizer-none-fresh", CHILD, ["tokenizer.path=null"], [], ["tokenizer.path", "from scratch"]),
+    (
+        "init-from-missing",
+        CHILD,
+        ["init_from={tmp}/none", "model.model_type=null", "train.resume=null"],
+        [],
+        ["init_from", "does not exist"],
+    ),
+    (
+        "init-from-no-config",
+        CHILD,
+        ["init_from={tmp}/empty", "model.model_type=null", "train.resume=null"],
+        [],
+        ["init_from", "config.json"],
+    ),
+    (
+        "init-from-no-weights",
+        CHILD,
+        ["init_from={tmp}/config-only", "model.model_type=null", "train.resume=null"],
+        [],
+        ["init_from", "no weights"],
+    ),
+    ("output-dir-is-file", CHILD, ["train.output_dir={tmp}/list.json"], [], ["train.output_dir", "is a file"]),
+    ("resume-is-file", CHILD, ["train.resume={tmp}/list.json"], [], ["train.resume", "is a file"]),
+    ("resume-no-checkpoint", CHILD, ["train.resume={tmp}/empty"], [], ["train.resume", "no checkpoint"]),
     # launcher options
+    ("master-port-busy", CHILD, [], ["--master-port", "{port}"], ["--master-port", "not free"]),
+    ("master-port-range", CHILD, [], ["--master-port", "70000"], ["--master-port", "1..65535"]),
     ("nproc-zero", CHILD, [], ["--nproc", "0"], ["--nproc", ">= 1"]),
     ("nproc-negative", CHILD, [], ["--nproc", "-1"], ["--nproc", ">= 1"]),
 ]
@@ -123,7 +163,18 @@ def workspace(tmp_path):
     common.write_text(yaml.safe_dump({"base": str(TINY), "train": {"output_dir": str(out)}}))
     (tmp_path / "list.json").write_text("[]")
     (tmp_path / "bad.json").write_text("{")
-    return tmp_path
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text('{"model_type": "llama"}')
+    without_data = yaml.safe_load(TINY.read_text())
+    del without_data["data"]
+    without_data["deepspeed"]["config"] = str(REPO / "configs" / "zero3.json")
+    without_data["train"]["output_dir"] = str(out)
+    (tmp_path / "nodata.yaml").write_text(yaml.safe_dump(without_data))
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        yield tmp_path, busy.getsockname()[1]
 
 
 def run_cli(argv, monkeypatch, capsys):
@@ -138,12 +189,15 @@ def run_cli(argv, monkeypatch, capsys):
                          ids=[row[0] for row in ROWS])  # fmt: skip
 def test_bad_input_is_one_line_exit_2_and_nothing_written(workspace, monkeypatch, capsys, text, overrides, options,
                                                           fragments):  # fmt: skip
+    workspace, busy_port = workspace
     recipe = workspace / ("nope.yaml" if text is None else "r.yaml")
     if isinstance(text, bytes):
         recipe.write_bytes(text)
     elif text is not None:
-        recipe.write_text(text.replace("{common}", str(workspace / "common.yaml")))
+        text = text.replace("{common}", str(workspace / "common.yaml"))
+        recipe.write_text(text.replace("{nodata}", str(workspace / "nodata.yaml")))
     overrides = [item.replace("{tmp}", str(workspace)) for item in overrides]
+    options = [item.replace("{port}", str(busy_port)) for item in options]
     results = {}
     for dry in ([], ["--dry-run"]):
         code, err, launches = run_cli(["train", str(recipe), "--nproc", "2", *options, *dry, *overrides],
@@ -193,3 +247,21 @@ def test_base_path_expands_home(tmp_path, monkeypatch):
     child.parent.mkdir()
     child.write_text("base: ~/parent.yaml\n")
     assert load_recipe(child).seed == 7
+
+
+def test_a_finished_run_says_so_and_launches_nothing(workspace, monkeypatch, capsys):
+    workspace, _ = workspace
+    (workspace / "out" / "checkpoints" / "step_300").mkdir(parents=True)  # tiny-cpu: max_steps 300, resume auto
+    recipe = str(workspace / "common.yaml")
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, **kwargs: pytest.fail("launched a finished run"))
+    for dry in ([], ["--dry-run"]):
+        assert cli.main(["train", recipe, "--nproc", "2", *dry]) == 0
+        assert "already at step 300 of train.max_steps=300" in capsys.readouterr().out
+    code, _, launches = run_cli(["train", recipe, "--nproc", "2", "train.max_steps=301"], monkeypatch, capsys)
+    assert code == 0 and len(launches) == 1  # more steps asked for: it launches
+
+
+def test_a_valid_recipe_passes_and_launches_once(workspace, monkeypatch, capsys):
+    workspace, _ = workspace
+    code, err, launches = run_cli(["train", str(workspace / "common.yaml"), "--nproc", "2"], monkeypatch, capsys)
+    assert (code, err, len(launches)) == (0, "", 1)

@@ -1,0 +1,147 @@
+"""Pre-flight: the checks of a recipe that need the world (installed model types, files, folders, ports), run by
+`ntl-pretrain train` and `--dry-run` alike before any process starts. Each failure is one `RecipeError` naming the
+key; `check_recipe` in config.py has already checked types, ranges and contradictions."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import socket
+from pathlib import Path
+
+from ntl_pretrain import checkpoint
+from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.tokenizer import resolve_path
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def check_world(recipe: Recipe, master_port: int | None) -> None:
+    """Every check below, in the order a user would fix them."""
+    starts_fresh = recipe.init_from is None and existing_checkpoint(recipe) is None
+    check_model_type(recipe.model.model_type)
+    check_init_from(recipe.init_from)
+    check_tokenizer(recipe, starts_fresh)
+    check_positions(recipe)
+    check_output_dir(recipe.train.output_dir)
+    check_master_port(master_port)
+
+
+def existing_checkpoint(recipe: Recipe) -> Path | None:
+    """The checkpoint a resume would start from (None on a fresh run); a `train.resume` that is not one is refused."""
+    resume = recipe.train.resume
+    if resume not in (None, "auto") and not Path(resume).expanduser().is_dir():
+        raise RecipeError(f"train.resume: {resume} is a file; name a checkpoint step folder or a run's output_dir")
+    try:
+        return checkpoint.resolve_resume(resume, recipe.train.output_dir)
+    except FileNotFoundError as error:
+        raise RecipeError(str(error)) from error
+
+
+def finished_step(recipe: Recipe) -> int | None:
+    """The step of the checkpoint a resume would load, when it has already reached `train.max_steps`."""
+    folder = existing_checkpoint(recipe)
+    if folder is None:
+        return None
+    step = checkpoint.step_of(folder)
+    return step if step >= recipe.train.max_steps else None
+
+
+def check_model_type(model_type: str | None) -> None:
+    if model_type is None:
+        return
+    from transformers import CONFIG_MAPPING
+
+    known = list(CONFIG_MAPPING.keys())
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, known, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "see transformers' CONFIG_MAPPING for the names"
+        raise RecipeError(f"model.model_type: unknown model type {model_type!r}; {hint}")
+
+
+def check_init_from(init_from: str | None) -> None:
+    if init_from is None:
+        return
+    folder = Path(init_from).expanduser()
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "does not exist"
+        raise RecipeError(f"init_from: {folder} {what}; name an HF model folder (config.json + weights)")
+    if not (folder / "config.json").is_file():
+        raise RecipeError(f"init_from: {folder} has no config.json; name an HF model folder")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise RecipeError(f"init_from: {folder} has no weights (none of {', '.join(WEIGHT_FILES)})")
+
+
+def check_tokenizer(recipe: Recipe, starts_fresh: bool) -> None:
+    spec = recipe.tokenizer.path
+    if spec is None:
+        if starts_fresh and recipe.init_from is None:
+            raise RecipeError(
+                "tokenizer.path: required: this run starts from scratch (no init_from, no checkpoint to resume)"
+            )
+        return
+    try:
+        path = resolve_path(spec)
+    except (FileNotFoundError, ImportError, ValueError) as error:
+        raise RecipeError(f"tokenizer.path: {error}") from error
+    if not path.exists():
+        raise RecipeError(f"tokenizer.path: {path} does not exist")
+
+
+def check_positions(recipe: Recipe) -> None:
+    """`data.seq_len` fits the model's learned/rotary positions, unless rope scaling extends them."""
+    config = dict(recipe.model.config)
+    if recipe.init_from is not None:
+        import json
+
+        path = Path(recipe.init_from).expanduser() / "config.json"
+        try:
+            on_disk = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise RecipeError(f"init_from: {path} is not a JSON config: {error}") from error
+        config = {**on_disk, **config}
+    elif recipe.model.model_type is not None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.for_model(recipe.model.model_type, **config).to_dict()
+        except (TypeError, ValueError) as error:
+            raise RecipeError(f"model.config: {' '.join(str(error).split())}") from error
+    else:
+        return
+    if config.get("rope_scaling"):
+        return
+    for key in POSITION_KEYS:
+        limit = config.get(key)
+        if isinstance(limit, int) and recipe.data.seq_len > limit:
+            raise RecipeError(
+                f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's {key} ({limit}); raise "
+                f"model.config.{key} or shorten data.seq_len"
+            )
+
+
+def check_output_dir(output_dir: str) -> None:
+    folder = Path(output_dir).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise RecipeError(f"train.output_dir: {folder} is a file, not a folder")
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"train.output_dir: {folder} cannot be created or written ({existing} is not writable)")
+
+
+def check_master_port(port: int | None) -> None:
+    if port is None:
+        return
+    if not 1 <= port <= 65535:
+        raise RecipeError(f"--master-port: {port} is not a port (1..65535)")
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError as error:
+            raise RecipeError(f"--master-port: {port} is not free on this node ({error.strerror})") from error
