@@ -29,7 +29,7 @@ RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
 SETTINGS = [
     "model.config.vocab_size=128256", "model.config.hidden_size=128", "model.config.intermediate_size=512",
     "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
-    "data.seq_len=512", "train.micro_batch_size=8", "train.global_batch_size=8", "train.eval_every_steps=0",
+    "data.seq_len=512", "train.micro_batch_size=8", "train.global_batch_size=8", "train.eval_every_steps=null",
     "logging.progress_bar=false", "train.resume=null",
 ]  # fmt: skip
 VARIANTS = ("chunked", "dense", "transformers")

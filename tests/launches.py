@@ -29,7 +29,7 @@ def recipe_overrides(output_dir: Path, ds_config: Path) -> list[str]:
     return [
         f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", f"train.max_steps={STEPS}",
         "data.seq_len=32", "train.micro_batch_size=1", f"train.global_batch_size={GLOBAL_BATCH}",
-        f"checkpoint.every_steps={SAVE_AT}", "checkpoint.keep_last=2", "train.eval_every_steps=0",
+        f"checkpoint.every_steps={SAVE_AT}", "checkpoint.keep_last=2", "train.eval_every_steps=null",
         "logging.progress_bar=false", "train.resume=auto",
     ]  # fmt: skip
 
