@@ -8,9 +8,10 @@ file (or command-line override) that set it, before any process group starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
-import math
+import functools
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import pydantic
 import yaml
 
 from ntl_pretrain.data.config import DataConfig
@@ -491,15 +493,11 @@ def _run_check(obj: object, key_path: tuple[str, ...], origins: _Origins) -> Non
 
 
 def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: _Origins) -> object:
+    """Sections recurse through `_build` (origins, unknown keys, checks); containers recurse so that an error names
+    the item (`data.sources.1.weight`, `model.config.hidden_size`); every leaf is validated by pydantic."""
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key_path, origins)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return _coerce_union(hint, args, value, key_path, origins)
-    if origin is Literal:
-        if value in args:
-            return value
-        return _type_error(hint, value, key_path, origins, f"one of {list(args)}")
     if origin is list:
         if not isinstance(value, list):
             return _type_error(hint, value, key_path, origins)
@@ -508,51 +506,21 @@ def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: _Or
         if not isinstance(value, Mapping):
             return _type_error(hint, value, key_path, origins)
         return {str(k): _coerce(args[1], v, key_path + (str(k),), origins) for k, v in value.items()}
-    return _coerce_scalar(hint, value, key_path, origins)
-
-
-def _coerce_union(hint, args, value, key_path, origins) -> object:
-    if value is None and type(None) in args:
-        return None
-    for arg in (a for a in args if a is not type(None)):
-        try:
-            return _coerce(arg, value, key_path, origins)
-        except RecipeError:
-            continue
-    return _type_error(hint, value, key_path, origins)
-
-
-def _coerce_scalar(hint: object, value: object, key_path, origins) -> object:
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and not isinstance(value, bool):
-        number = _as_float(value)
-        if number is not None and math.isfinite(number):
-            return number
-        if number is not None:
-            return _type_error(hint, value, key_path, origins, "a finite number")
-    if hint is str and isinstance(value, str):
-        return value
-    if hint is type(None) and value is None:
-        return None
-    return _type_error(hint, value, key_path, origins)
-
-
-def _as_float(value: object) -> float | None:
-    if isinstance(value, (int, float)):
-        try:
-            return float(value)
-        except OverflowError:
-            return math.inf
-    if isinstance(value, str):
+    if float in (args or (hint,)) and isinstance(value, str):
         # YAML 1.1 reads `3e-4` (no dot) as a string; accept the number it obviously means.
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    try:
+        return _adapter(hint).validate_python(value)
+    except pydantic.ValidationError as error:
+        kinds = {detail["type"] for detail in error.errors()}
+        return _type_error(hint, value, key_path, origins, "a finite number" if "finite_number" in kinds else None)
+
+
+@functools.cache
+def _adapter(hint: object) -> pydantic.TypeAdapter:
+    # strict: no "5" -> 5 or 1 -> True guessing; allow_inf_nan off: nan/inf (and 1e999) are refused.
+    return pydantic.TypeAdapter(hint, config=pydantic.ConfigDict(strict=True, allow_inf_nan=False))
 
 
 def _type_error(hint, value, key_path, origins, expected: str | None = None) -> typing.NoReturn:

@@ -72,6 +72,10 @@ ROWS = [
     ("int-abc", CHILD, ["train.max_steps=abc"], [], ["train.max_steps", "expected int"]),
     ("int-float", CHILD, ["train.max_steps=1.5"], [], ["train.max_steps", "expected int"]),
     ("bool-string", CHILD, ["model.gradient_checkpointing=maybe"], [], ["model.gradient_checkpointing", "bool"]),
+    ("int-quoted", CHILD, ["train.max_steps='5'"], [], ["train.max_steps", "expected int, got '5'"]),
+    ("float-bool", CHILD, ["optimizer.lr=true"], [], ["optimizer.lr", "expected float, got True"]),
+    ("str-number", CHILD, ["train.output_dir=5"], [], ["train.output_dir", "expected str"]),
+    ("hf-config-nan", CHILD, ["model.config.rope_theta=.nan"], [], ["model.config.rope_theta", "finite"]),
     ("betas-one", CHILD, ["optimizer.betas=[0.9]"], [], ["optimizer.betas"]),
     # finite floats and ranges
     ("weight-nan", CHILD, ["loss.ntl.weight=nan"], [], ["loss.ntl.weight", "finite"]),
