@@ -7,6 +7,8 @@ launch fails the test instead of starting ranks."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +271,17 @@ def test_a_valid_recipe_passes_and_launches_once(workspace, monkeypatch, capsys)
     workspace, _ = workspace
     code, err, launches = run_cli(["train", str(workspace / "common.yaml"), "--nproc", "2"], monkeypatch, capsys)
     assert (code, err, len(launches)) == (0, "", 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [(["trian.max_steps=5"], "trian: unknown key"), (["data.sources=[{"], "not valid YAML"), (["seed=1e999"], "seed")],
+)
+def test_the_installed_command_refuses_in_one_line(workspace, overrides, fragment):
+    """The real entry point (a fresh interpreter, as a user runs it), not only `cli.main` in-process."""
+    workspace, _ = workspace
+    done = subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "train", str(workspace / "common.yaml"),
+                           "--nproc", "2", *overrides], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and fragment in done.stderr, done.stderr
+    assert sorted(p.name for p in (workspace / "out").iterdir()) == ["recipe.yaml"]
