@@ -96,26 +96,8 @@ def check_tokenizer(recipe: Recipe, starts_fresh: bool) -> None:
 
 def check_positions(recipe: Recipe) -> None:
     """`data.seq_len` fits the model's learned/rotary positions, unless rope scaling extends them."""
-    config = dict(recipe.model.config)
-    if recipe.init_from is not None:
-        import json
-
-        path = Path(recipe.init_from).expanduser() / "config.json"
-        try:
-            on_disk = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as error:
-            raise RecipeError(f"init_from: {path} is not a JSON config: {error}") from error
-        config = {**on_disk, **config}
-    elif recipe.model.model_type is not None:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.for_model(recipe.model.model_type, **config).to_dict()
-        except (TypeError, ValueError) as error:
-            raise RecipeError(f"model.config: {' '.join(str(error).split())}") from error
-    else:
-        return
-    if config.get("rope_scaling"):
+    config = model_config(recipe)
+    if config is None or config.get("rope_scaling"):
         return
     for key in POSITION_KEYS:
         limit = config.get(key)
@@ -124,6 +106,25 @@ def check_positions(recipe: Recipe) -> None:
                 f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's {key} ({limit}); raise "
                 f"model.config.{key} or shorten data.seq_len"
             )
+
+
+def model_config(recipe: Recipe) -> dict | None:
+    """The HF config the run will build (`init_from`'s with `model.config` on top, or `model_type`'s), as a dict;
+    None when it comes from the checkpoint a resume loads. transformers validates the values (`hidden_size: abc`)."""
+    from transformers import AutoConfig
+
+    try:
+        if recipe.init_from is not None:
+            key = "init_from"
+            config = AutoConfig.from_pretrained(Path(recipe.init_from).expanduser(), **recipe.model.config)
+        elif recipe.model.model_type is not None:
+            key = "model.config"
+            config = AutoConfig.for_model(recipe.model.model_type, **recipe.model.config)
+        else:
+            return None
+    except Exception as error:  # transformers raises ValueError, TypeError, OSError and its own validation errors
+        raise RecipeError(f"{key}: cannot build the model config: {' '.join(str(error).split())}") from error
+    return config.to_dict()
 
 
 def check_output_dir(output_dir: str) -> None:

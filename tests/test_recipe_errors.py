@@ -119,6 +119,18 @@ ROWS = [
     ("no-data-section", "base: {nodata}\n", [], [], ["data.sources", "at least one"]),
     ("model-type-typo", CHILD, ["model.model_type=lama"], [], ["model.model_type", "'lama'", "llama"]),
     ("seq-len-beyond-positions", CHILD, ["data.seq_len=1024"], [], ["data.seq_len", "max_position_embeddings (512)"]),
+    ("hf-config-bad-type", CHILD, ["model.config.hidden_size=abc"], [], ["model.config", "hidden_size", "'abc'"]),
+    (
+        "init-from-bad-config",
+        CHILD,
+        ["init_from={tmp}/bad-config", "model.model_type=null", "train.resume=null"],
+        [],
+        ["init_from", "cannot build the model config"],
+    ),
+    ("text-field-missing", CHILD, ["data.sources.2.text_field=body"], [], ["data.sources.2", "'body'"]),
+    ("format-parquet-on-jsonl", CHILD, ["data.sources.2.format=parquet"], [], ["data.sources.2", "not a parquet"]),
+    ("data-file-missing", CHILD, ["data.sources.0.path={tmp}/none.jsonl"], [], ["data.sources.0.path", "none.jsonl"]),
+    ("validation-file-missing", CHILD, ["data.validation.1.path={tmp}/none.jsonl"], [], ["data.validation.1.path"]),
     ("tokenizer-missing", CHILD, ["tokenizer.path={tmp}/no-tokenizer.json"], [], ["tokenizer.path", "does not exist"]),
     (
         "tokenizer-missing-pkg",
@@ -172,6 +184,9 @@ def workspace(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "config-only").mkdir()
     (tmp_path / "config-only" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "bad-config").mkdir()
+    (tmp_path / "bad-config" / "config.json").write_text("{not json")
+    (tmp_path / "bad-config" / "model.safetensors").write_bytes(b"")
     without_data = yaml.safe_load(TINY.read_text())
     del without_data["data"]
     without_data["deepspeed"]["config"] = str(REPO / "configs" / "zero3.json")
