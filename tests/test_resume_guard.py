@@ -200,15 +200,18 @@ def test_identical_tokenizer_and_corpus_at_other_paths_are_accepted(tmp_path_fac
     run_distributed(_accept_the_same_content_elsewhere, 2, str(run_dir), str(tokenizer_copy), str(source_copy))
 
 
-def test_a_peer_that_never_joins_is_named_after_the_timeout():
+@pytest.mark.parametrize(("rank", "says"), [(0, "1/2 clients joined"), (1, "timed out after 3000ms")])
+def test_a_group_that_never_forms_is_named_after_the_timeout(rank, says):
+    """Rank 0 alone (its peer never joins) and rank 1 alone (its master never answers) of 2."""
     port = free_port()
-    env = {**environment(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+    env = {**environment(), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}  # fmt: skip
     code = "from ntl_pretrain.train import init_distributed; init_distributed(3)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-4000:]
     line = next(line for line in done.stderr.splitlines() if line.startswith("ntl-pretrain:"))
-    assert f"train.dist_timeout_seconds=3 at master 127.0.0.1:{port}" in line and "1/2 clients joined" in line, line
+    assert f"rank {rank} of 2" in line and f"train.dist_timeout_seconds=3 at master 127.0.0.1:{port}" in line, line
+    assert says in line, line
 
 
 def test_leftover_partial_saves_are_removed_and_published_ones_kept(tmp_path):
