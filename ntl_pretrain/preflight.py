@@ -92,6 +92,12 @@ def check_tokenizer(recipe: Recipe, starts_fresh: bool) -> None:
         raise RecipeError(f"tokenizer.path: {error}") from error
     if not path.exists():
         raise RecipeError(f"tokenizer.path: {path} does not exist")
+    from ntl_pretrain.tokenizer import load_tokenizer
+
+    try:  # every rank loads it again after launch; a file that is not a tokenizer fails here, once, in one line
+        load_tokenizer(spec, trust_remote_code=recipe.tokenizer.trust_remote_code)
+    except Exception as error:  # tokenizers, sentencepiece, tiktoken and transformers raise their own types
+        raise RecipeError(f"tokenizer.path: cannot load {spec}: {' '.join(str(error).split())[:300]}") from error
 
 
 def check_positions(recipe: Recipe) -> None:

@@ -131,6 +131,14 @@ ROWS = [
     ("format-parquet-on-jsonl", CHILD, ["data.sources.2.format=parquet"], [], ["data.sources.2", "not a parquet"]),
     ("data-file-missing", CHILD, ["data.sources.0.path={tmp}/none.jsonl"], [], ["data.sources.0.path", "none.jsonl"]),
     ("validation-file-missing", CHILD, ["data.validation.1.path={tmp}/none.jsonl"], [], ["data.validation.1.path"]),
+    ("tokenizer-not-a-tokenizer", CHILD, ["tokenizer.path={tmp}/bad.json"], [], ["tokenizer.path", "cannot load"]),
+    (
+        "data-missing-pkg",
+        CHILD,
+        ["data.sources.0.path=pkg:no_such_package_x/a.jsonl"],
+        [],
+        ["data.sources.0.path", "no_such_package_x"],
+    ),
     ("tokenizer-missing", CHILD, ["tokenizer.path={tmp}/no-tokenizer.json"], [], ["tokenizer.path", "does not exist"]),
     (
         "tokenizer-missing-pkg",

@@ -154,7 +154,10 @@ def resolve_files(source: SourceConfig) -> list[str]:
     """The files of a source in a fixed (sorted) order; raises `ValueError` naming the path if none exist."""
     if source.format == "hub" or is_remote(source.path):
         return [source.path]
-    path = local_path(source.path)
+    try:
+        path = local_path(source.path)
+    except FileNotFoundError as error:  # a `pkg:` path naming a package that is not installed
+        raise ValueError(f"path: {error}") from error
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
     elif glob.has_magic(str(path)):
