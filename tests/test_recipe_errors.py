@@ -139,6 +139,7 @@ ROWS = [
         [],
         ["data.sources.0.path", "no_such_package_x"],
     ),
+    ("gpt2-positions", "base: {gpt2}\n", [], [], ["data.seq_len", "n_positions (64)"]),
     ("tokenizer-missing", CHILD, ["tokenizer.path={tmp}/no-tokenizer.json"], [], ["tokenizer.path", "does not exist"]),
     (
         "tokenizer-missing-pkg",
@@ -200,6 +201,9 @@ def workspace(tmp_path):
     without_data["deepspeed"]["config"] = str(REPO / "configs" / "zero3.json")
     without_data["train"]["output_dir"] = str(out)
     (tmp_path / "nodata.yaml").write_text(yaml.safe_dump(without_data))
+    gpt2 = {**without_data, "data": yaml.safe_load(TINY.read_text())["data"]}
+    gpt2["model"] = {"model_type": "gpt2", "config": {"n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4}}
+    (tmp_path / "gpt2.yaml").write_text(yaml.safe_dump(gpt2))
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
@@ -224,7 +228,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(workspace, monkeypatch
         recipe.write_bytes(text)
     elif text is not None:
         text = text.replace("{common}", str(workspace / "common.yaml"))
-        recipe.write_text(text.replace("{nodata}", str(workspace / "nodata.yaml")))
+        for name in ("nodata", "gpt2"):
+            text = text.replace(f"{{{name}}}", str(workspace / f"{name}.yaml"))
+        recipe.write_text(text)
     overrides = [item.replace("{tmp}", str(workspace)) for item in overrides]
     options = [item.replace("{port}", str(busy_port)) for item in options]
     results = {}
