@@ -1,6 +1,6 @@
 """Pre-flight: the checks of a recipe that need the world (installed model types, files, folders, ports), run by
 `ntl-pretrain train` and `--dry-run` alike before any process starts. Each failure is one `RecipeError` naming the
-key; `check_recipe` in config.py has already checked types, ranges and contradictions."""
+key; `load_recipe` (config.py) has already checked types, ranges and contradictions."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def check_tokenizer(recipe: Recipe, starts_fresh: bool) -> None:
 def check_positions(recipe: Recipe) -> None:
     """`data.seq_len` fits the model's learned/rotary positions, unless rope scaling extends them."""
     config = model_config(recipe)
-    if config is None or config.get("rope_scaling"):
+    if config is None or rope_scaled(config):
         return
     for key in POSITION_KEYS:
         limit = config.get(key)
@@ -112,6 +112,14 @@ def check_positions(recipe: Recipe) -> None:
                 f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's {key} ({limit}); raise "
                 f"model.config.{key} or shorten data.seq_len"
             )
+
+
+def rope_scaled(config: dict) -> bool:
+    """Rope scaling (linear, dynamic, yarn, ...) stretches the positions past the trained length: transformers < 5
+    calls it `rope_scaling`, 5 calls it `rope_parameters` and always sets one (type `default` = no scaling)."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    return kind != "default"
 
 
 def model_config(recipe: Recipe) -> dict | None:

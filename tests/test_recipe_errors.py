@@ -314,3 +314,20 @@ def test_the_installed_command_refuses_in_one_line(workspace, overrides, fragmen
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and fragment in done.stderr, done.stderr
     assert sorted(p.name for p in (workspace / "out").iterdir()) == ["recipe.yaml"]
+
+
+@pytest.mark.parametrize(("rope_scaling", "refused"), [(None, True), ({"rope_type": "linear", "factor": 4.0}, False)])
+def test_rope_scaling_lets_seq_len_exceed_the_trained_positions(tmp_path, rope_scaling, refused):
+    from transformers import LlamaConfig
+
+    from ntl_pretrain import preflight
+    from ntl_pretrain.config import RecipeError
+
+    LlamaConfig(max_position_embeddings=512, rope_scaling=rope_scaling).save_pretrained(tmp_path)
+    recipe = load_recipe(TINY, [f"init_from={tmp_path}", "model.model_type=null", "train.resume=null",
+                                "data.seq_len=1024"])  # fmt: skip
+    if refused:
+        with pytest.raises(RecipeError, match=r"data.seq_len: 1024 tokens exceed the model's max_position_embeddings"):
+            preflight.check_positions(recipe)
+    else:
+        preflight.check_positions(recipe)
