@@ -318,6 +318,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):
+                raise RecipeError(f"line {line}: a key must be a plain name, got {key!r}")
             if key in seen:
                 raise RecipeError(f"line {line}: duplicate key {key!r} (first at line {seen[key]})")
             seen[key] = line

@@ -45,6 +45,7 @@ ROWS = [
         [],
         ["r.yaml", "duplicate key 'weight'"],
     ),
+    ("list-as-key", "? [a]\n: 1\n", [], [], ["r.yaml", "line 1", "a key must be a plain name"]),
     # base: chains
     ("base-int", "base: 5\n", [], [], ["r.yaml", "base:", "5"]),
     ("base-list", "base: [a.yaml]\n", [], [], ["r.yaml", "base:", "['a.yaml']"]),
