@@ -220,6 +220,10 @@ class LoggingConfig:
     peak_flops_per_device: float | None = None
     """Peak FLOP/s of one device for MFU; null = H100 bf16 dense (989e12) on CUDA, no MFU (null) on CPU."""
 
+    def check(self) -> None:
+        if self.peak_flops_per_device is not None and self.peak_flops_per_device <= 0:
+            raise ValueError(f"peak_flops_per_device: must be > 0 or null, got {self.peak_flops_per_device}")
+
 
 @dataclass
 class DeepSpeedSection:

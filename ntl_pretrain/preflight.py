@@ -107,6 +107,8 @@ def check_positions(recipe: Recipe) -> None:
         return
     for key in POSITION_KEYS:
         limit = config.get(key)
+        if isinstance(limit, int) and limit < 1:
+            raise RecipeError(f"model.config.{key}: must be >= 1 positions, got {limit}")
         if isinstance(limit, int) and recipe.data.seq_len > limit:
             raise RecipeError(
                 f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's {key} ({limit}); raise "
@@ -142,6 +144,8 @@ def model_config(recipe: Recipe) -> dict | None:
 
 
 def check_output_dir(output_dir: str) -> None:
+    if not output_dir.strip():
+        raise RecipeError("train.output_dir: empty; name the run's folder")
     folder = Path(output_dir).expanduser()
     if folder.exists() and not folder.is_dir():
         raise RecipeError(f"train.output_dir: {folder} is a file, not a folder")

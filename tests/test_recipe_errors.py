@@ -172,6 +172,15 @@ ROWS = [
         ["init_from", "no weights"],
     ),
     ("output-dir-is-file", CHILD, ["train.output_dir={tmp}/list.json"], [], ["train.output_dir", "is a file"]),
+    ("output-dir-empty", CHILD, ["train.output_dir=''"], [], ["train.output_dir", "empty"]),
+    (
+        "positions-negative",
+        CHILD,
+        ["model.config.max_position_embeddings=-5"],
+        [],
+        ["model.config.max_position_embeddings", ">= 1"],
+    ),
+    ("peak-flops-negative", CHILD, ["logging.peak_flops_per_device=-1"], [], ["logging.peak_flops_per_device"]),
     ("resume-is-file", CHILD, ["train.resume={tmp}/list.json"], [], ["train.resume", "is a file"]),
     ("resume-no-checkpoint", CHILD, ["train.resume={tmp}/empty"], [], ["train.resume", "no checkpoint"]),
     # launcher options
