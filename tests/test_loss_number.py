@@ -90,3 +90,21 @@ def test_rows_never_join_and_gradcheck():
     assert later.tolist() == [0, 1, 0, 2, 0, 0]
     logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: number_losses(x, labels, nv)[0].sum(), (logits,))
+
+
+def test_ce_ntl_loss_kind_number_is_ce_plus_mean_per_number_loss():
+    from ntl_pretrain.loss import ce_ntl_loss
+
+    tokenizer = real_tokenizer("gpt2")
+    nv = NumberVocab.from_tokenizer(tokenizer)
+    labels = number_labels(tokenizer, ["a 12345 b 7 c 2024", "x 31 y 4 z 100000"], 12)
+    logits = torch.randn(*labels.shape, nv.vocab_size, dtype=torch.float64, requires_grad=True)
+    out = ce_ntl_loss(logits, labels, nv, kind="number", weight=0.3)
+    per_number, count = number_losses(logits, labels, nv)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, nv.vocab_size), labels.reshape(-1))
+    assert int(out.num_number_tokens) == int(count) > 4
+    torch.testing.assert_close(out.loss, ce + 0.3 * per_number.sum() / count, rtol=1e-12, atol=1e-12)
+    out.loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    with pytest.raises(ValueError, match="reweigh"):
+        ce_ntl_loss(logits, labels, nv, kind="number", reweigh=True)

@@ -9,7 +9,9 @@ import torch
 from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype, make_targets
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
-KINDS = ("was", "mse", "mae", "huber")
+TOKEN_KINDS = ("was", "mse", "mae", "huber")
+KINDS = (*TOKEN_KINDS, "number")
+"""Token-level kinds judge each number token; "number" judges whole numbers (number_level.py)."""
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -52,6 +54,8 @@ def ce_ntl_loss(
     by the counts summed over it.
     """
     check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start)
+    if kind == "number":
+        return number_level_loss(logits, labels, nv, weight, reweigh, ignore_index, reduction, group)
     num_columns = logits.shape[-1]
     logits_NV = logits.reshape(-1, num_columns)
     shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
@@ -69,6 +73,33 @@ def ce_ntl_loss(
         numbers = num_number_tokens.clamp_min(1)
         ce, ntl, number_ce = ce_N.sum() / num_tokens.clamp_min(1), ntl_N.sum() / numbers, number_ce_N.sum() / numbers
     return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_number_tokens, number_ce)
+
+
+def number_level_loss(logits, labels, nv, weight, reweigh, ignore_index, reduction, group) -> LossOutput:
+    """CE plus `weight` times the number-level NTL: one loss per whole number; "mean" divides NTL by the count
+    of numbers, which `num_number_tokens` then holds. Dense logits only for now (no vocabulary-parallel group)."""
+    from ntl_pretrain.loss.number_level import number_losses  # number_level imports nothing from here
+
+    if reweigh:
+        raise ValueError('reweigh is not defined for kind="number" (it weighs single tokens)')
+    if group is not None:
+        raise NotImplementedError('kind="number" has no vocabulary-parallel form yet')
+    ce_out = ce_ntl_loss(logits, labels, nv, kind=None, ignore_index=ignore_index, reduction="none")
+    ce_N = ce_out.ce
+    ntl_N, num_numbers = number_losses(logits, labels, nv, ignore_index)
+    ntl_N = ntl_N.to(ce_N.dtype)
+    is_number = (labels != ignore_index) & (nv.classes.to(labels.device)[labels.clamp_min(0)] >= 0)
+    number_ce_N = torch.where(is_number, ce_N.detach(), 0.0)
+    num_tokens = ce_out.num_tokens
+    if reduction == "none":
+        ce, ntl, number_ce = ce_N, ntl_N, number_ce_N
+    elif reduction == "sum":
+        ce, ntl, number_ce = ce_N.sum(), ntl_N.sum(), number_ce_N.sum()
+    else:
+        ce = ce_N.sum() / num_tokens.clamp_min(1)
+        ntl = ntl_N.sum() / num_numbers.clamp_min(1)
+        number_ce = number_ce_N.sum() / is_number.sum().clamp_min(1)
+    return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_numbers, number_ce)
 
 
 def no_number_shard(device: torch.device) -> NumberShard:
