@@ -63,8 +63,9 @@ class TokenizerConfig:
 
 @dataclass
 class NtlConfig:
-    kind: Literal["was", "mse", "mae", "huber"] | None = "was"
-    """NTL variant; null trains with plain cross-entropy through the same code path."""
+    kind: Literal["was", "mse", "mae", "huber", "number"] | None = "was"
+    """NTL variant; null trains with plain cross-entropy through the same code path. "number": one relative-error
+    loss per whole number across its tokens (issue 12; needs loss.head: dense for now)."""
     weight: float = 0.3
     """λ in `CE + λ·NTL`."""
     reweigh: bool = False
@@ -73,6 +74,8 @@ class NtlConfig:
     def check(self) -> None:
         if self.weight < 0:
             raise ValueError("weight: must be >= 0")
+        if self.kind == "number" and self.reweigh:
+            raise ValueError("reweigh: not defined for kind number (it weighs single tokens)")
 
 
 @dataclass
@@ -95,6 +98,8 @@ class LossConfig:
             raise ValueError("vocab_parallel_size: must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size: must be a positive number of positions or null, got {self.chunk_size}")
+        if self.ntl.kind == "number" and (self.head != "dense" or self.vocab_parallel_size > 1):
+            raise ValueError("ntl.kind: number runs on head: dense without vocab_parallel_size for now (issue 12)")
 
 
 @dataclass

@@ -30,6 +30,7 @@ from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation import generation_metrics
+from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
 from ntl_pretrain.process_group import bind_local_device, default_backend
@@ -226,7 +227,9 @@ class Trainer:
             labels_BT = batch["labels"]
             target_BT = labels_BT != IGNORE_INDEX
             counts[0] += target_BT.sum()
-            if classes is not None:
+            if classes is not None and self.recipe.loss.ntl.kind == "number":
+                counts[1] += count_numbers(labels_BT, self.built.number_vocab)  # NTL is per number, not token
+            elif classes is not None:
                 counts[1] += (target_BT & (classes[labels_BT.clamp(min=0)] >= 0)).sum()
             counts[2] += labels_BT.numel()
         dist.all_reduce(counts)

@@ -77,7 +77,8 @@ def ce_ntl_loss(
 
 def number_level_loss(logits, labels, nv, weight, reweigh, ignore_index, reduction, group) -> LossOutput:
     """CE plus `weight` times the number-level NTL: one loss per whole number; "mean" divides NTL by the count
-    of numbers, which `num_number_tokens` then holds. Dense logits only for now (no vocabulary-parallel group)."""
+    of numbers, which `num_number_tokens` then holds; `number_ce` is then the CE of whole numbers (the sum over a
+    number's tokens) per number. Dense logits only for now (no vocabulary-parallel group)."""
     from ntl_pretrain.loss.number_level import number_losses  # number_level imports nothing from here
 
     if reweigh:
@@ -98,7 +99,7 @@ def number_level_loss(logits, labels, nv, weight, reweigh, ignore_index, reducti
     else:
         ce = ce_N.sum() / num_tokens.clamp_min(1)
         ntl = ntl_N.sum() / num_numbers.clamp_min(1)
-        number_ce = number_ce_N.sum() / is_number.sum().clamp_min(1)
+        number_ce = number_ce_N.sum() / num_numbers.clamp_min(1)
     return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_numbers, number_ce)
 
 
