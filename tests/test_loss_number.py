@@ -6,7 +6,7 @@ import torch
 
 from ntl_pretrain.loss.number_level import EPS, count_numbers, find_spans, number_losses
 from ntl_pretrain.numbers import NumberVocab, parse_number_token
-from tests.real_tokenizers import real_tokenizer
+from real_tokenizers import real_tokenizer
 
 
 def reference_numbers(logits, labels, surfaces, nv):
