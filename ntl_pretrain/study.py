@@ -55,6 +55,7 @@ VALIDATION_METRICS = (
     Metric("val_ce", "val CE", False, 3),
     Metric("val_number_ce", "val CE at number labels", False, 3),
     Metric("val_ntl_was", "val NTL-WAS", False, 3),
+    Metric("val_ntl_number", "val NTL-number", False, 3),
 )
 
 

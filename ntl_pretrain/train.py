@@ -220,15 +220,17 @@ class Trainer:
         return peak.item()
 
     def _global_counts(self, batches: list[dict]) -> torch.Tensor:
-        """[label tokens, number-label tokens, input tokens] over all micro-batches and ranks (one all-reduce)."""
+        """[label tokens, NTL terms (number-label tokens, or numbers for kind number), input tokens] over all
+        micro-batches and ranks (one all-reduce)."""
         classes = None if self.built.number_vocab is None else self.built.number_vocab.classes
+        ntl = self.recipe.loss.ntl
         counts = torch.zeros(3, dtype=torch.float64)
         for batch in batches:
             labels_BT = batch["labels"]
             target_BT = labels_BT != IGNORE_INDEX
             counts[0] += target_BT.sum()
-            if classes is not None and self.recipe.loss.ntl.kind == "number":
-                counts[1] += count_numbers(labels_BT, self.built.number_vocab)  # NTL is per number, not token
+            if classes is not None and ntl.kind == "number":  # one NTL term per number, not per number token
+                counts[1] += count_numbers(labels_BT, self.built.number_vocab, float_level=ntl.float_level)
             elif classes is not None:
                 counts[1] += (target_BT & (classes[labels_BT.clamp(min=0)] >= 0)).sum()
             counts[2] += labels_BT.numel()

@@ -1,6 +1,8 @@
 """CE + NTL per position in float64, vectorised, written from design.md's definition (not from fused.py).
 
 Shared by the vocabulary-parallel and chunked-head tests: autograd through this gives the reference gradients.
+The number-level kind walks each row of the labels in Python, one number at a time (not number_level.py's
+cumulative sums), and assembles each number by Horner's rule.
 Legend: N positions, V vocabulary.
 """
 
@@ -23,10 +25,54 @@ def loss_of_error(error: torch.Tensor, kind: str) -> torch.Tensor:
     return error.abs()
 
 
+def reference_numbers(labels: torch.Tensor, nv: NumberVocab, float_level: bool = False) -> list[list[tuple[int, int]]]:
+    """Each number in `labels` (rows along the last dimension) as its tokens' [(flat position, digits)]."""
+    joining = "wordpiece" if any(c.marker == "wordpiece" for c in nv.class_info) else "none"
+    rows = labels.reshape(-1, labels.shape[-1]).tolist()
+    numbers = []
+    for r, row in enumerate(rows):
+        current, after_point = None, False  # the number the previous token belongs to; whether a point followed
+        for t, label in enumerate(row):
+            number_class = int(nv.classes[label]) if label != -100 else -1
+            if number_class < 0:
+                joins_next = float_level and label != -100 and bool(nv.decimal_points[label]) and not after_point
+                current, after_point = (current, True) if joins_next and current is not None else (None, False)
+                continue
+            info = nv.class_info[number_class]
+            if current is None or info.marker != joining:
+                current = []
+                numbers.append(current)
+            current.append((r * len(row) + t, info.digits))
+            after_point = False
+    return numbers
+
+
+def number_level_rows(expected_N: torch.Tensor, labels: torch.Tensor, nv: NumberVocab, float_level: bool):
+    """Per position: each number's |ŷ − y| / (|ŷ| + |y| + eps) at its first position, 0 elsewhere."""
+    labels_N = labels.reshape(-1)
+    values = torch.nan_to_num(nv.values.double())
+    losses = [expected_N.new_zeros(())] * labels_N.numel()
+    for number in reference_numbers(labels, nv, float_level):
+        predicted = target = 0.0
+        for position, digits in number:
+            predicted = predicted * 10.0**digits + expected_N[position]
+            target = target * 10.0**digits + float(values[labels_N[position]])
+        eps = float(torch.finfo(torch.float32).eps)
+        losses[number[0][0]] = (predicted - target).abs() / (predicted.abs() + abs(target) + eps)
+    return torch.stack(losses)
+
+
 def reference_rows(
-    logits_NV: torch.Tensor, labels_N: torch.Tensor, nv: NumberVocab | None, kind: str | None, reweigh: bool
+    logits_NV: torch.Tensor,
+    labels: torch.Tensor,
+    nv: NumberVocab | None,
+    kind: str | None,
+    reweigh: bool,
+    float_level: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CE [N], NTL [N]) in float64, zero where they do not apply; ignore_index is -100."""
+    """(CE [N], NTL [N]) in float64, zero where they do not apply; ignore_index is -100. `labels` [..., T] are the
+    N positions' labels; the number-level kind reads numbers along their last dimension."""
+    labels_N = labels.reshape(-1)
     z_NV = logits_NV.double()
     valid_N = labels_N != -100
     label_N = torch.where(valid_N, labels_N, 0)
@@ -45,6 +91,8 @@ def reference_rows(
     q_NV = torch.softmax(class_z_NV, 1)
     if kind == "was":
         ntl_N = (q_NV * (values_V[None, :] - y_N[:, None]).abs()).sum(1) / s_N
+    elif kind == "number":
+        ntl_N = number_level_rows((q_NV * values_V[None, :]).sum(1), labels, nv, float_level)
     else:
         ntl_N = loss_of_error(((q_NV * values_V[None, :]).sum(1) - y_N) / s_N, kind)
     if reweigh:
@@ -56,15 +104,25 @@ def reference_rows(
     return ce_N, torch.where(is_number_N, ntl_N, 0.0)
 
 
-def reduce_rows(ce_N: torch.Tensor, ntl_N: torch.Tensor, labels_N: torch.Tensor, nv, kind, reduction: str):
-    """(CE, NTL) reduced like ce_ntl_loss: "mean" over non-ignored / number-label positions, "sum", or "none"."""
+def reduce_rows(ce_N, ntl_N, labels: torch.Tensor, nv, kind, reduction: str, float_level: bool = False):
+    """(CE, NTL) reduced like ce_ntl_loss: "mean" over non-ignored / number-label positions (numbers for the
+    number-level kind), "sum", or "none"."""
     if reduction == "none":
         return ce_N, ntl_N
     if reduction == "sum":
         return ce_N.sum(), ntl_N.sum()
-    valid_N = labels_N != -100
-    num_numbers = 0 if kind is None else int((nv.classes[torch.where(valid_N, labels_N, 0)] >= 0)[valid_N].sum())
-    return ce_N.sum() / max(1, int(valid_N.sum())), ntl_N.sum() / max(1, num_numbers)
+    num_terms = count_ntl_terms(labels, nv, kind, float_level)
+    return ce_N.sum() / max(1, int((labels != -100).sum())), ntl_N.sum() / max(1, num_terms)
+
+
+def count_ntl_terms(labels: torch.Tensor, nv, kind, float_level: bool = False) -> int:
+    """Number-label positions, or numbers for the number-level kind (0 without NTL)."""
+    if kind is None:
+        return 0
+    if kind == "number":
+        return len(reference_numbers(labels, nv, float_level))
+    valid = labels != -100
+    return int((nv.classes[torch.where(valid, labels, 0)] >= 0)[valid].sum())
 
 
 def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, relative: float, what: str) -> None:

@@ -15,6 +15,7 @@ from float64_reference import assert_close_relative, reduce_rows, reference_rows
 from test_vocab_parallel import BOUNDARIES, synthetic_vocab
 
 from ntl_pretrain.loss import KINDS, ce_ntl_loss
+from ntl_pretrain.loss.ce_ntl import TOKEN_KINDS
 from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 
@@ -22,6 +23,7 @@ NTL_WEIGHT = 0.3
 HIDDEN = 8
 CHUNK_SIZES = (1, 4, 7, None, 1000)
 CAPPED = LogitTransform(scale=1.5, softcap=2.0)  # scaled, then soft-capped well inside the logits' range
+KIND_CASES = [(k, False) for k in KINDS] + [(k, True) for k in TOKEN_KINDS] + [(None, False)]  # reweigh: token kinds
 
 
 def make_inputs(nv, seed: int, shape=(3, 5), number_fraction=0.5):
@@ -48,8 +50,8 @@ def unchunked(hidden, weight, labels, nv, kind, reweigh, reduction):
 
 def float64_reference(hidden, weight, labels, nv, kind, reweigh, reduction, transform=IDENTITY):
     logits = transform(hidden @ weight.T).reshape(-1, nv.vocab_size)
-    ce_N, ntl_N = reference_rows(logits, labels.reshape(-1), nv, kind, reweigh)
-    ce, ntl = reduce_rows(ce_N, ntl_N, labels.reshape(-1), nv, kind, reduction)
+    ce_N, ntl_N = reference_rows(logits, labels, nv, kind, reweigh)
+    ce, ntl = reduce_rows(ce_N, ntl_N, labels, nv, kind, reduction)
     return ce + NTL_WEIGHT * ntl, ce, ntl
 
 
@@ -63,7 +65,7 @@ def loss_and_grads(fn, hidden, weight, upstream=1.0):
     return [t.detach() for t in (loss, ce, ntl, hidden.grad, weight.grad)]
 
 
-@pytest.mark.parametrize("kind,reweigh", [(k, r) for k in KINDS for r in (False, True)] + [(None, False)])
+@pytest.mark.parametrize("kind,reweigh", KIND_CASES)
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_equals_unchunked_fp32_and_float64_reference(kind, reweigh, reduction):
     nv = synthetic_vocab()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from float64_reference import reference_rows
+from float64_reference import count_ntl_terms, reference_rows
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ntl_pretrain.data import build_dataloader
@@ -216,13 +216,13 @@ def test_batched_left_padded_generation_equals_one_by_one_greedy(tokenizer) -> N
 
 
 def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]:
-    """F.cross_entropy and the float64 NTL-WAS of design.md over the same packed batches."""
+    """F.cross_entropy and the float64 NTL-WAS and number-level NTL of design.md over the same packed batches."""
     data = DataConfig(sources=[VALIDATION], validation=[VALIDATION], seq_len=64)
     loader = build_dataloader(
         data, tokenizer, micro_batch_size=4, dp_rank=0, dp_world_size=1, seed=0, split="validation"
     )
     nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-    ce = ntl = tokens = numbers = number_ce = 0.0
+    ce = ntl = tokens = numbers = number_ce = ntl_number = whole_numbers = 0.0
     for index, batch in enumerate(loader):
         if index == max_batches:
             break
@@ -235,10 +235,14 @@ def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]
         number_ce += ce_N[at_number_N].sum().item()
         _, ntl_N = reference_rows(logits_NV, labels_N, nv, "was", reweigh=False)
         ntl += ntl_N.sum().item()
+        _, number_ntl_N = reference_rows(logits_NV, batch["labels"], nv, "number", reweigh=False)
+        ntl_number += number_ntl_N.sum().item()
+        whole_numbers += count_ntl_terms(batch["labels"], nv, "number")
         tokens += (labels_N != -100).sum().item()
         numbers += at_number_N.sum().item()
     return {"val_ce": ce / tokens, "val_ntl_was": ntl / numbers, "val_tokens": tokens, "val_number_tokens": numbers,
-            "val_number_ce": number_ce / numbers}  # fmt: skip
+            "val_number_ce": number_ce / numbers, "val_ntl_number": ntl_number / whole_numbers,
+            "val_numbers": whole_numbers}  # fmt: skip
 
 
 def test_validation_metrics_match_float64_reference(tokenizer) -> None:
@@ -248,6 +252,8 @@ def test_validation_metrics_match_float64_reference(tokenizer) -> None:
     assert got["val_tokens"] == expected["val_tokens"] and got["val_number_tokens"] == expected["val_number_tokens"]
     assert got["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)
     assert got["val_ntl_was"] == pytest.approx(expected["val_ntl_was"], rel=1e-5)
+    assert got["val_numbers"] == expected["val_numbers"] < expected["val_number_tokens"]  # multi-token numbers
+    assert got["val_ntl_number"] == pytest.approx(expected["val_ntl_number"], rel=1e-5)
     assert got["val_number_ce"] == pytest.approx(expected["val_number_ce"], rel=1e-5)
     # an untrained model: CE is near log V everywhere, yet the number positions differ by far more than rel=1e-5
     assert expected["val_number_ce"] != pytest.approx(expected["val_ce"], rel=1e-3)

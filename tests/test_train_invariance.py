@@ -2,8 +2,9 @@
 they are split as 2 ranks x 1 micro-batch of 2, 2 ranks x 2 micro-batches of 1 (gradient accumulation), or fed
 to a single float64 process (plain transformers + torch AdamW + clipping) as one batch, and whichever output head
 computes the loss: dense or chunked, with the output layer whole (k = 1) or shared by the 2 ranks (k = 2), and
-with the output layer tied to the input embedding (dense and chunked against each other). The embedding is padded
-past the tokenizer, as GPU recipes do.
+with the output layer tied to the input embedding (dense and chunked against each other), for a token-level NTL
+and for the number-level one (normalised by the global batch's count of numbers). The embedding is padded past the
+tokenizer, as GPU recipes do.
 
 The 2-rank part runs this file as a script under torchrun; sequences carry different numbers of ignored labels,
 so normalising per micro-batch or per rank instead of over the global batch would show.
@@ -44,13 +45,14 @@ def global_batches(tokenizer) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def recipe_overrides(output_dir: str, ds_config: str, layout: tuple) -> list[str]:
+def recipe_overrides(output_dir: str, ds_config: str, layout: tuple, kind: str) -> list[str]:
     micro_batch_size, head, k, tied = layout
     return [
         f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", "train.resume=null",
         f"data.seq_len={SEQ_LEN}", f"train.micro_batch_size={micro_batch_size}",
         f"train.global_batch_size={SEQUENCES}", f"optimizer.lr={LR}", "optimizer.weight_decay=0",
         "optimizer.grad_clip=1.0", "schedule.kind=constant", "schedule.warmup_steps=0", f"loss.ntl.weight={WEIGHT}",
+        f"loss.ntl.kind={kind}",
         "model.pad_vocab_to_multiple_of=1536",  # 2,048 tokenizer ids -> 3,072 embedding rows past the tokenizer
         f"loss.head={head}", "loss.chunk_size=24", f"loss.vocab_parallel_size={k}",  # 3 chunks per micro-batch of 2
         f"model.config.tie_word_embeddings={str(tied).lower()}",
@@ -65,7 +67,7 @@ def full_parameters(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone().double() for name, p in params.items()}
 
 
-def run_layout(layout: tuple, ds_config: str, output_dir: str) -> dict:
+def run_layout(layout: tuple, ds_config: str, output_dir: str, kind: str) -> dict:
     """Train STEPS steps on this rank's half of every global batch; report losses, grad norms, weights."""
     import torch.distributed as dist
 
@@ -73,7 +75,7 @@ def run_layout(layout: tuple, ds_config: str, output_dir: str) -> dict:
     from ntl_pretrain.deepspeed_config import build_deepspeed_config
     from ntl_pretrain.train import Trainer
 
-    recipe = load_recipe(TINY, recipe_overrides(output_dir, ds_config, layout))
+    recipe = load_recipe(TINY, recipe_overrides(output_dir, ds_config, layout, kind))
     micro_batch_size = layout[0]
     trainer = Trainer(recipe, build_deepspeed_config(recipe, dist.get_world_size()))
     initial = full_parameters(trainer.built.module)
@@ -89,7 +91,7 @@ def run_layout(layout: tuple, ds_config: str, output_dir: str) -> dict:
             "tokenizer": trainer.tokenizer, "config": trainer.built.module.lm.config}  # fmt: skip
 
 
-def float64_reference(initial: dict, config, tokenizer) -> dict:
+def float64_reference(initial: dict, config, tokenizer, kind: str) -> dict:
     """One process, whole global batch, float64: loss = ΣCE/N + λ·ΣNTL/N_num, clip to 1, torch AdamW."""
     from transformers import AutoModelForCausalLM
 
@@ -103,7 +105,7 @@ def float64_reference(initial: dict, config, tokenizer) -> dict:
     losses, grad_norms = [], []
     for batch in global_batches(tokenizer):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        out = ce_ntl_loss(logits, batch["labels"], nv, kind="was", reduction="sum")
+        out = ce_ntl_loss(logits, batch["labels"], nv, kind=kind, reduction="sum")
         loss = out.ce / out.num_tokens + WEIGHT * out.ntl / out.num_number_tokens
         optimizer.zero_grad()
         loss.backward()
@@ -120,17 +122,17 @@ def relative_update_error(final: dict, reference_final: dict, initial: dict) -> 
     return math.sqrt(error / update)
 
 
-def worker(out_path: str, ds_config: str) -> None:
+def worker(out_path: str, ds_config: str, kind: str) -> None:
     import torch.distributed as dist
 
     from ntl_pretrain.train import init_distributed
 
     init_distributed()
     scratch = Path(out_path).parent
-    layouts = {name: run_layout(layout, ds_config, str(scratch / name)) for name, layout in LAYOUTS.items()}
+    layouts = {name: run_layout(layout, ds_config, str(scratch / name), kind) for name, layout in LAYOUTS.items()}
     if dist.get_rank() == 0:
         first = layouts["micro2"]
-        reference = float64_reference(first["initial"], first["config"], first["tokenizer"])
+        reference = float64_reference(first["initial"], first["config"], first["tokenizer"], kind)
         summary = {"reference": {"losses": reference["losses"], "grad_norms": reference["grad_norms"]},
                    "vocab_size": first["config"].vocab_size}  # fmt: skip
         for name, layout in layouts.items():
@@ -162,13 +164,14 @@ UNTIED = [name for name, layout in LAYOUTS.items() if not layout[3]]
 
 
 @pytest.mark.slow
-def test_grad_accumulation_and_world_size_leave_loss_and_update_unchanged(tmp_path):
+@pytest.mark.parametrize("kind", ["was", "number"])
+def test_grad_accumulation_and_world_size_leave_loss_and_update_unchanged(tmp_path, kind):
     ds_config = partition_all_config(tmp_path)
     out = tmp_path / "summary.json"
     from ntl_pretrain.cli import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), __file__, str(out), str(ds_config)]  # fmt: skip
+               str(free_port()), __file__, str(out), str(ds_config), kind]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -195,4 +198,4 @@ def test_grad_accumulation_and_world_size_leave_loss_and_update_unchanged(tmp_pa
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    worker(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import counting_collectives, run_distributed
-from float64_reference import assert_close_relative, reduce_rows, reference_rows
+from float64_reference import assert_close_relative, count_ntl_terms, reduce_rows, reference_rows
 
 from ntl_pretrain.loss import KINDS, ce_ntl_loss
+from ntl_pretrain.loss.ce_ntl import TOKEN_KINDS
 from ntl_pretrain.numbers import NumberVocab
 
 NTL_WEIGHT = 0.3
@@ -91,7 +92,7 @@ def check_case(nv, kind, reweigh, reduction, dtype, composition, seed) -> None:
     assert not backward_calls, f"{what}: backward collectives {dict(backward_calls)}"
 
     reference_logits = full_logits.detach().clone().requires_grad_(True)
-    ce_N, ntl_N = reference_rows(reference_logits.reshape(-1, nv.vocab_size), labels.reshape(-1), nv, kind, reweigh)
+    ce_N, ntl_N = reference_rows(reference_logits.reshape(-1, nv.vocab_size), labels, nv, kind, reweigh)
     ref_ce, ref_ntl = reduce_rows(ce_N.view(labels.shape), ntl_N.view(labels.shape), labels, nv, kind, reduction)
     ((ref_ce * g_ce).sum() + (ref_ntl * g_ntl).sum()).backward()
 
@@ -104,7 +105,7 @@ def check_case(nv, kind, reweigh, reduction, dtype, composition, seed) -> None:
 
 def check_all_cases() -> None:
     nv = synthetic_vocab()
-    cases = [(kind, reweigh) for kind in KINDS for reweigh in (False, True)] + [(None, False)]
+    cases = [(kind, False) for kind in KINDS] + [(kind, True) for kind in TOKEN_KINDS] + [(None, False)]
     dtypes, reductions = (torch.float64, torch.float32), ("mean", "sum", "none")
     for seed, ((kind, reweigh), reduction, dtype, composition) in enumerate(
         itertools.product(cases, reductions, dtypes, BATCHES)
@@ -146,12 +147,12 @@ def dense_reference(nv, weight, kind, reweigh, world_size):
     """Global-batch loss ΣCE/N + λ·ΣNTL/N_num over all ranks' positions, float64, with gradients."""
     inputs = [rank_inputs(nv, rank) for rank in range(world_size)]
     hidden = [h.clone().requires_grad_(True) for h, _ in inputs]
-    labels = torch.cat([labels.reshape(-1) for _, labels in inputs])
+    labels = torch.cat([labels for _, labels in inputs])  # the ranks' rows, one after another
     weight = weight.clone().requires_grad_(True)
     logits = torch.cat([h.reshape(-1, HIDDEN) for h in hidden]) @ weight.T
     ce_N, ntl_N = reference_rows(logits, labels, nv, kind, reweigh)
     num_tokens = int((labels != -100).sum())
-    num_numbers = 0 if kind is None else int((nv.classes[labels.clamp_min(0)] >= 0)[labels != -100].sum())
+    num_numbers = count_ntl_terms(labels, nv, kind)
     scales = 1 / max(1, num_tokens), NTL_WEIGHT / max(1, num_numbers)
     (ce_N.sum() * scales[0] + ntl_N.sum() * scales[1]).backward()
     per_rank = ce_N.view(world_size, -1).sum(1), ntl_N.view(world_size, -1).sum(1)
@@ -165,7 +166,13 @@ def check_head_cases() -> None:
     nv = synthetic_vocab()
     weight = torch.randn(nv.vocab_size, HIDDEN, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     lo, hi = vocab_bounds(nv.vocab_size, world_size)[rank : rank + 2]
-    for kind, reweigh, chunk_size in [("was", False, 3), ("mse", True, None), (None, False, 4)]:
+    for kind, reweigh, chunk_size in [
+        ("was", False, 3),
+        ("mse", True, None),
+        (None, False, 4),
+        ("number", False, 3),
+        ("number", False, None),
+    ]:
         what = f"world={world_size} rank={rank} {kind=} {reweigh=} {chunk_size=}"
         ref_hidden, ref_weight_grad, (ce_sums, ntl_sums), scales, counts = dense_reference(
             nv, weight, kind, reweigh, world_size
@@ -184,7 +191,8 @@ def check_head_cases() -> None:
         head.average_gradients(data_parallel_size=world_size)
 
         chunks = -(-world_size * hidden[..., 0].numel() // chunk_size) if chunk_size else 1
-        expected = Counter(all_gather_into_tensor=2, all_reduce=2 * chunks + (chunk_size is None))
+        number_pass = 2 if kind == "number" else 0  # the number-token logits of all positions, before the chunks
+        expected = Counter(all_gather_into_tensor=2, all_reduce=2 * chunks + (chunk_size is None) + number_pass)
         assert forward_calls == expected, f"{what}: forward collectives {dict(forward_calls)}"
         assert backward_calls == Counter(reduce_scatter_tensor=1), f"{what}: backward {dict(backward_calls)}"
         share = ce_sums[rank] * scales[0] + ntl_sums[rank] * scales[1]

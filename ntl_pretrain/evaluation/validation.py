@@ -5,8 +5,9 @@ source on its own, with the run's `seq_len` and `per_document_attention`), and t
 it: restarting position ids, no attention mask and no KV cache, the mode in which transformers keeps sdpa and
 eager attention inside each packed document (docs/data.md). So `val_ce`, `val_ntl` (of the run's NTL kind) and
 `val_number_ce` equal the trainer's over the whole split. NTL is measured with a fixed kind (WAS by default)
-whatever the model was trained with, so a CE-only model gets an NTL too. With a process group every rank reads
-its blocks (the loader gives every rank equally many batches) and the sums are all-reduced.
+whatever the model was trained with, so a CE-only model gets an NTL too, and so is the number-level NTL
+(`val_ntl_number`, integers: `float_level` off), which every model gets beside the chosen kind. With a process
+group every rank reads its blocks (the loader gives every rank equally many batches) and the sums are all-reduced.
 
 Shapes: B micro-batch, T sequence, V model vocabulary.
 """
@@ -36,8 +37,9 @@ def validation_metrics(
     ntl_kind: str = "was",
     per_document_attention: bool = False,
 ) -> dict[str, float]:
-    """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_tokens`, `val_number_tokens` and `val_number_ce` (CE
-    where the label is a number token: where NTL acts, and where it may trade CE for closer numbers) over all
+    """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_ntl_number`, `val_tokens`, `val_number_tokens`, `val_numbers`
+    and `val_number_ce` (CE where the label is a number token: where NTL acts, and where it may trade CE for closer
+    numbers; per number token) over all
     sources and ranks, and with several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart
     from arithmetic).
     Each source is packed on its own, as in the trainer; `max_batches` caps each source's micro-batches per rank;
@@ -72,8 +74,8 @@ def _source_sums(
     max_batches: int | None,
     ntl_kind: str,
 ) -> torch.Tensor:
-    """float64 [5]: summed CE, summed NTL, label tokens, number-label tokens and summed CE at number labels of
-    `data`'s one validation source over all ranks."""
+    """float64 [7]: summed CE, summed NTL, label tokens, number-label tokens, summed CE at number labels, summed
+    number-level NTL and numbers of `data`'s one validation source over all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     loader = build_dataloader(
         data,
@@ -84,7 +86,7 @@ def _source_sums(
         seed=0,
         split="validation",
     )
-    sums = torch.zeros(5, dtype=torch.float64)
+    sums = torch.zeros(7, dtype=torch.float64)
     is_number_V = (number_vocab.classes >= 0).to(model.device)
     with torch.no_grad():
         for index, batch in enumerate(loader):
@@ -95,7 +97,11 @@ def _source_sums(
             out = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="none")
             at_number_BT = (labels_BT != -100) & is_number_V[labels_BT.clamp_min(0)]
             number_ce = torch.where(at_number_BT, out.ce, 0.0).sum()
-            totals = [out.ce.sum(), out.ntl.sum(), out.num_tokens, out.num_number_tokens, number_ce]
+            whole = out  # the number-level NTL, whatever the chosen kind
+            if ntl_kind != "number":
+                whole = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind="number", reduction="sum")
+            totals = [out.ce.sum(), out.ntl.sum(), out.num_tokens, at_number_BT.sum(), number_ce,
+                      whole.ntl.sum(), whole.num_number_tokens]  # fmt: skip
             sums += torch.stack(totals).double().cpu()
     if world > 1:
         dist.all_reduce(sums)
@@ -111,13 +117,15 @@ def packed_forward(model: PreTrainedModel, input_ids_BT: torch.Tensor, position_
 
 
 def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str) -> dict[str, float]:
-    ce, ntl, tokens, number_tokens, number_ce = sums.tolist()
+    ce, ntl, tokens, number_tokens, number_ce, ntl_number, numbers = sums.tolist()
     mean_ce = ce / max(tokens, 1.0)
     return {
         f"{prefix}ce": mean_ce,
         f"{prefix}perplexity": math.exp(mean_ce),
-        f"{prefix}ntl_{ntl_kind}": ntl / max(number_tokens, 1.0),
+        f"{prefix}ntl_{ntl_kind}": ntl / max(numbers if ntl_kind == "number" else number_tokens, 1.0),
+        f"{prefix}ntl_number": ntl_number / max(numbers, 1.0),
         f"{prefix}tokens": tokens,
         f"{prefix}number_tokens": number_tokens,
+        f"{prefix}numbers": numbers,
         f"{prefix}number_ce": number_ce / max(number_tokens, 1.0),
     }

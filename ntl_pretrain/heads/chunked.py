@@ -59,8 +59,8 @@ class ChunkedHead(OutputHead):
         rows = linear_ce_ntl_rows(
             hidden_BTH, self.output_layer.weight, labels_BT, self.number_vocab, self.ntl.kind, self.ntl.weight,
             self.ntl.reweigh, IGNORE_INDEX, "mean" if given_counts else "sum", self.chunk_size, None, 0, num_tokens,
-            num_number_tokens, transform=self.transform,
+            num_number_tokens, transform=self.transform, float_level=self.ntl.float_level,
         )  # fmt: skip
         number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum()
-        return HeadOutput(rows.loss, rows.ce_N.sum(), rows.ntl_N.sum(), rows.valid_N.sum(), rows.is_number_N.sum(),
+        return HeadOutput(rows.loss, rows.ce_N.sum(), rows.ntl_N.sum(), rows.valid_N.sum(), rows.ntl_terms_N.sum(),
                           number_ce)  # fmt: skip

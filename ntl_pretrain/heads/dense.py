@@ -47,6 +47,7 @@ class DenseHead(OutputHead):
             weight=self.ntl.weight,
             reweigh=self.ntl.reweigh,
             reduction="sum",
+            float_level=self.ntl.float_level,
         )
         if num_tokens is None:
             loss = out.ce + self.ntl.weight * out.ntl

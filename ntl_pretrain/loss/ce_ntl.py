@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype, make_targets
+from ntl_pretrain.loss.number_level import find_number_spans
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 TOKEN_KINDS = ("was", "mse", "mae", "huber")
 KINDS = (*TOKEN_KINDS, "number")
-"""Token-level kinds judge each number token; "number" judges whole numbers (number_level.py)."""
+"""Token-level kinds judge each number token; "number" judges whole numbers across their tokens (number_level.py)."""
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -22,14 +23,16 @@ class LossOutput:
     ce: torch.Tensor
     """Cross-entropy: mean over non-ignored positions, their sum, or per position (0 where ignored)."""
     ntl: torch.Tensor
-    """Number Token Loss: mean over number-label positions, their sum, or per position (0 elsewhere)."""
+    """Number Token Loss: mean over number-label positions, their sum, or per position (0 elsewhere). Kind
+    "number": one term per number, at its first position; "mean" divides by the count of numbers."""
     num_tokens: torch.Tensor
     """int64 scalar: positions whose label is not ignore_index."""
     num_number_tokens: torch.Tensor
-    """int64 scalar: positions whose label is a number token (0 when kind is None)."""
+    """int64 scalar: how many NTL terms: positions whose label is a number token (0 when kind is None), or with kind
+    "number" how many numbers."""
     number_ce: torch.Tensor
     """Detached cross-entropy at the number-label positions only (where NTL acts, so where CE it costs shows),
-    reduced like `ntl`."""
+    reduced like `ntl` (with kind "number", "mean" gives the CE of a whole number's tokens per number)."""
 
 
 def ce_ntl_loss(
@@ -43,8 +46,11 @@ def ce_ntl_loss(
     reduction: str = "mean",
     group: torch.distributed.ProcessGroup | None = None,
     vocab_start: int = 0,
+    float_level: bool = False,
 ) -> LossOutput:
-    """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber, or None for CE only).
+    """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber|number, or None for CE
+    only). "number" is one loss per whole number across its tokens, along the last dimension of `labels`;
+    `float_level` lets one decimal point join two runs of number labels into one number (number_level.py).
 
     `logits` [..., V] (fp32/bf16/fp16; math runs in fp32, fp64 stays fp64) and `labels` [...] are aligned
     position by position: shift them before calling for next-token prediction. With `group`, `logits` holds the
@@ -53,17 +59,17 @@ def ce_ntl_loss(
     counts (a batch without number labels has ntl = 0); to normalise over a global batch, take "sum" and divide
     by the counts summed over it.
     """
-    check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start)
-    if kind == "number":
-        return number_level_loss(logits, labels, nv, weight, reweigh, ignore_index, reduction, group)
+    check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh)
     num_columns = logits.shape[-1]
     logits_NV = logits.reshape(-1, num_columns)
     shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
     targets = make_targets(
         labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns, compute_dtype(logits)
     )
-    ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group)
-    num_tokens, num_number_tokens = targets.valid.sum(), targets.is_number.sum()
+    spans = find_number_spans(labels, nv, ignore_index, float_level) if kind == "number" else None
+    ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group, spans)
+    num_tokens = targets.valid.sum()
+    num_number_tokens = targets.is_number.sum() if spans is None else spans.count
     number_ce_N = torch.where(targets.is_number, ce_N.detach(), 0.0)
     if reduction == "none":
         ce, ntl, number_ce = ce_N.view(labels.shape), ntl_N.view(labels.shape), number_ce_N.view(labels.shape)
@@ -75,44 +81,18 @@ def ce_ntl_loss(
     return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_number_tokens, number_ce)
 
 
-def number_level_loss(logits, labels, nv, weight, reweigh, ignore_index, reduction, group) -> LossOutput:
-    """CE plus `weight` times the number-level NTL: one loss per whole number; "mean" divides NTL by the count
-    of numbers, which `num_number_tokens` then holds; `number_ce` is then the CE of whole numbers (the sum over a
-    number's tokens) per number. Dense logits only for now (no vocabulary-parallel group)."""
-    from ntl_pretrain.loss.number_level import number_losses  # number_level imports nothing from here
-
-    if reweigh:
-        raise ValueError('reweigh is not defined for kind="number" (it weighs single tokens)')
-    if group is not None:
-        raise NotImplementedError('kind="number" has no vocabulary-parallel form yet')
-    ce_out = ce_ntl_loss(logits, labels, nv, kind=None, ignore_index=ignore_index, reduction="none")
-    ce_N = ce_out.ce
-    ntl_N, num_numbers = number_losses(logits, labels, nv, ignore_index)
-    ntl_N = ntl_N.to(ce_N.dtype)
-    is_number = (labels != ignore_index) & (nv.classes.to(labels.device)[labels.clamp_min(0)] >= 0)
-    number_ce_N = torch.where(is_number, ce_N.detach(), 0.0)
-    num_tokens = ce_out.num_tokens
-    if reduction == "none":
-        ce, ntl, number_ce = ce_N, ntl_N, number_ce_N
-    elif reduction == "sum":
-        ce, ntl, number_ce = ce_N.sum(), ntl_N.sum(), number_ce_N.sum()
-    else:
-        ce = ce_N.sum() / num_tokens.clamp_min(1)
-        ntl = ntl_N.sum() / num_numbers.clamp_min(1)
-        number_ce = number_ce_N.sum() / num_numbers.clamp_min(1)
-    return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_numbers, number_ce)
-
-
 def no_number_shard(device: torch.device) -> NumberShard:
     """The shard a CE-only loss (kind=None) runs with: no number columns, so the class work is empty."""
     empty = torch.zeros(0, device=device)
     return NumberShard(vocab=None, local_ids=empty.long(), values=empty, classes=empty.long(), class_spread=empty)
 
 
-def check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start) -> None:
+def check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh=False) -> None:
     """Raise an error that says what was expected for any argument `ce_ntl_loss` cannot take."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
+    if kind == "number" and reweigh:
+        raise ValueError('reweigh is not defined for kind="number" (it weighs single tokens by their class mass)')
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not torch.is_floating_point(logits):

@@ -9,6 +9,12 @@ two all-reduces per chunk with a group), then d loss / d logits overwrites the l
 the hidden and weight gradients at once. No [N, V] buffer ever exists; the peak is one [R, V] chunk besides the
 weight gradient. Because the gradient is formed in forward, only the combined loss is differentiable.
 
+The number-level kind (`kind="number"`) needs, at every position of a number, the expectation over the label's
+number class, and a number's positions may fall in different chunks. Those expectations need only the number-token
+logits (hidden @ weight[number rows].T, K << V columns), so a first pass computes them for all N positions (two more
+all-reduces with a group), then the per-number losses and the gradient on those K columns, which each chunk of the
+CE pass then adds to its own gradient.
+
 An architecture's logit post-processing (`LogitTransform`: scaling, soft-capping) is applied to each chunk, and its
 derivative is chained into d loss / d logits before the chunk's gradient is folded in. The weight gradient
 accumulates over chunks in fp32 and is rounded to the weight's dtype once, as one unchunked matmul would.
@@ -29,8 +35,10 @@ from ntl_pretrain.loss.fused import (
     logits_grad_rows,
     make_targets,
     number_columns_grad,
+    rows_from_partials,
 )
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
+from ntl_pretrain.loss.number_level import NumberSpans, find_number_spans, gradient_at_first
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 # A chunk's logits hold about this many elements (256 MiB in fp32) by default: enough rows for the matmuls to run at
@@ -55,6 +63,7 @@ def linear_ce_ntl_loss(
     num_tokens: int | torch.Tensor | None = None,
     num_number_tokens: int | torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
+    float_level: bool = False,
 ) -> LossOutput:
     """CE + `ntl_weight`·NTL of the logits `transform(hidden @ weight.T)`, `chunk_size` positions at a time.
 
@@ -67,7 +76,9 @@ def linear_ce_ntl_loss(
     reduction "sum": loss = sum CE + ntl_weight * sum NTL. "mean": loss = sum CE / num_tokens + ntl_weight *
     sum NTL / num_number_tokens, the counts being this call's unless given (pass counts summed over the global
     batch to normalise over it). Collectives with `group`: two all-reduces per chunk, plus one to agree on the
-    chunk size when `chunk_size` is None; none in backward. The returned counts are always this call's.
+    chunk size when `chunk_size` is None, and two for kind "number"'s first pass; none in backward. The returned
+    counts are always this call's (with kind "number", `num_number_tokens` counts numbers; `float_level` as in
+    `ce_ntl_loss`).
     """
     rows = linear_ce_ntl_rows(
         hidden,
@@ -85,10 +96,11 @@ def linear_ce_ntl_loss(
         num_tokens,
         num_number_tokens,
         transform=transform,
+        float_level=float_level,
     )
     ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
     number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum() * rows.ntl_scale
-    return LossOutput(rows.loss, ce, ntl, rows.valid_N.sum(), rows.is_number_N.sum(), number_ce)
+    return LossOutput(rows.loss, ce, ntl, rows.valid_N.sum(), rows.ntl_terms_N.sum(), number_ce)
 
 
 @dataclass
@@ -105,6 +117,8 @@ class LinearLossRows:
     """bool: the position has a label."""
     is_number_N: torch.Tensor
     """bool: the position's label is a number token (and NTL is on)."""
+    ntl_terms_N: torch.Tensor
+    """bool: the position holds an NTL term (number labels; with kind "number", each number's first position)."""
     ce_scale: torch.Tensor
     """The reduction's factor on sum CE (1, or 1 / num_tokens)."""
     ntl_scale: torch.Tensor
@@ -127,24 +141,28 @@ def linear_ce_ntl_rows(
     num_tokens,
     num_number_tokens,
     transform=IDENTITY,
+    float_level=False,
 ) -> LinearLossRows:
-    """`linear_ce_ntl_loss` before the per-position terms are summed (same arguments, all positional)."""
+    """`linear_ce_ntl_loss` before the per-position terms are summed (same arguments, all positional but the last
+    two)."""
     labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size)
     logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)
-    check_loss_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start)
+    check_loss_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start, reweigh)
     vocab_end = vocab_start + weight.shape[0]
     shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else no_number_shard(hidden.device)
     dtype = compute_dtype(hidden)
     targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype)
-    counts = targets.valid.sum(), targets.is_number.sum()
+    spans = find_number_spans(labels, nv, ignore_index, float_level) if kind == "number" else None
+    ntl_terms_N = targets.is_number if spans is None else spans.first
+    counts = targets.valid.sum(), ntl_terms_N.sum()
     ce_scale, ntl_scale = _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, hidden.device)
     grad_ce_N, grad_ntl_N = ce_scale.expand(labels_N.shape), (ntl_weight * ntl_scale).expand(labels_N.shape)
     rows = _chunk_rows(chunk_size, weight.shape[0], group, hidden.device)
     loss, ce_N, ntl_N = LinearCeNtl.apply(
-        hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, rows, group, transform
+        hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, rows, group, transform, spans
     )
-    return LinearLossRows(loss, ce_N, ntl_N, targets.valid, targets.is_number, ce_scale, ntl_scale)
+    return LinearLossRows(loss, ce_N, ntl_N, targets.valid, targets.is_number, ntl_terms_N, ce_scale, ntl_scale)
 
 
 def _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,28 +216,41 @@ class LinearCeNtl(torch.autograd.Function):
         rows,
         group,
         transform: LogitTransform,
+        spans: NumberSpans | None,
     ):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         dtype = compute_dtype(hidden_NH)
         grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=dtype) if want_weight else None
+        if kind == "number":
+            number_ntl_N, number_grad_NK = _number_pass(hidden_NH, weight_VH, t, shard, g_ntl_N, group, transform,
+                                                        spans)  # fmt: skip
+            chunk_shard, chunk_kind = no_number_shard(hidden_NH.device), None  # the chunks add CE only
+        else:
+            chunk_shard, chunk_kind = shard, kind
         ce_parts, ntl_parts = [], []
         for start in range(0, hidden_NH.shape[0], rows):
             chunk = slice(start, start + rows)
             hidden_RH, t_R = hidden_NH[chunk], t.select(chunk)
             z_RV = transform.apply_((hidden_RH @ weight_VH.T).to(dtype))
-            ce_R, ntl_R, stats_R = forward_rows(z_RV, t_R, shard, kind, reweigh, group)
+            ce_R, ntl_R, stats_R = forward_rows(z_RV, t_R, chunk_shard, chunk_kind, reweigh, group)
             ce_parts.append(ce_R)
             ntl_parts.append(ntl_R)
             if want_hidden or want_weight:
-                grad_RV = _raw_logits_grad(z_RV, t_R, stats_R, g_ce_N[chunk], g_ntl_N[chunk], shard, kind, reweigh,
-                                           transform)  # fmt: skip
+                if kind == "number":  # None on a shard without number tokens
+                    number_grad_RK = None if number_grad_NK is None else number_grad_NK[chunk]
+                else:
+                    number_grad_RK = number_columns_grad(t_R, stats_R, g_ntl_N[chunk], shard, kind, reweigh)
+                grad_RV = _raw_logits_grad(z_RV, t_R, stats_R, g_ce_N[chunk], g_ntl_N[chunk], number_grad_RK, shard,
+                                           reweigh, transform)  # fmt: skip
                 low_grad_RV = grad_RV.to(hidden_NH.dtype)
                 if want_hidden:
                     torch.mm(low_grad_RV, weight_VH, out=grad_hidden_NH[chunk])
                 if want_weight:
                     _accumulate_product(grad_weight_VH, grad_RV.T, low_grad_RV.T, hidden_RH)
         ce_N, ntl_N = _concat(ce_parts, hidden_NH, dtype), _concat(ntl_parts, hidden_NH, dtype)
+        if kind == "number":
+            ntl_N = number_ntl_N
         loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
         # Held on ctx rather than saved: backward scales them in place (a second [V, H] copy would double the
         # weight gradient's memory) and hands them on, so the graph can be backpropagated once.
@@ -233,13 +264,25 @@ class LinearCeNtl(torch.autograd.Function):
             raise RuntimeError("linear_ce_ntl_loss gradients were formed for one backward pass; it ran twice")
         grads, ctx.grads = ctx.grads, None
         scaled = [None if grad is None else grad.mul_(grad_loss.to(grad.dtype)) for grad in grads]
-        return *scaled, *([None] * 9)
+        return *scaled, *([None] * 10)
 
 
-def _raw_logits_grad(z_RV, t_R, stats_R, g_ce_R, g_ntl_R, shard, kind, reweigh, transform) -> torch.Tensor:
-    """d loss / d (hidden @ weight.T) for a chunk whose transformed logits are z_RV (compute dtype). Written over
-    z_RV, except with soft-capping, whose derivative needs the logits afterwards (then one more chunk buffer)."""
-    number_grad_RK = number_columns_grad(t_R, stats_R, g_ntl_R, shard, kind, reweigh)
+def _number_pass(hidden_NH, weight_VH, t, shard, g_ntl_N, group, transform, spans):
+    """Kind "number"'s first pass over the number-token logits of all N positions: (NTL [N], at each number's first
+    position; d loss / d those logits [N, K], the transformed ones, in compute dtype)."""
+    dtype = compute_dtype(hidden_NH)
+    z_NK = transform.apply_((hidden_NH @ weight_VH[shard.local_ids].T).to(dtype))
+    # The full-vocabulary terms (log-sum-exp, target logit) are the CE pass's: zeros stand in for them here.
+    zeros_N = z_NK.new_zeros(z_NK.shape[0])
+    _, ntl_N, stats = rows_from_partials(zeros_N, zeros_N, z_NK, t, shard, "number", False, group, spans)
+    number_grad_NK = number_columns_grad(t, stats, gradient_at_first(g_ntl_N, spans), shard, "number", False)
+    return ntl_N, number_grad_NK
+
+
+def _raw_logits_grad(z_RV, t_R, stats_R, g_ce_R, g_ntl_R, number_grad_RK, shard, reweigh, transform) -> torch.Tensor:
+    """d loss / d (hidden @ weight.T) for a chunk whose transformed logits are z_RV (compute dtype), given the
+    gradient on its number-token columns. Written over z_RV, except with soft-capping, whose derivative needs the
+    logits afterwards (then one more chunk buffer)."""
     grad_RV = z_RV if transform.softcap is None else torch.empty_like(z_RV)
     logits_grad_rows(z_RV, grad_RV, t_R, stats_R, g_ce_R, g_ntl_R, number_grad_RK, shard, reweigh)
     return transform.chain_(grad_RV, z_RV)

@@ -8,6 +8,8 @@ Per position with logits z and label t (design.md, "The objective, exactly"):
   q_j  = softmax of z over C(t), the number tokens of t's class;  y = value(t);  s = scale(t)
   WAS  = sum_j q_j |v_j - y| / s;   MSE/MAE/Huber = f((sum_j q_j v_j - y) / s)
   reweigh: L * m + c * (1 - m), m = full-softmax mass on C(t), c = 1.01 * the largest L of the class.
+  number (number_level.py): sum_j q_j v_j per position, assembled into one relative-error loss per whole number,
+  held at the number's first position; a segment sum over positions, so no collective of its own.
 
 Everything is a per-position sum over columns, so a sharded vocabulary needs one MAX all-reduce of the local
 log-sum-exps (whole row and class) and one SUM all-reduce of five rescaled partial sums; backward needs none,
@@ -23,6 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.loss.number_level import NumberSpans, gradient_at_first, number_losses
 from ntl_pretrain.numbers import NumberShard
 
 # Rows per chunk are chosen so a chunk holds about this many fp32 logits (16 MiB): large enough to amortise
@@ -59,6 +62,7 @@ class RowStats:
     ntl_raw: torch.Tensor  # NTL before reweighing
     expected: torch.Tensor  # sum_j q_j v_j (expectation kinds; 0 for WAS, which does not need it)
     class_mass: torch.Tensor  # m, full-softmax mass on C(t)
+    number_slope: torch.Tensor  # kind "number": d(its number's loss)/d(sum_j q_j v_j); 0 for other kinds
     number_logits: torch.Tensor  # [N, K] this shard's number-token logits (1% of the logits: kept, not re-gathered)
 
     def select(self, rows: slice) -> RowStats:
@@ -187,9 +191,16 @@ def _combine(partials: tuple[torch.Tensor, ...], group) -> tuple[torch.Tensor, .
 
 
 def forward_rows(
-    logits_NV: torch.Tensor, t: Targets, shard: NumberShard, kind: str | None, reweigh: bool, group
+    logits_NV: torch.Tensor,
+    t: Targets,
+    shard: NumberShard,
+    kind: str | None,
+    reweigh: bool,
+    group,
+    spans: NumberSpans | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
-    """Per-position CE [N] and NTL [N] (zero where they do not apply) and the stats backward needs."""
+    """Per-position CE [N] and NTL [N] (zero where they do not apply) and the stats backward needs. Kind "number"
+    needs the `spans` of all N positions (its losses sit at each number's first position)."""
     dtype = compute_dtype(logits_NV)
     z_NK = logits_NV.new_empty((logits_NV.shape[0], shard.local_ids.numel()), dtype=dtype)
     chunks = []
@@ -199,20 +210,30 @@ def forward_rows(
         torch.index_select(z_RV, 1, shard.local_ids, out=z_NK[rows])  # while the chunk is in cache
     empty = logits_NV.new_zeros(0, dtype=dtype)
     lse, z_target = (torch.cat(column) for column in zip(*chunks, strict=True)) if chunks else (empty, empty)
+    ce, ntl, stats = rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, spans)
+    return ce, ntl, stats
+
+
+def rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, spans):
+    """forward_rows once this shard's log-sum-exps [N] and target logits [N] are known: the class work on the
+    number-token logits z_NK [N, K], the two all-reduces, and the per-position losses."""
     class_lse, distance_sum, value_sum = _class_partials(z_NK, t, shard, kind)
     lse, class_lse, z_target, expected_distance, expected = _combine(
         (lse, class_lse, z_target, distance_sum, value_sum), group
     )
     ce = torch.where(t.valid, lse - z_target, 0.0)
+    number_slope = torch.zeros_like(lse)
     if kind == "was":
         ntl_raw = expected_distance
+    elif kind == "number":
+        ntl_raw, number_slope = number_losses(expected, t.value, spans)
     else:
         ntl_raw = _loss_of_error((expected - t.value) / t.scale, kind) if kind else torch.zeros_like(lse)
     class_mass = torch.exp(class_lse - lse)
     ntl = ntl_raw * class_mass + t.cap * (1 - class_mass) if reweigh else ntl_raw
     ntl = torch.where(t.is_number, ntl, 0.0)
     class_lse = torch.where(t.is_number, class_lse, 0.0)
-    return ce, ntl, RowStats(lse, class_lse, ntl_raw, expected, class_mass, z_NK)
+    return ce, ntl, RowStats(lse, class_lse, ntl_raw, expected, class_mass, number_slope, z_NK)
 
 
 def number_columns_grad(
@@ -231,9 +252,12 @@ def number_columns_grad(
     if kind == "was":  # dL/dz_j = q_j (|v_j - y| / s - L)
         slope_NK = (shard.values[None, :] - t.value[:, None]).abs_().sub_((stats.ntl_raw * t.scale)[:, None])
         slope_weight_N = 1 / t.scale
-    else:  # dL/dz_j = f'(e) / s · q_j (v_j - E[v]), e = (E[v] - y) / s
+    else:  # dL/dz_j = w · q_j (v_j - E[v]): w = f'(e) / s with e = (E[v] - y) / s, or the number's slope
         slope_NK = shard.values[None, :] - stats.expected[:, None]
-        slope_weight_N = _error_slope((stats.expected - t.value) / t.scale, kind) / t.scale
+        if kind == "number":
+            slope_weight_N = stats.number_slope
+        else:
+            slope_weight_N = _error_slope((stats.expected - t.value) / t.scale, kind) / t.scale
     row_weight_N = torch.where(t.is_number, grad_ntl_N, 0.0)
     if reweigh:
         # m·dL/dz_j + (L - c)·p_j on the class (its -m·p_j part is in the full-vocabulary term), with p_j = m·q_j.
@@ -280,18 +304,20 @@ class FusedCeNtl(torch.autograd.Function):
     """(logits [N, V], targets) -> (CE [N], NTL [N]); backward recomputes softmax from the saved logits."""
 
     @staticmethod
-    def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group):
-        ce, ntl, stats = forward_rows(logits_NV, t, shard, kind, reweigh, group)
+    def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group, spans=None):
+        ce, ntl, stats = forward_rows(logits_NV, t, shard, kind, reweigh, group, spans)
         ctx.save_for_backward(logits_NV)
-        ctx.extras = (t, stats, shard, kind, reweigh)
+        ctx.extras = (t, stats, shard, kind, reweigh, spans)
         return ce, ntl
 
     @staticmethod
     def backward(ctx, grad_ce_N, grad_ntl_N):
         (logits_NV,) = ctx.saved_tensors
-        t, stats, shard, kind, reweigh = ctx.extras
+        t, stats, shard, kind, reweigh, spans = ctx.extras
         dtype = compute_dtype(logits_NV)
         grad_ce_N, grad_ntl_N = grad_ce_N.to(dtype), grad_ntl_N.to(dtype)
+        if kind == "number":  # a number's loss sits at its first position and depends on all its positions
+            grad_ntl_N = gradient_at_first(grad_ntl_N, spans)
         number_grad_NK = number_columns_grad(t, stats, grad_ntl_N, shard, kind, reweigh)
         grad_NV = torch.empty_like(logits_NV)
         for rows in _row_chunks(*logits_NV.shape):
@@ -306,4 +332,4 @@ class FusedCeNtl(torch.autograd.Function):
                 shard,
                 reweigh,
             )
-        return grad_NV, None, None, None, None, None
+        return grad_NV, None, None, None, None, None, None

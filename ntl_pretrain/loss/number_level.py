@@ -1,93 +1,130 @@
-"""Number-level NTL (issue 12): one relative-error loss per whole number, assembled across its tokens.
+"""Number-level NTL (`kind="number"`): one relative-error loss per whole number, assembled across its tokens.
 
-A number is a maximal run of consecutive positions (along the last dim of `labels`) whose labels are number
-tokens. A token with a word-start marker (space, `Ġ`, `▁`) starts a new number; in a WordPiece vocabulary (one
-with `##` number tokens) a number continues only through `##` tokens. With e_t the digits in the number's later
-tokens, ŷ = Σ_t ŷ_t·10^e_t where ŷ_t is the expected value under the softmax over the label's number class, and
-y = Σ_t value(label_t)·10^e_t. Loss per number: |ŷ − y| / (|ŷ| + |y| + eps), eps = float32 epsilon (as ntloss).
+Legend: N positions (the labels flattened; rows run along their last dimension), T positions of one row.
 
-Spans come from cumulative sums and scatter reductions: no host syncs. The assembly runs in float64, so numbers
-up to 15 digits are exact; longer ones are rounded (relative error ~1e-16), not overflowed, up to 308 digits.
-This module is the dense reference form; it is not yet wired into `ce_ntl_loss` or the trainer.
+A number is a maximal run of consecutive positions of one row whose labels are number tokens. A token with a
+word-start marker (space, `Ġ`, `▁`) starts a new number; an unmarked one continues the run (Llama-3 `"123","45"` is
+12345; GPT-2 `"Ġ12","34"` is 1234); in a WordPiece vocabulary (one with `##` number tokens) only `##` continues.
+Ignored and non-number labels end a number, and so does a row's end (a packed block's boundary). With
+`float_level`, one decimal-point label between two number labels, the second one continuing, joins them and adds no
+digits (`12.34` is the integer 1234, as in `ntloss`).
+
+The fused kernels compute ŷ_t = Σ_{k∈C(t)} q_k v_k at every number position (the expectation MSE uses, with
+unscaled values). With e_t the digits of the number's later tokens, ŷ = Σ_t ŷ_t·10^e_t, y = Σ_t v(label_t)·10^e_t
+and the number's loss is L = |ŷ − y| / (|ŷ| + |y| + eps), eps = float32 epsilon as in `ntloss`, counted once, at
+the number's first position. Its gradient reaches the class logits of position t through
+dL/dŷ_t = dL/dŷ · 10^e_t, the `slope` this module hands the kernels: dL/dz_j = slope_t · q_j (v_j − ŷ_t).
+
+Spans come from cumulative sums along the rows and index_add over positions: no Python loop over positions, no host
+sync (arrays are sized N, an upper bound on the count of numbers). Assembly runs in float64: numbers of up to 15
+digits are exact; longer ones are rounded to float64's 16 significant digits (their later digits then move the loss
+less than float64 can show) and never overflow, because a number of more than `MAX_PLACE` digits is assembled
+divided by 10^(digits − MAX_PLACE), which leaves its relative error as it is (eps is then negligible either way).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ntl_pretrain.numbers import NumberVocab
 
 EPS = torch.finfo(torch.float32).eps
+# Numbers are assembled below 10^MAX_PLACE, so |ŷ| + |y| stays far from float64's largest value (1.8e308).
+MAX_PLACE = 300
 
 
-def token_tables(nv: NumberVocab, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per class: digit count [C] (int64) and whether its tokens continue a number [C] (bool); plus the class
-    of each token [V]. In a WordPiece vocabulary only `##` continues; otherwise only unmarked tokens do."""
-    markers = [c.marker for c in nv.class_info]
-    wordpiece = "wordpiece" in markers
-    continues = [m == "wordpiece" if wordpiece else m == "none" for m in markers]
-    digits = torch.tensor([c.digits for c in nv.class_info], dtype=torch.int64, device=device)
-    return digits, torch.tensor(continues, dtype=torch.bool, device=device), nv.classes.to(device)
+@dataclass(frozen=True)
+class NumberSpans:
+    """Where the numbers are among N flattened positions."""
+
+    number: torch.Tensor
+    """int64 [N]: index of the number each number position belongs to, -1 elsewhere (joined decimal points too)."""
+    first: torch.Tensor
+    """bool [N]: the position is a number's first token (where its loss is counted)."""
+    place: torch.Tensor
+    """float64 [N]: 10^e_t (divided by the number's 10^(digits − MAX_PLACE) when it is longer); 0 off numbers."""
+    count: torch.Tensor
+    """int64 scalar: how many numbers."""
+
+    def select(self, rows: slice) -> NumberSpans:
+        """Positions `rows` (numbers keep their global index)."""
+        return NumberSpans(self.number[rows], self.first[rows], self.place[rows], self.count)
 
 
-def find_spans(labels: torch.Tensor, nv: NumberVocab, ignore_index: int = -100):
-    """For flattened positions: (is_number [N] bool, starts [N] bool, span [N] int64 index of each number
-    position's number (-1 elsewhere), later_digits [N] int64 e_t, count of numbers as a 0-d int64 tensor)."""
-    digits_C, continues_C, classes_V = token_tables(nv, labels.device)
-    valid = labels != ignore_index
-    cls = torch.where(valid, classes_V[labels.clamp_min(0)], -1)
-    is_number = cls >= 0
-    safe_cls = cls.clamp_min(0)
-    previous_is_number = torch.zeros_like(is_number)
-    previous_is_number[..., 1:] = is_number[..., :-1]  # never across rows: position 0 of a row starts afresh
-    starts = (is_number & ~(previous_is_number & continues_C[safe_cls])).reshape(-1)
-    is_number = is_number.reshape(-1)
-    digits = torch.where(is_number, digits_C[safe_cls].reshape(-1), 0)
-    span = torch.where(is_number, torch.cumsum(starts.long(), 0) - 1, -1)
-    count = starts.sum()
-    cumulative = torch.cumsum(digits, 0)
-    # e_t = (digits up to the number's end) - (digits up to t): the end is base + total of the number.
-    num_spans = labels.numel()  # upper bound on the count, so no host sync is needed for sizes
-    safe_span = span.clamp_min(0)
-    total = torch.zeros(num_spans, dtype=torch.int64, device=labels.device).index_add_(0, safe_span, digits)
-    base = torch.zeros(num_spans, dtype=torch.int64, device=labels.device).index_add_(
-        0, safe_span, torch.where(starts, cumulative - digits, 0)
-    )
-    later_digits = torch.where(is_number, base[safe_span] + total[safe_span] - cumulative, 0)
-    return is_number, starts, span, later_digits, count
+def find_number_spans(
+    labels: torch.Tensor, nv: NumberVocab, ignore_index: int = -100, float_level: bool = False
+) -> NumberSpans:
+    """The numbers in `labels` [..., T] (rows along the last dimension), for positions flattened in order."""
+    nv = nv.to(labels.device)
+    labels_RT = labels.reshape(-1, labels.shape[-1]) if labels.dim() else labels.reshape(1, 1)
+    valid_RT = labels_RT != ignore_index
+    safe_RT = torch.where(valid_RT, labels_RT, 0)
+    class_RT = torch.where(valid_RT, nv.classes[safe_RT], -1)
+    is_number_RT = class_RT >= 0
+    continues_RT = is_number_RT & nv.class_continues[class_RT.clamp_min(0)]
+    joined_RT = continues_RT & _shifted(is_number_RT, 1)
+    if float_level:
+        is_point_RT = valid_RT & nv.decimal_points[safe_RT]
+        joined_RT |= continues_RT & _shifted(is_point_RT, 1) & _shifted(is_number_RT, 2)
+    first_N = (is_number_RT & ~joined_RT).reshape(-1)
+    is_number_N = is_number_RT.reshape(-1)
+    number_N = torch.where(is_number_N, torch.cumsum(first_N, 0) - 1, -1)
+    digits_N = torch.where(is_number_N, nv.class_digits[class_RT.clamp_min(0)].reshape(-1), 0)
+    later_digits_N, total_digits_N = _later_digits(digits_N, number_N, first_N)
+    exponent_N = later_digits_N - (total_digits_N - MAX_PLACE).clamp_min(0)
+    place_N = torch.where(is_number_N, torch.pow(10.0, exponent_N.double()), 0.0)
+    return NumberSpans(number_N, first_N, place_N, first_N.sum())
 
 
-def expected_token_values(logits_NV: torch.Tensor, labels_N: torch.Tensor, nv: NumberVocab) -> torch.Tensor:
-    """ŷ_t [N] float64: expected value under the softmax over each position's label class (0 off numbers)."""
-    classes_V = nv.classes.to(logits_NV.device)
-    values_V = nv.values.to(logits_NV.device)
-    label_cls = torch.where(labels_N >= 0, classes_V[labels_N.clamp_min(0)], -1)
-    out = torch.zeros(labels_N.shape, dtype=torch.float64, device=logits_NV.device)
-    for c in range(len(nv.class_info)):  # a handful of classes; the loop is over the vocabulary's classes only
-        members = torch.nonzero(classes_V == c).flatten()
-        probs = torch.softmax(logits_NV[:, members].double(), dim=-1)
-        out = torch.where(label_cls == c, probs @ values_V[members].double(), out)
+def _shifted(mask_RT: torch.Tensor, by: int) -> torch.Tensor:
+    """mask_RT moved `by` positions later along each row (False where nothing precedes)."""
+    out = torch.zeros_like(mask_RT)
+    out[:, by:] = mask_RT[:, : mask_RT.shape[1] - by]
     return out
 
 
-def number_losses(logits: torch.Tensor, labels: torch.Tensor, nv: NumberVocab, ignore_index: int = -100):
-    """(per-number loss at each number's first position [...] float64, 0 elsewhere; count of numbers)."""
-    labels_N = labels.reshape(-1)
-    logits_NV = logits.reshape(-1, logits.shape[-1])
-    is_number, starts, span, later_digits, count = find_spans(labels, nv, ignore_index)
-    safe_span = span.clamp_min(0)
-    place = torch.pow(10.0, later_digits.double())
-    predicted_t = torch.where(is_number, expected_token_values(logits_NV, labels_N, nv) * place, 0.0)
-    values_V = nv.values.to(logits.device).double()
-    target_t = torch.where(is_number, values_V[labels_N.clamp_min(0)].nan_to_num(0.0) * place, 0.0)
-    zeros = torch.zeros(labels_N.numel(), dtype=torch.float64, device=logits.device)
-    predicted = zeros.index_add(0, safe_span, predicted_t)
-    target = zeros.index_add(0, safe_span, target_t)
-    per_number = (predicted - target).abs() / (predicted.abs() + target.abs() + EPS)
-    loss_N = torch.where(starts, per_number[safe_span], 0.0)
-    return loss_N.view(labels.shape), count
+def _later_digits(digits_N, number_N, first_N) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: e_t, the digits of its number's later tokens, and the number's total digits."""
+    safe_N = number_N.clamp_min(0)
+    inclusive_N = torch.cumsum(digits_N, 0)
+    total_S = torch.zeros_like(digits_N).index_add_(0, safe_N, digits_N)
+    before_S = torch.zeros_like(digits_N).index_add_(0, safe_N, torch.where(first_N, inclusive_N - digits_N, 0))
+    total_N = total_S[safe_N]
+    return torch.where(number_N >= 0, before_S[safe_N] + total_N - inclusive_N, 0), total_N
 
 
-def count_numbers(labels: torch.Tensor, nv: NumberVocab, ignore_index: int = -100) -> torch.Tensor:
-    """0-d int64: how many numbers the labels hold (the normaliser of the number-level NTL)."""
-    return find_spans(labels, nv, ignore_index)[4]
+def number_losses(
+    expected_N: torch.Tensor, value_N: torch.Tensor, spans: NumberSpans
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [N]: each number's L at its first position, 0 elsewhere; slope [N]: dL_number/dŷ_t at each number
+    position, 0 elsewhere), both in expected_N's dtype, from ŷ_t (`expected_N`) and the label values y_t."""
+    safe_N = spans.number.clamp_min(0)
+    in_number_N = spans.number >= 0
+    zeros_S = torch.zeros(safe_N.numel(), dtype=torch.float64, device=safe_N.device)
+    predicted_S = zeros_S.index_add(0, safe_N, torch.where(in_number_N, expected_N.double() * spans.place, 0.0))
+    target_S = zeros_S.index_add(0, safe_N, torch.where(in_number_N, value_N.double() * spans.place, 0.0))
+    error_S = predicted_S - target_S
+    total_S = predicted_S.abs() + target_S.abs() + EPS
+    loss_S = error_S.abs() / total_S
+    # d/dŷ of |ŷ − y| / (|ŷ| + |y| + eps), with torch's sign(0) = 0 for |·| at 0.
+    slope_S = (error_S.sign() - loss_S * predicted_S.sign()) / total_S
+    loss_N = torch.where(spans.first, loss_S[safe_N], 0.0)
+    slope_N = torch.where(in_number_N, slope_S[safe_N] * spans.place, 0.0)
+    return loss_N.to(expected_N.dtype), slope_N.to(expected_N.dtype)
+
+
+def gradient_at_first(grad_N: torch.Tensor, spans: NumberSpans) -> torch.Tensor:
+    """Per number position, the upstream gradient of its number's loss (given at the number's first position);
+    0 elsewhere."""
+    safe_N = spans.number.clamp_min(0)
+    per_number_S = torch.zeros_like(grad_N).index_add_(0, safe_N, torch.where(spans.first, grad_N, 0.0))
+    return torch.where(spans.number >= 0, per_number_S[safe_N], 0.0)
+
+
+def count_numbers(
+    labels: torch.Tensor, nv: NumberVocab, ignore_index: int = -100, float_level: bool = False
+) -> torch.Tensor:
+    """int64 scalar: how many numbers `labels` holds (the normaliser of the number-level NTL)."""
+    return find_number_spans(labels, nv, ignore_index, float_level).count

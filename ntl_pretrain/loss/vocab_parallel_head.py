@@ -69,10 +69,12 @@ class VocabParallelHead(nn.Module):
         ignore_index: int = -100,
         chunk_size: int | None = None,
         transform: LogitTransform = IDENTITY,
+        float_level: bool = False,
     ):
         """`weight_slice` [Vr, H] are rows vocab_bounds(vocab_size, k)[r] : [r + 1] of the output matrix, r being
         this rank's index in `group`. It may be kept in fp32 (its own master copy) while hidden states are bf16:
-        forward casts it to the hidden states' dtype. `transform`: the architecture's logit post-processing."""
+        forward casts it to the hidden states' dtype. `transform`: the architecture's logit post-processing;
+        `float_level`: as in `ce_ntl_loss` (kind "number")."""
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         bounds = vocab_bounds(vocab_size, size)
@@ -86,6 +88,7 @@ class VocabParallelHead(nn.Module):
         self.vocab_size, self.group = vocab_size, group
         self.number_vocab, self.kind, self.ntl_weight, self.reweigh = number_vocab, kind, ntl_weight, reweigh
         self.ignore_index, self.chunk_size, self.transform = ignore_index, chunk_size, transform
+        self.float_level = float_level
 
     @classmethod
     def from_output_layer(cls, lm: nn.Module, group: dist.ProcessGroup, **loss_options) -> VocabParallelHead:
@@ -129,14 +132,16 @@ class VocabParallelHead(nn.Module):
         if given_counts != (num_number_tokens is not None):
             raise ValueError("pass both num_tokens and num_number_tokens (the global batch's counts), or neither")
         hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
-        labels_N = labels_BT.reshape(-1)
         group_hidden_MH = GatherPositions.apply(hidden_NH, self.group)
-        group_labels_M = labels_N.new_empty(group_hidden_MH.shape[0])
-        dist.all_gather_into_tensor(group_labels_M, labels_N.contiguous(), group=self.group)
+        # The group's labels keep their rows ([k·B, T]): the number-level loss reads numbers along them.
+        labels_RT = labels_BT.reshape(-1, labels_BT.shape[-1]) if labels_BT.dim() else labels_BT.reshape(1, 1)
+        group_labels_RT = labels_RT.new_empty(dist.get_world_size(self.group) * labels_RT.shape[0], labels_RT.shape[1])
+        dist.all_gather_into_tensor(group_labels_RT, labels_RT.contiguous(), group=self.group)
         rows = linear_ce_ntl_rows(
-            group_hidden_MH, self.weight.to(hidden_BTH.dtype), group_labels_M, self.number_vocab, self.kind,
-            self.ntl_weight, self.reweigh, self.ignore_index, "mean" if given_counts else "sum", self.chunk_size,
-            self.group, self.vocab_start, num_tokens, num_number_tokens, transform=self.transform,
+            group_hidden_MH.view(*group_labels_RT.shape, -1), self.weight.to(hidden_BTH.dtype), group_labels_RT,
+            self.number_vocab, self.kind, self.ntl_weight, self.reweigh, self.ignore_index,
+            "mean" if given_counts else "sum", self.chunk_size, self.group, self.vocab_start, num_tokens,
+            num_number_tokens, transform=self.transform, float_level=self.float_level,
         )  # fmt: skip
         rank, positions = dist.get_rank(self.group), hidden_NH.shape[0]
         own = slice(rank * positions, (rank + 1) * positions)
@@ -146,7 +151,7 @@ class VocabParallelHead(nn.Module):
         # group loss's, which the reduce-scatter turns into exactly the share's gradient for this rank's positions.
         loss = rows.loss - rows.loss.detach() + share
         number_ce = torch.where(rows.is_number_N[own], rows.ce_N[own], 0.0).sum()
-        return LossOutput(loss, ce, ntl, rows.valid_N[own].sum(), rows.is_number_N[own].sum(), number_ce)
+        return LossOutput(loss, ce, ntl, rows.valid_N[own].sum(), rows.ntl_terms_N[own].sum(), number_ce)
 
     def average_gradients(self, data_parallel_size: int, replica_group: dist.ProcessGroup | None = None) -> None:
         """Make the slice's gradient what DeepSpeed gives a replicated parameter: summed over the ranks holding
