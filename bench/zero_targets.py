@@ -1,17 +1,23 @@
-"""How often the number-level NTL meets a zero target in the embedded corpus (issue 12's "zero-target case").
+"""How often the number-level NTL meets a zero target in the embedded corpus (issue 12's "zero-target case"), and
+how much of a trained model's number-level loss and gradient such targets make.
 
-    python bench/zero_targets.py
+    python bench/zero_targets.py [--run RUN_DIR ...]
 
 A number whose value is 0 costs |ŷ| / (|ŷ| + eps) ≈ 1 unless the expectation ŷ is within float32 eps of 0, so
 such numbers weigh on the loss almost whatever the model predicts. For every training set of the embedded corpus,
 tokenised as the recipes do (one record a row), and for the single-digit and the 1-3-digit tiny tokenizers and
 Llama-3: the numbers, the share of them whose value is 0, and where those zeros come from (a lone `0`, or the `0`
 before a decimal point, which is its own number unless `float_level` joins `0.5` into 5).
+With `--run`: each run's last checkpoint on its validation set (one micro-batch of its packed blocks after another):
+the share of numbers with a zero target, their mean loss against the others', and their share of the summed loss
+and of the gradient norm on the logits.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
 from importlib import resources
 
 import torch
@@ -49,7 +55,70 @@ def zero_share(tokenizer, nv: NumberVocab, rows: list[str], float_level: bool) -
     return numbers, zeros / max(numbers, 1)
 
 
+def number_targets(labels_BT: torch.Tensor, nv: NumberVocab) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y of the number at each number's first position [N] float64, 0 elsewhere; bool [N] first positions)."""
+    spans = find_number_spans(labels_BT, nv)
+    labels_N = labels_BT.reshape(-1)
+    values_N = torch.nan_to_num(nv.values[labels_N.clamp_min(0)].double()) * spans.place
+    per_number = torch.zeros(labels_N.numel(), dtype=torch.float64).index_add_(0, spans.number.clamp_min(0), values_N)
+    return torch.where(spans.first, per_number[spans.number.clamp_min(0)], 0.0), spans.first
+
+
+def run_shares(run: str, max_batches: int) -> dict[str, float]:
+    """A run's last checkpoint on its validation blocks: zero-target numbers' share of numbers, loss and gradient."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ntl_pretrain.data import build_dataloader
+    from ntl_pretrain.evaluation.model_folder import export_for_eval, recipe_validation, resolve_target
+    from ntl_pretrain.evaluation.validation import packed_forward
+    from ntl_pretrain.loss import ce_ntl_loss
+
+    target = resolve_target(run)
+    with tempfile.TemporaryDirectory() as folder:
+        exported = export_for_eval(target, folder)
+        model = AutoModelForCausalLM.from_pretrained(exported.hf_folder)
+        tokenizer = AutoTokenizer.from_pretrained(exported.hf_folder)
+    nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
+    loader = build_dataloader(recipe_validation(target), tokenizer, micro_batch_size=8, dp_rank=0, dp_world_size=1,
+                              seed=0, split="validation")  # fmt: skip
+    totals = torch.zeros(6, dtype=torch.float64)  # numbers, zero numbers, loss, zero loss, grad², zero grad²
+    for index, batch in enumerate(loader):
+        if index == max_batches:
+            break
+        with torch.no_grad():
+            logits = packed_forward(model, batch["input_ids"], batch["position_ids"])
+        logits.requires_grad_(True)
+        loss_N = ce_ntl_loss(logits, batch["labels"], nv, kind="number", reduction="none").ntl.reshape(-1)
+        value_N, first_N = number_targets(batch["labels"], nv)
+        zero_N = first_N & (value_N == 0)
+        zero_grad, other_grad = (torch.autograd.grad(loss_N[mask].sum(), logits, retain_graph=True)[0]
+                                 for mask in (zero_N, first_N & ~zero_N))  # fmt: skip
+        totals += torch.tensor(
+            [
+                first_N.sum(),
+                zero_N.sum(),
+                loss_N.sum(),
+                loss_N[zero_N].sum(),
+                (zero_grad + other_grad).square().sum(),
+                zero_grad.square().sum(),
+            ],
+            dtype=torch.float64,
+        )
+    numbers, zeros, loss, zero_loss, grad2, zero_grad2 = totals.tolist()
+    return {"numbers": numbers, "zero share": zeros / numbers, "zero mean loss": zero_loss / max(zeros, 1),
+            "other mean loss": (loss - zero_loss) / (numbers - zeros), "zero loss share": zero_loss / loss,
+            "zero grad-norm share": (zero_grad2 / grad2) ** 0.5, "step": target.step}  # fmt: skip
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", nargs="*", default=[], help="run directories to measure on their validation set")
+    parser.add_argument("--max-batches", type=int, default=20, help="validation micro-batches of 8 blocks per run")
+    args = parser.parse_args()
+    for run in args.run:
+        print(run, {key: round(value, 4) for key, value in run_shares(run, args.max_batches).items()})
+    if args.run:
+        return
     print(f"{'tokenizer':20}{'set':16}{'numbers':>10}{'zero share':>12}{'with float_level':>18}")
     for label, spec in TOKENIZERS.items():
         tokenizer = load_tokenizer(spec)

@@ -262,12 +262,16 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_logs_the_same_loss
     assert resumed[0]["split"] == "resume"
     assert resumed[0]["resumed_from"] == str(run / "checkpoints" / f"step_{SAVE_AT}")
     assert resumed[0]["skipped_checkpoints"][0]["checkpoint"] == str(damaged)
+    kept = damaged.with_name(f"step_{STEPS}.damaged")
+    assert resumed[0]["skipped_checkpoints"][0]["kept_as"] == str(kept)
     assert f"{KINDS['optimizer states']}: checksum" in resumed[0]["skipped_checkpoints"][0]["problems"][0]
     continued, reference = step_records(run), step_records(saved_run)
     assert sorted(continued) == list(range(SAVE_AT + 1, STEPS + 1))
     assert [continued[step]["loss"] for step in continued] == [reference[step]["loss"] for step in continued]
     assert not records(run, "validation")
-    assert manifest.verify(damaged) == []  # re-saved at the same step: a whole copy replaced the damaged one
+    assert manifest.verify(damaged) == []  # re-saved at the same step, beside the damaged copy, which is kept
+    (problem,) = manifest.verify(kept)
+    assert str(problem).startswith(f"{kept / KINDS['optimizer states']}: checksum")
 
 
 @pytest.mark.slow
