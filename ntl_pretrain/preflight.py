@@ -5,6 +5,8 @@ key; `load_recipe` (config.py) has already checked types, ranges and contradicti
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import inspect
 import os
 import socket
 from pathlib import Path
@@ -28,7 +30,9 @@ def check_world(recipe: Recipe, master_port: int | None) -> None:
     check_model_type(recipe.model.model_type)
     check_init_from(recipe.init_from)
     check_tokenizer(recipe, starts_fresh)
+    check_config_keys(recipe)
     check_positions(recipe)
+    check_attention(recipe.model.attention)
     check_output_dir(recipe.train.output_dir)
     check_master_port(master_port)
 
@@ -100,9 +104,56 @@ def check_tokenizer(recipe: Recipe, starts_fresh: bool) -> None:
         raise RecipeError(f"tokenizer.path: cannot load {spec}: {' '.join(str(error).split())[:300]}") from error
 
 
+def check_config_keys(recipe: Recipe) -> None:
+    """Every `model.config` key means something to the model's config class: transformers keeps an unknown key as
+    a stray attribute that no layer reads (`n_embd` on a Llama), so the run would silently train another model."""
+    config = model_config(recipe)
+    if config is None or not recipe.model.config:
+        return
+    config_class = type(config)
+    try:
+        defaults = config_class().to_dict()
+    except Exception:  # a config class that cannot be built without arguments: transformers checked the values
+        return
+    known = {*defaults, *inspect.signature(config_class.__init__).parameters, *config_class.attribute_map}
+    for key, value in recipe.model.config.items():
+        if key in known or _changes_other_keys(config_class, key, value, defaults):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise RecipeError(
+            f"model.config.{key}: {config_class.__name__} has no such key, so the model would ignore it{hint}"
+        )
+
+
+def _changes_other_keys(config_class, key: str, value, defaults: dict) -> bool:
+    """Whether a key transformers still accepts under an older name (`rope_scaling` -> `rope_parameters`) takes
+    effect: building the config with it changes some other key."""
+    try:
+        built = config_class(**{key: value}).to_dict()
+    except Exception:
+        return True  # the full config was built with it (model_config): let transformers be the judge
+    return any(built.get(name) != default for name, default in defaults.items() if name != key)
+
+
+def check_attention(attention: str) -> None:
+    """flash-attention-2 needs the flash_attn package and a GPU on the machine that launches (its ranks run there)."""
+    if attention != "flash_attention_2":
+        return
+    import torch
+
+    if importlib.util.find_spec("flash_attn") is None:
+        raise RecipeError("model.attention: flash_attention_2 needs the flash-attn package (pip install "
+                          "'ntl_pretrain[flash]' on a CUDA machine); use auto or sdpa")  # fmt: skip
+    if not torch.cuda.is_available():
+        raise RecipeError("model.attention: flash_attention_2 runs on CUDA GPUs and this machine has none visible; "
+                          "use auto or sdpa")  # fmt: skip
+
+
 def check_positions(recipe: Recipe) -> None:
     """`data.seq_len` fits the model's learned/rotary positions, unless rope scaling extends them."""
-    config = model_config(recipe)
+    built = model_config(recipe)
+    config = None if built is None else built.to_dict()
     if config is None or rope_scaled(config):
         return
     for key in POSITION_KEYS:
@@ -124,9 +175,9 @@ def rope_scaled(config: dict) -> bool:
     return kind != "default"
 
 
-def model_config(recipe: Recipe) -> dict | None:
-    """The HF config the run will build (`init_from`'s with `model.config` on top, or `model_type`'s), as a dict;
-    None when it comes from the checkpoint a resume loads. transformers validates the values (`hidden_size: abc`)."""
+def model_config(recipe: Recipe):
+    """The HF config the run will build (`init_from`'s with `model.config` on top, or `model_type`'s); None when it
+    comes from the checkpoint a resume loads. transformers validates the values (`hidden_size: abc`)."""
     from transformers import AutoConfig
 
     try:
@@ -140,7 +191,7 @@ def model_config(recipe: Recipe) -> dict | None:
             return None
     except Exception as error:  # transformers raises ValueError, TypeError, OSError and its own validation errors
         raise RecipeError(f"{key}: cannot build the model config: {' '.join(str(error).split())}") from error
-    return config.to_dict()
+    return config
 
 
 def check_output_dir(output_dir: str) -> None:
