@@ -122,7 +122,7 @@ ROWS = [
     ("seq-len-beyond-positions", CHILD, ["data.seq_len=1024"], [], ["data.seq_len", "max_position_embeddings (512)"]),
     ("hf-config-bad-type", CHILD, ["model.config.hidden_size=abc"], [], ["model.config", "hidden_size", "'abc'"]),
     ("hf-config-foreign-key", CHILD, ["model.config.n_embd=128"], [], ["model.config.n_embd", "LlamaConfig has no"]),
-    ("hf-config-typo", CHILD, ["model.config.hidden_sise=96"], [], ["model.config.hidden_sise", "did you mean hidden_size"]),
+    ("hf-config-typo", CHILD, ["model.config.hidden_sise=96"], [], ["hidden_sise", "did you mean hidden_size"]),
     ("flash-without-gpu", CHILD, ["model.attention=flash_attention_2"], [], ["model.attention", "flash_attention_2"]),
     (
         "init-from-bad-config",
