@@ -8,7 +8,6 @@ import importlib
 import os
 import shlex
 import socket
-import subprocess
 import sys
 from collections.abc import Iterable
 
@@ -58,7 +57,7 @@ def run_train(args: argparse.Namespace) -> int:
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
     preflight.check_world(recipe, args.master_port)
     check_recipe_architecture(recipe)
-    done = None if getattr(recipe.train, "overwrite", False) else preflight.finished_step(recipe)
+    done = preflight.finished_step(recipe)
     finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
         "nothing to train (raise train.max_steps to continue)"  # fmt: skip
     command = train_command(args)
@@ -72,7 +71,10 @@ def run_train(args: argparse.Namespace) -> int:
     if done is not None:
         print(f"ntl-pretrain: {finished}")
         return 0
-    return subprocess.call(command, env=env)
+    from ntl_pretrain.supervisor import supervise
+
+    # A margin past the ranks' own grace: they exit by themselves first, this only catches a hung process.
+    return supervise(command, env, grace_seconds=recipe.train.stop_grace_seconds + 30)
 
 
 def _cuda_available() -> bool:

@@ -167,8 +167,18 @@ class TrainConfig:
     """Tokens per optimizer step (a multiple of `data.seq_len`); alternative to global_batch_size."""
     precision: Literal["bf16", "fp32"] = "bf16"
     """Parameter/activation dtype under DeepSpeed; the loss is always computed in fp32."""
-    resume: str | None = None
-    """`auto` (latest checkpoint in output_dir, if any), a checkpoint folder, or null."""
+    resume: str | None = "auto"
+    """`auto`: continue from the newest intact checkpoint in output_dir when there is one (weights, optimizer,
+    schedule, data position, RNG; `init_from` is then ignored), else start (from `init_from` or from scratch), so
+    the command that started a run also continues it after a crash or preemption; a checkpoint folder; or null:
+    start afresh, refused where output_dir already holds checkpoints or metrics unless `overwrite`."""
+    overwrite: bool = False
+    """With `resume: null`, start afresh in an output_dir that holds an earlier run: its checkpoints and
+    metrics.jsonl are deleted once the recipe has passed every check."""
+    stop_grace_seconds: int = 300
+    """After SIGTERM, SIGINT or SIGUSR1 the ranks finish the current step, save a checkpoint and exit with code 75;
+    a rank still not done this many seconds after the signal exits at once (the previous checkpoint stays
+    intact), and so does any rank on a second signal."""
     eval_every_steps: int | None = None
     """Evaluate on the data validation split every N steps (and at the end); null = never."""
     eval_max_batches: int | None = None
@@ -186,6 +196,10 @@ class TrainConfig:
             raise ValueError("micro_batch_size: must be >= 1")
         if self.dist_timeout_seconds < 1:
             raise ValueError("dist_timeout_seconds: must be >= 1")
+        if self.stop_grace_seconds < 1:
+            raise ValueError("stop_grace_seconds: must be >= 1")
+        if self.overwrite and self.resume is not None:
+            raise ValueError(f"overwrite: only with resume: null (a resume keeps the run), got resume {self.resume!r}")
         for name in ("global_batch_size", "global_batch_tokens", "eval_every_steps", "eval_max_batches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")
@@ -266,13 +280,12 @@ class Recipe:
     seed: int = 0
     """Seeds model init, data order and dropout."""
     init_from: str | None = None
-    """HF model folder to load weights from (continued pretraining); excludes `train.resume`."""
+    """HF model folder to load weights from (continued pretraining) when the run starts; a resumed run restores
+    its own weights instead."""
 
     def check(self) -> None:
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed: must be in [0, 2^32), got {self.seed}")
-        if self.init_from is not None and self.train.resume is not None:
-            raise ValueError("init_from: excludes train.resume (resume restores the weights)")
         saved_architecture = self.init_from is not None or self.train.resume is not None
         if not saved_architecture and self.model.model_type is None:
             raise ValueError("model.model_type: required when training from scratch (no init_from, no resume)")

@@ -101,7 +101,7 @@ def build_model(
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size={config.vocab_size} < tokenizer length {len(tokenizer)}")
     kwargs = {"attn_implementation": attention_backend(recipe.model.attention), "dtype": DTYPES[recipe.train.precision]}
-    if recipe.init_from is None:
+    if recipe.init_from is None or saved_config is not None:  # a resumed run loads its own weights
         lm = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
         lm = AutoModelForCausalLM.from_pretrained(recipe.init_from, config=config, **kwargs)

@@ -27,7 +27,8 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions")
 def check_world(recipe: Recipe, master_port: int | None) -> None:
     """Every check below, in the order a user would fix them."""
     starts_fresh = recipe.init_from is None and existing_checkpoint(recipe) is None
-    check_model_type(recipe.model.model_type)
+    check_no_earlier_run(recipe)
+    check_model_type(recipe.model.model_type, starts_fresh)
     check_init_from(recipe.init_from)
     check_tokenizer(recipe, starts_fresh)
     check_config_keys(recipe)
@@ -57,8 +58,28 @@ def finished_step(recipe: Recipe) -> int | None:
     return step if step >= recipe.train.max_steps else None
 
 
-def check_model_type(model_type: str | None) -> None:
+def check_no_earlier_run(recipe: Recipe) -> None:
+    """`train.resume: null` starts afresh: refused where output_dir holds an earlier run, unless `overwrite`."""
+    if recipe.train.resume is not None or recipe.train.overwrite:
+        return
+    folder = Path(recipe.train.output_dir).expanduser()
+    found = [str(p) for p in checkpoint.published_steps(checkpoint.checkpoints_root(folder))]
+    if (folder / "metrics.jsonl").is_file():
+        found.append(str(folder / "metrics.jsonl"))
+    if found:
+        raise RecipeError(
+            f"train.resume: null would start afresh over the run in {folder} ({', '.join(found[:3])}); continue it "
+            f"with train.resume=auto, or give this run another train.output_dir (train.overwrite=true deletes the "
+            f"earlier run)"
+        )
+
+
+def check_model_type(model_type: str | None, starts_fresh: bool = False) -> None:
     if model_type is None:
+        if starts_fresh:
+            raise RecipeError(
+                "model.model_type: required: this run starts from scratch (no init_from, no checkpoint to resume)"
+            )
         return
     from transformers import CONFIG_MAPPING
 

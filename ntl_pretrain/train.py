@@ -15,6 +15,7 @@ import datetime
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu, peak
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
 from ntl_pretrain.process_group import bind_local_device, default_backend
 from ntl_pretrain.schedule import lr_multiplier
+from ntl_pretrain.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
@@ -66,10 +68,11 @@ def init_distributed(timeout_s: int = TrainConfig.dist_timeout_seconds) -> None:
 class Trainer:
     """Owns the engine, the data iterator and the run state (step, tokens seen, skipped steps)."""
 
-    def __init__(self, recipe: Recipe, ds_config: dict):
+    def __init__(self, recipe: Recipe, ds_config: dict, stop: StopRequest | None = None):
         import deepspeed
 
         self.recipe = recipe
+        self.stop = stop or StopRequest(recipe.train.stop_grace_seconds)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.output_dir = Path(recipe.train.output_dir)
         set_seed(recipe.seed)
@@ -123,8 +126,10 @@ class Trainer:
 
     # ---- run -----------------------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Train to `train.max_steps`; False when a stop signal ended the run early (after saving)."""
         self.resume()
+        self._announce_start()
         self.logger = self._make_logger()
         self._log_resume()
         batches = iter(self.loader)
@@ -135,9 +140,43 @@ class Trainer:
                 self.logger.progress(record)
                 self._stop_if_nonfinite()
                 self._evaluate_and_save_when_due()
+                if self._stop_agreed():
+                    self._stop_early()
+                    return False
             self._finish()
         finally:
             self.logger.close()
+        return True
+
+    def _announce_start(self) -> None:
+        """The run's first line says where it starts from: the same command starts and continues a run."""
+        if self.rank != 0:
+            return
+        if self.resume_from is not None:
+            where = f"resuming from {self.resume_from} (step {self.step})"
+            if self.recipe.init_from is not None:
+                where += f"; init_from {self.recipe.init_from} is not loaded"
+        elif self.recipe.init_from is not None:
+            where = f"starting from the weights of init_from {self.recipe.init_from}"
+        else:
+            where = "starting from scratch"
+        print(f"ntl-pretrain: {self.output_dir}: {where}", file=sys.stderr, flush=True)
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got a stop signal (one small all-reduce per step, so all ranks stop at the same step)."""
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _stop_early(self) -> None:
+        """Checkpoint the step just finished and record the stop; the same command continues from here."""
+        if self.last_saved_step != self.step:
+            self.save()
+        self.logger.log({"step": self.step, "split": "stop", "signal": self.stop.signal_name})
+        if self.rank == 0:
+            message = f"stopped at step {self.step} of {self.recipe.train.max_steps} with a checkpoint; run the same " \
+                f"command to continue (exit code {EXIT_STOPPED})"  # fmt: skip
+            print(f"ntl-pretrain: {message}", file=sys.stderr, flush=True)
 
     def _make_logger(self) -> MetricsLogger:
         return MetricsLogger(
@@ -416,15 +455,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
+    stop = StopRequest(recipe.train.stop_grace_seconds, who=f"rank {os.environ.get('RANK', '0')}: ")
+    stop.install()  # from here on a signal means "stop at the next step boundary", also during start-up
     init_distributed(recipe.train.dist_timeout_seconds)
     try:
         resume_guard.check_same_recipe(recipe)
-        trainer = Trainer(recipe, ds_config)
+        trainer = Trainer(recipe, ds_config, stop)
         if dist.get_rank() == 0:  # only now: a refused run leaves the output folder as it was
-            resume_guard.remove_leftover_saves(recipe.train.output_dir)
-            Path(recipe.train.output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(recipe.train.output_dir) / "recipe.yaml").write_text(dump_recipe(recipe))
-        trainer.train()
+            prepare_output_dir(recipe)
+        finished = trainer.train()
     except resume_guard.RunRefused as error:
         # Every rank refuses alike; one prints. Exit at once: the launcher stops any rank still starting.
         if dist.get_rank() == 0:
@@ -436,6 +475,20 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
+    if not finished:
+        sys.exit(EXIT_STOPPED)
+
+
+def prepare_output_dir(recipe: Recipe) -> None:
+    """Rank 0, once the run has passed every check: remove what a killed save left, and with `train.overwrite` the
+    earlier run; then write the recipe this run follows."""
+    output_dir = Path(recipe.train.output_dir)
+    resume_guard.remove_leftover_saves(output_dir)
+    if recipe.train.overwrite:
+        shutil.rmtree(checkpoint.checkpoints_root(output_dir), ignore_errors=True)
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
 
 
 if __name__ == "__main__":

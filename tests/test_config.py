@@ -58,7 +58,7 @@ def test_overrides_parse_as_yaml_and_apply_last(tmp_path):
         ({}, {"train": {"max_steps": "ten"}}, [], "child.yaml", "train.max_steps: expected int"),
         ({}, {"train": {"precision": "fp16"}}, [], "child.yaml", "train.precision: expected one of"),
         ({}, {}, ["loss.ntl.kind=cosine"], "command-line override", "loss.ntl.kind: expected"),
-        ({}, {"init_from": "/some/model"}, ["train.resume=auto"], "child.yaml", "init_from: excludes train.resume"),
+        ({}, {"train": {"overwrite": True}}, [], "child.yaml", "train.overwrite: only with resume: null"),
         ({}, {"optimizer": {"betas": [0.9]}}, [], "child.yaml", "optimizer.betas: need two values"),
         (
             {},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ntl_pretrain import cli
+from ntl_pretrain import cli, supervisor
 from ntl_pretrain.config import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,13 @@ ROWS = [
     ("seq-len-beyond-positions", CHILD, ["data.seq_len=1024"], [], ["data.seq_len", "max_position_embeddings (512)"]),
     ("hf-config-bad-type", CHILD, ["model.config.hidden_size=abc"], [], ["model.config", "hidden_size", "'abc'"]),
     ("hf-config-foreign-key", CHILD, ["model.config.n_embd=128"], [], ["model.config.n_embd", "LlamaConfig has no"]),
-    ("hf-config-typo", CHILD, ["model.config.hidden_sise=96"], [], ["hidden_sise", "did you mean hidden_size"]),
+    (
+        "hf-config-typo",
+        CHILD,
+        ["model.config.hidden_sise=96"],
+        [],
+        ["model.config.hidden_sise", "did you mean hidden_size"],
+    ),
     ("flash-without-gpu", CHILD, ["model.attention=flash_attention_2"], [], ["model.attention", "flash_attention_2"]),
     (
         "init-from-bad-config",
@@ -225,7 +231,7 @@ def workspace(tmp_path):
 
 def run_cli(argv, monkeypatch, capsys):
     launches = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda command, **kwargs: launches.append(command) or 0)
+    monkeypatch.setattr(supervisor, "supervise", lambda command, *args, **kwargs: launches.append(command) or 0)
     code = cli.main(argv)
     captured = capsys.readouterr()
     return code, captured.err, launches
@@ -301,7 +307,7 @@ def test_a_finished_run_says_so_and_launches_nothing(workspace, monkeypatch, cap
     workspace, _ = workspace
     (workspace / "out" / "checkpoints" / "step_300").mkdir(parents=True)  # tiny-cpu: max_steps 300, resume auto
     recipe = str(workspace / "common.yaml")
-    monkeypatch.setattr(cli.subprocess, "call", lambda command, **kwargs: pytest.fail("launched a finished run"))
+    monkeypatch.setattr(supervisor, "supervise", lambda *args, **kwargs: pytest.fail("launched a finished run"))
     for dry in ([], ["--dry-run"]):
         assert cli.main(["train", recipe, "--nproc", "2", *dry]) == 0
         assert "already at step 300 of train.max_steps=300" in capsys.readouterr().out
@@ -344,3 +350,26 @@ def test_rope_scaling_lets_seq_len_exceed_the_trained_positions(tmp_path, rope_s
             preflight.check_positions(recipe)
     else:
         preflight.check_positions(recipe)
+
+
+def test_a_fresh_start_over_an_earlier_run_is_refused_and_changes_nothing(tmp_path, monkeypatch, capsys):
+    """train.resume: null over checkpoints or metrics names the folder and the ways out; overwrite deletes them, and
+    only once the ranks have passed every check (here: after the launch)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_4").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    argv = ["train", str(TINY), "--nproc", "2", f"train.output_dir={out}", "train.resume=null"]
+    code, err, launches = run_cli(argv, monkeypatch, capsys)
+    assert code == 2 and not launches
+    assert f"train.resume: null would start afresh over the run in {out} ({out / 'checkpoints' / 'step_4'}" in err
+    assert "train.resume=auto" in err and "another train.output_dir" in err and "train.overwrite=true" in err
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+    code, err, launches = run_cli([*argv, "train.overwrite=true"], monkeypatch, capsys)
+    assert code == 0 and len(launches) == 1, err
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+    from ntl_pretrain.train import prepare_output_dir
+
+    prepare_output_dir(load_recipe(TINY, argv[4:] + ["train.overwrite=true"]))
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]

@@ -57,10 +57,11 @@ def run_sbatch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SBATCH), *args], cwd=REPO, env=env, capture_output=True, text=True)
 
 
-def expected_command(rank: int, hostfile: Path, port: int = 24242) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
-            "--node_rank", str(rank), "--master_addr", "gpu-a07", "--master_port", str(port),
-            "--module", "ntl_pretrain.train", *RECIPE]  # fmt: skip
+def expected_command(rank: int, hostfile: Path, port: int = 24242, python: str = sys.executable) -> list[str]:
+    """The supervisor (stop signals reach the ranks) around DeepSpeed's per-node launcher."""
+    return [python, "-m", "ntl_pretrain.supervisor", "--", python, "-m", "deepspeed.launcher.runner", "--hostfile",
+            str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "gpu-a07", "--master_port",
+            str(port), "--module", "ntl_pretrain.train", *RECIPE]  # fmt: skip
 
 
 def test_dry_run_prints_every_nodes_exact_command(tmp_path):
@@ -70,10 +71,14 @@ def test_dry_run_prints_every_nodes_exact_command(tmp_path):
     hostfile = tmp_path / "job" / "hostfile"
     assert lines[0] == "# nodes=3 processes_per_node=4 world_size=12 master=gpu-a07:24242"  # 20000 + 4242
     assert lines[2:5] == ["#   gpu-a07 slots=4", "#   gpu-a08 slots=4", "#   gpu-b3 slots=4"]
-    for rank, (host, line) in enumerate(zip(["gpu-a07", "gpu-a08", "gpu-b3"], lines[5:], strict=True)):
+    for rank, (host, line) in enumerate(zip(["gpu-a07", "gpu-a08", "gpu-b3"], lines[5:8], strict=True)):
         prefix = f"[{host}] cd {REPO} && "
         assert line.startswith(prefix)
         assert shlex.split(line[len(prefix) :]) == expected_command(rank, hostfile)
+    assert (
+        lines[8]
+        == "# exit code 75 (stopped by SIGUSR1 before train.max_steps, with a checkpoint): scontrol requeue 4242"
+    )
     assert not hostfile.exists(), "a dry run writes nothing"
 
 
@@ -100,7 +105,20 @@ def test_srun_gets_one_command_in_which_each_node_expands_its_rank(tmp_path):
     hostfile = tmp_path / "job" / "hostfile"
     assert hostfile.read_text() == "gpu-a07 slots=4\ngpu-a08 slots=4\ngpu-b3 slots=4\n"
     for rank, launch in enumerate(launches):
-        assert launch.split("|")[:-1] == expected_command(rank, hostfile)[1:]
+        assert launch.split("|")[:-1] == expected_command(rank, hostfile, python=str(fake_python))[5:]
+
+
+@pytest.mark.parametrize(("code", "requeued"), [(75, True), (0, False), (1, False)])
+def test_a_run_stopped_by_its_signal_requeues_the_job(tmp_path, code, requeued):
+    """Exit code 75 (the ranks saved and stopped on SIGUSR1 before max_steps) requeues; others pass through."""
+    log = tmp_path / "log.txt"
+    executable(tmp_path / "bin" / "srun", f'#!/bin/bash\necho srun >> "$LOG"\nexit {code}\n')
+    executable(tmp_path / "bin" / "scontrol", '#!/bin/bash\nif [[ $1 == show ]]; then printf "gpu-a07\\ngpu-a08\\n"; '
+                                              'else echo "scontrol $*" >> "$LOG"; fi\n')  # fmt: skip
+    env = slurm_env(tmp_path, LOG=str(log), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu-a[07-08]")
+    done = run_sbatch(env, "recipes/tiny-cpu.yaml", "train.global_batch_size=64")
+    assert done.returncode == code, done.stderr
+    assert log.read_text().splitlines() == ["srun", *(["scontrol requeue 4242"] if requeued else [])]
 
 
 def test_refuses_outside_an_allocation_and_a_global_batch_the_world_cannot_split(tmp_path):

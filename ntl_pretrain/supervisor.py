@@ -1,0 +1,119 @@
+"""Run a training launcher so that stopping it stops the whole run, and nothing of the run outlives it.
+
+    python -m ntl_pretrain.supervisor [--grace-seconds S] -- deepspeed ... --module ntl_pretrain.train RECIPE ...
+
+`ntl-pretrain train` runs its launcher this way; launch/multinode.sh and launch/slurm/train.sbatch wrap each node's
+launcher in it. The launcher (DeepSpeed's runner, its per-node `launch.py`, the ranks) starts in a session of its
+own, so a terminal's Ctrl-C or a scheduler's signal reaches the supervisor alone, which forwards SIGTERM, SIGINT
+or SIGUSR1 once to each training rank: the ranks save at the next step boundary and exit with
+`stopping.EXIT_STOPPED` (stopping.py), then the launcher exits with their code. Before any rank exists the signal
+goes to the launcher's whole session instead (nothing to save yet). Whatever is left of the session when the
+launcher has exited, or `--grace-seconds` after the first signal, is killed; a second signal is forwarded too
+(the ranks then stop at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from ntl_pretrain.stopping import STOP_SIGNALS
+
+RANK_MODULE = "ntl_pretrain.train"
+DEFAULT_GRACE_SECONDS = 330.0  # train.stop_grace_seconds' default, plus time to exit
+
+
+def training_ranks(launcher: psutil.Process) -> list[psutil.Process]:
+    """The launcher's descendants that run `python -m ntl_pretrain.train` (not their forked data-loader workers,
+    whose parent is a rank; DeepSpeed's runner names the module after `--module`, not `-m`)."""
+    ranks = []
+    for process in launcher.children(recursive=True):
+        try:
+            if _is_rank(process) and not _is_rank(process.parent()):
+                ranks.append(process)
+        except psutil.Error:  # it exited while we looked
+            continue
+    return ranks
+
+
+def _is_rank(process: psutil.Process | None) -> bool:
+    if process is None:
+        return False
+    command = process.cmdline()
+    return any(option == "-m" and module == RANK_MODULE for option, module in zip(command, command[1:], strict=False))
+
+
+def supervise(command: list[str], env: dict | None = None, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
+    """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns its exit
+    code (128 + signal when a signal ended it)."""
+    launcher = subprocess.Popen(command, env=env, start_new_session=True)
+    first_signal_at: list[float] = []
+
+    def forward(signum: int, _frame) -> None:
+        first_signal_at[:] = first_signal_at or [time.monotonic()]
+        ranks = training_ranks(psutil.Process(launcher.pid))
+        if not ranks:
+            _signal_session(launcher.pid, signum)
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    try:
+        while launcher.poll() is None:
+            if first_signal_at and time.monotonic() - first_signal_at[0] > grace_seconds:
+                _signal_session(launcher.pid, signal.SIGKILL)
+            time.sleep(0.2)
+        deadline = first_signal_at[0] + grace_seconds if first_signal_at else time.monotonic()
+        _end_session(launcher.pid, deadline)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    code = launcher.returncode
+    return 128 - code if code < 0 else code
+
+
+def _signal_session(session_id: int, signum: int) -> None:
+    try:
+        os.killpg(session_id, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _end_session(session_id: int, deadline: float) -> None:
+    """Let what is left of the launcher's session (ranks still saving) finish until `deadline`, then kill it."""
+    while _session_alive(session_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _signal_session(session_id, signal.SIGKILL)
+
+
+def _session_alive(session_id: int) -> bool:
+    try:
+        os.killpg(session_id, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.supervisor", description=__doc__.splitlines()[0])
+    parser.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_SECONDS,
+                        help="after the first stop signal, kill what is left of the run this much later")  # fmt: skip
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the launcher command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the launcher command after --")
+    sys.exit(supervise(command, grace_seconds=args.grace_seconds))
+
+
+if __name__ == "__main__":
+    main()
