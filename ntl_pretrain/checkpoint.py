@@ -269,8 +269,8 @@ class ResumePoint:
     folder: Path | None
     """The verified step folder to load; None on a fresh run."""
     skipped: list[dict] = field(default_factory=list)
-    """`{"checkpoint", "problems", "kept_as"}` of newer checkpoints `auto` passed over because they failed
-    verification, and the folder each was moved to (`set_aside`)."""
+    """`{"checkpoint", "problems"}` of newer checkpoints `auto` passed over because they failed verification
+    (plus `"kept_as"` once `set_aside` has moved them)."""
 
 
 def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.VerifyMode) -> ResumePoint:
@@ -286,7 +286,7 @@ def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.
     for folder in newest_first(checkpoints_root(output_dir)):
         problems = agree_on_problems(folder, mode)
         if not problems:
-            return ResumePoint(folder, [{**s, "kept_as": str(set_aside(Path(s["checkpoint"])))} for s in skipped])
+            return ResumePoint(folder, skipped)
         if dist.get_rank() == 0:
             logger.warning("train.resume: auto: skipping %s", damage_report(folder, problems))
         skipped.append({"checkpoint": str(folder), "problems": problems})
@@ -298,20 +298,19 @@ def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.
     return ResumePoint(None)
 
 
-def set_aside(damaged: Path) -> Path:
-    """Where a damaged checkpoint that `auto` skipped is kept: `step_<N>.damaged` (`-2`, ... when taken), out of
-    the way of the run's own save of that step and of the `keep_last` rotation, never deleted. Every rank has
-    verified it (a collective), so none reads it any more; rank 0 moves it (checkpoints are on a shared
-    filesystem: rank 0 publishes every save)."""
-    kept = damaged.with_name(f"{damaged.name}.damaged")
-    suffix = 1
-    while kept.exists():
-        suffix += 1
-        kept = damaged.with_name(f"{damaged.name}.damaged-{suffix}")
-    if dist.get_rank() == 0:
+def set_aside(skipped: list[dict]) -> None:
+    """Move the damaged checkpoints `auto` skipped to `step_<N>.damaged` (`-2`, ... when taken), out of the way of
+    the run's own save of that step and of the `keep_last` rotation, never deleted; record each new place as
+    `kept_as`. Rank 0 only (it publishes every save), once the run has passed its checks: no rank reads them."""
+    for entry in skipped:
+        damaged = Path(entry["checkpoint"])
+        kept, suffix = damaged.with_name(f"{damaged.name}.damaged"), 1
+        while kept.exists():
+            suffix += 1
+            kept = damaged.with_name(f"{damaged.name}.damaged-{suffix}")
         os.replace(damaged, kept)
+        entry["kept_as"] = str(kept)
         logger.warning("train.resume: auto: moved the damaged checkpoint %s to %s (delete it when done)", damaged, kept)
-    return kept
 
 
 def damage_report(folder: Path, problems: list[str]) -> str:

@@ -463,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer = Trainer(recipe, ds_config, stop)
         if dist.get_rank() == 0:  # only now: a refused run leaves the output folder as it was
             prepare_output_dir(recipe)
+            checkpoint.set_aside(trainer.resume_point.skipped)
         finished = trainer.train()
     except resume_guard.RunRefused as error:
         # Every rank refuses alike; one prints. Exit at once: the launcher stops any rank still starting.
