@@ -239,7 +239,8 @@ class LoggingConfig:
     wandb_run_name: str | None = None
     """W&B run name; null = W&B's default."""
     peak_flops_per_device: float | None = None
-    """Peak FLOP/s of one device for MFU; null = H100 bf16 dense (989e12) on CUDA, no MFU (null) on CPU."""
+    """Peak FLOP/s of one device for MFU; null = the device's dense bf16 peak from `metrics.BF16_PEAK_FLOPS` for a
+    bf16 run on a GPU it lists, else no MFU (null: CPU, unknown GPUs, fp32)."""
 
     def check(self) -> None:
         if self.peak_flops_per_device is not None and self.peak_flops_per_device <= 0:

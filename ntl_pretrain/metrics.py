@@ -6,7 +6,9 @@ where N counts the parameters that take part in matrix multiplies (all parameter
 table, a lookup; a tied output projection is counted once, through N), L layers, H hidden size, T sequence
 length. 6N is forward (2N) plus backward (4N); 12·L·H·T is the attention scores and weighted sum (QKᵀ and AV,
 2·2·T·H per layer forward, times 3 with backward). Activation recomputation is not counted (it is not useful
-work). MFU = flops_per_token * tokens_per_s / (peak_flops_per_device * world_size).
+work). MFU = flops_per_token * tokens_per_s / (peak_flops_per_device * world_size), with the device's dense bf16
+peak from `BF16_PEAK_FLOPS` (vendor datasheets, without sparsity) or `logging.peak_flops_per_device`; null on CPU,
+on a GPU the table does not know, and for fp32 runs (no tensor-core peak applies to them) unless that key is set.
 
 Peak memory (`peak_mem_mib`, the largest over ranks): on CUDA the caching allocator's peak of allocated tensor
 memory since the previous step (`torch.cuda.max_memory_allocated`, reset after each read); on CPU the process's
@@ -25,7 +27,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-H100_BF16_DENSE_FLOPS = 989e12
+BF16_PEAK_FLOPS = (  # (fragment of torch.cuda.get_device_name, dense bf16 FLOP/s); the first match wins
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+)
+
+
+def device_peak_flops(device: torch.device | str, precision: str) -> float | None:
+    """One device's dense peak for a bf16 run, from its name (`BF16_PEAK_FLOPS`); None where it is not known."""
+    device = torch.device(device)
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for fragment, peak in BF16_PEAK_FLOPS if fragment in name), None)
 
 
 def peak_memory_mib(device: torch.device | str) -> float:

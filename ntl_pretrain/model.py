@@ -12,7 +12,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.integrations import HfDeepSpeedConfig
 
 from ntl_pretrain.config import ModelConfig, Recipe
@@ -50,14 +56,21 @@ class BuiltModel:
     number_vocab: NumberVocab | None
     hf_deepspeed_config: HfDeepSpeedConfig
     """Held for the model's lifetime: transformers consults it to load and gather under ZeRO-3."""
+    attention: str
+    """The attention implementation the model runs (`model.attention`, `auto` resolved)."""
 
 
-def attention_backend(requested: str) -> str:
-    """`auto` means flash-attention-2 when it is installed and CUDA is present, else PyTorch SDPA."""
+def attention_backend(requested: str, config: PretrainedConfig, dtype: torch.dtype) -> str:
+    """`auto`: flash-attention-2 where it can run (the flash_attn package, CUDA, bf16/fp16, an architecture that
+    supports it), else PyTorch SDPA, else eager for architectures without SDPA (Gemma-2 in transformers 5)."""
     if requested != "auto":
         return requested
-    flash = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
-    return "flash_attention_2" if flash else "sdpa"
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    supports = lambda feature: model_class is None or bool(getattr(model_class, feature, False))  # noqa: E731
+    flash_runs = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    if flash_runs and dtype in (torch.bfloat16, torch.float16) and supports("_supports_flash_attn"):
+        return "flash_attention_2"
+    return "sdpa" if supports("_supports_sdpa") else "eager"
 
 
 def hf_config(recipe: Recipe, tokenizer, saved_config: Path | None = None) -> PretrainedConfig:
@@ -100,7 +113,9 @@ def build_model(
     config = hf_config(recipe, tokenizer, saved_config)
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size={config.vocab_size} < tokenizer length {len(tokenizer)}")
-    kwargs = {"attn_implementation": attention_backend(recipe.model.attention), "dtype": DTYPES[recipe.train.precision]}
+    dtype = DTYPES[recipe.train.precision]
+    attention = attention_backend(recipe.model.attention, config, dtype)
+    kwargs = {"attn_implementation": attention, "dtype": dtype}
     if recipe.init_from is None or saved_config is not None:  # a resumed run loads its own weights
         lm = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
@@ -113,7 +128,7 @@ def build_model(
         number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
         number_vocab.require_numbers()
     head = build_head(recipe, lm, number_vocab)
-    return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config)
+    return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config, attention)
 
 
 def parameter_groups(module: CausalLMWithLoss, weight_decay: float) -> list[dict]:

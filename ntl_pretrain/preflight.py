@@ -33,7 +33,7 @@ def check_world(recipe: Recipe, master_port: int | None) -> None:
     check_tokenizer(recipe, starts_fresh)
     check_config_keys(recipe)
     check_positions(recipe)
-    check_attention(recipe.model.attention)
+    check_attention(recipe)
     check_output_dir(recipe.train.output_dir)
     check_master_port(master_port)
 
@@ -157,8 +157,18 @@ def _changes_other_keys(config_class, key: str, value, defaults: dict) -> bool:
     return any(built.get(name) != default for name, default in defaults.items() if name != key)
 
 
-def check_attention(attention: str) -> None:
-    """flash-attention-2 needs the flash_attn package and a GPU on the machine that launches (its ranks run there)."""
+def check_attention(recipe: Recipe) -> None:
+    """flash-attention-2 needs the flash_attn package and a GPU on the machine that launches (its ranks run there);
+    sdpa needs an architecture that transformers runs with it."""
+    attention = recipe.model.attention
+    if attention == "sdpa":
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = model_config(recipe)
+        model_class = None if config is None else MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+        if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+            raise RecipeError(f"model.attention: sdpa: transformers runs {model_class.__name__} without SDPA; use "
+                              f"auto (which picks eager for it) or eager")  # fmt: skip
     if attention != "flash_attention_2":
         return
     import torch

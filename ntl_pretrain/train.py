@@ -32,7 +32,7 @@ from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss.number_level import count_numbers
-from ntl_pretrain.metrics import H100_BF16_DENSE_FLOPS, MetricsLogger, mfu, peak_memory_mib
+from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
 from ntl_pretrain.process_group import bind_local_device, default_backend
 from ntl_pretrain.schedule import lr_multiplier
@@ -103,6 +103,7 @@ class Trainer:
         self.last_saved_step: int | None = None
         set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
         self.flops_per_token = model_flops_per_token(self.built.module.lm, recipe.data.seq_len)
+        self.device_peak_flops = device_peak_flops(self.engine.device, recipe.train.precision)
 
     def _tokenizer_spec(self) -> str:
         spec = self.recipe.tokenizer.path or self.recipe.init_from
@@ -160,7 +161,8 @@ class Trainer:
             where = f"starting from the weights of init_from {self.recipe.init_from}"
         else:
             where = "starting from scratch"
-        print(f"ntl-pretrain: {self.output_dir}: {where}", file=sys.stderr, flush=True)
+        print(f"ntl-pretrain: {self.output_dir}: {where}; attention {self.built.attention}", file=sys.stderr,
+              flush=True)  # fmt: skip
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got a stop signal (one small all-reduce per step, so all ranks stop at the same step)."""
@@ -295,9 +297,7 @@ class Trainer:
             )
 
     def _step_record(self, ce: float, ntl: float, lr: float, tokens_per_s: float, number_fraction: float) -> dict:
-        peak = self.recipe.logging.peak_flops_per_device
-        if peak is None and torch.cuda.is_available():
-            peak = H100_BF16_DENSE_FLOPS
+        peak = self.recipe.logging.peak_flops_per_device or self.device_peak_flops
         record = {
             "step": self.step,
             "loss": ce + self.recipe.loss.ntl.weight * ntl,

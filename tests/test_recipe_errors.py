@@ -131,6 +131,13 @@ ROWS = [
     ),
     ("flash-without-gpu", CHILD, ["model.attention=flash_attention_2"], [], ["model.attention", "flash_attention_2"]),
     (
+        "sdpa-on-gemma2",
+        CHILD,
+        ["model.model_type=gemma2", "model.config={num_key_value_heads: 4, head_dim: 16}", "model.attention=sdpa"],
+        [],
+        ["model.attention: sdpa", "Gemma2ForCausalLM"],
+    ),
+    (
         "init-from-bad-config",
         CHILD,
         ["init_from={tmp}/bad-config", "model.model_type=null", "train.resume=null"],

@@ -139,3 +139,38 @@ def test_wandb_missing_names_the_extra(tmp_path, monkeypatch):
                              wandb_settings={"project": "p"})  # fmt: skip
     disabled.log({"step": 1})  # other ranks: nothing written, nothing imported
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "flash", "dtype", "expected"),
+    [
+        ("llama", False, torch.float32, "sdpa"),
+        ("gemma2", False, torch.float32, "eager"),  # transformers runs Gemma-2 without SDPA
+        ("llama", True, torch.bfloat16, "flash_attention_2"),
+        ("llama", True, torch.float32, "sdpa"),  # flash-attention runs bf16/fp16 only
+        ("gemma2", True, torch.bfloat16, "flash_attention_2"),
+    ],
+)
+def test_auto_attention_picks_what_can_run(monkeypatch, model_type, flash, dtype, expected):
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    from ntl_pretrain import model
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" and flash
+                        else (None if name == "flash_attn" else real_find_spec(name, *a)))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: flash)
+    config = AutoConfig.for_model(model_type)
+    assert model.attention_backend("auto", config, dtype) == expected
+    assert model.attention_backend("eager", config, dtype) == "eager"  # an explicit choice is kept
+
+
+def test_mfu_peak_comes_from_the_device_table_or_is_unknown(monkeypatch):
+    from ntl_pretrain import metrics
+
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    assert [metrics.device_peak_flops("cuda:0", "bf16") for _ in range(4)] == [989e12, 756e12, 312e12, None]
+    assert metrics.device_peak_flops("cpu", "bf16") is None and metrics.device_peak_flops("cuda:0", "fp32") is None
