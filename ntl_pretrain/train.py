@@ -234,7 +234,7 @@ class Trainer:
         started = time.perf_counter()
         num_tokens, num_number_tokens, num_inputs = self._global_counts(batches).tolist()
         lr = self.optimizer.param_groups[0]["lr"]
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)  # read once per step: no host sync
         for index, batch in enumerate(batches, start=1):
             out = self.engine(
                 **self._to_device(batch), num_tokens=max(num_tokens, 1), num_number_tokens=max(num_number_tokens, 1)
@@ -243,10 +243,11 @@ class Trainer:
             if index == len(batches):
                 self.head.before_engine_step()
             self.engine.step()
-            sums += torch.stack([out.ce.detach().double().cpu(), out.ntl.detach().double().cpu()])
+            sums += torch.stack([out.ce.detach().double(), out.ntl.detach().double()])
         self.head.after_engine_step(self.engine)
         dist.all_reduce(sums)
-        ce, ntl = sums[0].item() / max(num_tokens, 1), sums[1].item() / max(num_number_tokens, 1)
+        ce_sum, ntl_sum = sums.tolist()
+        ce, ntl = ce_sum / max(num_tokens, 1), ntl_sum / max(num_number_tokens, 1)
         self.step += 1
         self.tokens_seen += int(num_inputs)
         self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
@@ -279,7 +280,10 @@ class Trainer:
         return counts
 
     def _to_device(self, batch: dict) -> dict:
-        return {key: batch[key].to(self.engine.device) for key in ("input_ids", "labels", "position_ids")}
+        """The micro-batch on the rank's device; on CUDA through pinned memory, so the copy does not block."""
+        cuda = self.engine.device.type == "cuda"
+        return {key: (batch[key].pin_memory() if cuda else batch[key]).to(self.engine.device, non_blocking=cuda)
+                for key in ("input_ids", "labels", "position_ids")}  # fmt: skip
 
     def _count_nonfinite(self, loss: float) -> None:
         """DeepSpeed skips the update when the gradient norm is not finite; count those steps."""

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from ntl_pretrain.loss.number_level import NumberSpans, gradient_at_first, number_losses
 from ntl_pretrain.numbers import NumberShard
 
-# Rows per chunk are chosen so a chunk holds about this many fp32 logits (16 MiB): large enough to amortise
-# the per-chunk kernel launches, small enough that the fp32 temporaries stay out of the peak.
-CHUNK_ELEMENTS = 1 << 22
+# Rows per chunk are chosen so a chunk holds about this many fp32 logits: on CPU 16 MiB, which stays in cache and
+# keeps the fp32 temporaries out of the peak; on a GPU 256 MiB, so that a call is a few large kernels rather than
+# hundreds of launches (the temporaries are then one chunk, far below the [N, V] logits).
+CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 # Reweighing charges mass outside the class slightly more than the worst in-class prediction (as ntloss does).
 REWEIGH_MARGIN = 1.01
 
@@ -128,8 +129,10 @@ def _error_slope(error: torch.Tensor, kind: str) -> torch.Tensor:
     return error.sign()
 
 
-def _row_chunks(num_rows: int, num_columns: int) -> list[slice]:
-    rows = max(1, CHUNK_ELEMENTS // max(1, num_columns))
+def _row_chunks(logits_NV: torch.Tensor) -> list[slice]:
+    num_rows, num_columns = logits_NV.shape
+    elements = CHUNK_ELEMENTS.get(logits_NV.device.type, CHUNK_ELEMENTS["cpu"])
+    rows = max(1, elements // max(1, num_columns))
     return [slice(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
 
 
@@ -204,7 +207,7 @@ def forward_rows(
     dtype = compute_dtype(logits_NV)
     z_NK = logits_NV.new_empty((logits_NV.shape[0], shard.local_ids.numel()), dtype=dtype)
     chunks = []
-    for rows in _row_chunks(*logits_NV.shape):
+    for rows in _row_chunks(logits_NV):
         z_RV = logits_NV[rows].to(dtype)
         chunks.append(_ce_partials(z_RV, t.select(rows)))
         torch.index_select(z_RV, 1, shard.local_ids, out=z_NK[rows])  # while the chunk is in cache
@@ -320,7 +323,7 @@ class FusedCeNtl(torch.autograd.Function):
             grad_ntl_N = gradient_at_first(grad_ntl_N, spans)
         number_grad_NK = number_columns_grad(t, stats, grad_ntl_N, shard, kind, reweigh)
         grad_NV = torch.empty_like(logits_NV)
-        for rows in _row_chunks(*logits_NV.shape):
+        for rows in _row_chunks(logits_NV):
             logits_grad_rows(
                 logits_NV[rows].to(dtype),
                 grad_NV[rows],
