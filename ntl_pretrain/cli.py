@@ -61,9 +61,7 @@ def run_train(args: argparse.Namespace) -> int:
     finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
         "nothing to train (raise train.max_steps to continue)"  # fmt: skip
     command = train_command(args)
-    env = dict(os.environ)
-    if not _cuda_available():
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    env = launch_environment(recipe.train.device)
     if args.dry_run:
         print(dump_recipe(recipe), end="")
         print("# " + (finished if done is not None else shlex.join(command)))
@@ -77,10 +75,17 @@ def run_train(args: argparse.Namespace) -> int:
     return supervise(command, env, grace_seconds=recipe.train.stop_grace_seconds + 30)
 
 
-def _cuda_available() -> bool:
+def launch_environment(device: str) -> dict[str, str]:
+    """The ranks' environment: DeepSpeed's CPU accelerator where they run on CPU (`train.device: cpu`, or `auto`
+    without a visible GPU), with the GPUs hidden from them when the recipe chose cpu."""
     import torch
 
-    return torch.cuda.is_available()
+    env = dict(os.environ)
+    if device == "cpu":
+        env["DS_ACCELERATOR"], env["CUDA_VISIBLE_DEVICES"] = "cpu", ""
+    elif not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
 
 
 def run_export(args: argparse.Namespace) -> int:

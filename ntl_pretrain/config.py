@@ -165,6 +165,10 @@ class TrainConfig:
     """Sequences per optimizer step over all ranks; gradient accumulation is derived from it."""
     global_batch_tokens: int | None = None
     """Tokens per optimizer step (a multiple of `data.seq_len`); alternative to global_batch_size."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the ranks run: cuda (a GPU per rank; refused before launch when no GPU is visible, so a GPU recipe never
+    trains on CPU ranks by accident, unless DS_ACCELERATOR=cpu is set), cpu (gloo ranks, GPUs hidden from them), or
+    auto (cuda where a GPU is visible, else cpu)."""
     precision: Literal["bf16", "fp32"] = "bf16"
     """Parameter/activation dtype under DeepSpeed; the loss is always computed in fp32."""
     resume: str | None = "auto"

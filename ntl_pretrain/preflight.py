@@ -34,6 +34,7 @@ def check_world(recipe: Recipe, master_port: int | None) -> None:
     check_config_keys(recipe)
     check_positions(recipe)
     check_attention(recipe)
+    check_device(recipe.train.device)
     check_output_dir(recipe.train.output_dir)
     check_master_port(master_port)
 
@@ -179,6 +180,19 @@ def check_attention(recipe: Recipe) -> None:
     if not torch.cuda.is_available():
         raise RecipeError("model.attention: flash_attention_2 runs on CUDA GPUs and this machine has none visible; "
                           "use auto or sdpa")  # fmt: skip
+
+
+def check_device(device: str) -> None:
+    """A recipe that asks for GPUs gets them, or stops: never CPU ranks by accident (DS_ACCELERATOR=cpu is a choice)."""
+    if device != "cuda" or os.environ.get("DS_ACCELERATOR") == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else f"torch {torch.__version__}"
+        raise RecipeError(f"train.device: cuda, but no CUDA GPU is visible on this machine ({why}); run it on a GPU "
+                          f"node, or set train.device=cpu (or DS_ACCELERATOR=cpu) to train on CPU ranks")  # fmt: skip
 
 
 def check_positions(recipe: Recipe) -> None:

@@ -380,3 +380,22 @@ def test_a_fresh_start_over_an_earlier_run_is_refused_and_changes_nothing(tmp_pa
 
     prepare_output_dir(load_recipe(TINY, argv[4:] + ["train.overwrite=true"]))
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
+
+
+def test_a_gpu_recipe_without_a_visible_gpu_stops_unless_cpu_is_chosen(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    argv = ["train", str(TINY), "--nproc", "2", f"train.output_dir={tmp_path / 'run'}", "train.device=cuda"]
+    code, err, launches = run_cli(argv, monkeypatch, capsys)
+    assert code == 2 and not launches and "train.device: cuda, but no CUDA GPU is visible" in err, err
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # an explicit choice of CPU ranks
+    code, err, launches = run_cli(argv, monkeypatch, capsys)
+    assert code == 0 and len(launches) == 1, err
+
+    from ntl_pretrain.cli import launch_environment
+
+    assert (
+        launch_environment("cpu")["CUDA_VISIBLE_DEVICES"] == "" and launch_environment("cpu")["DS_ACCELERATOR"] == "cpu"
+    )
