@@ -1,4 +1,4 @@
-"""CE + NTL per position in float64, vectorised, written from design.md's definition (not from fused.py).
+"""CE + NTL per position in float64, vectorised, written from the definition in docs/loss.md (not from fused.py).
 
 Shared by the vocabulary-parallel and chunked-head tests: autograd through this gives the reference gradients.
 The number-level kind walks each row of the labels in Python, one number at a time (not number_level.py's

@@ -216,7 +216,7 @@ def test_batched_left_padded_generation_equals_one_by_one_greedy(tokenizer) -> N
 
 
 def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]:
-    """F.cross_entropy and the float64 NTL-WAS and number-level NTL of design.md over the same packed batches."""
+    """F.cross_entropy and the float64 NTL-WAS and number-level NTL of docs/loss.md over the same packed batches."""
     data = DataConfig(sources=[VALIDATION], validation=[VALIDATION], seq_len=64)
     loader = build_dataloader(
         data, tokenizer, micro_batch_size=4, dp_rank=0, dp_world_size=1, seed=0, split="validation"

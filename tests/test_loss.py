@@ -16,7 +16,7 @@ NTLOSS_FUNCTIONS = {"mse": F.mse_loss, "mae": F.l1_loss, "huber": F.huber_loss}
 
 
 def reference_loss(logits, labels, nv, kind, reweigh, ignore_index=-100):
-    """Per-position (CE, NTL) in float64, one position at a time, straight from design.md's definition."""
+    """Per-position (CE, NTL) in float64, one position at a time, straight from the definition in docs/loss.md."""
     ce, ntl = [], []
     for z, t in zip(logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1).tolist(), strict=True):
         if t == ignore_index:

@@ -3,7 +3,7 @@
 Legend: N positions, V columns of the logits this rank holds (the whole vocabulary, or a shard of it),
 K number-token columns among them, R rows of one chunk.
 
-Per position with logits z and label t (design.md, "The objective, exactly"):
+Per position with logits z and label t (docs/loss.md, "The objective"):
   CE   = logsumexp(z) - z_t
   q_j  = softmax of z over C(t), the number tokens of t's class;  y = value(t);  s = scale(t)
   WAS  = sum_j q_j |v_j - y| / s;   MSE/MAE/Huber = f((sum_j q_j v_j - y) / s)
