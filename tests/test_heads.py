@@ -125,35 +125,55 @@ def test_train_refuses_an_unchecked_architecture_before_launch(capsys):
     assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", *phi, "loss.head=dense"]) == 0
 
 
+# model_type: its tiny HF config (the tiny recipe's sizes) with the logit post-processing its forward applies.
+END_TO_END = {
+    "gemma2": {"final_logit_softcapping": 3.0, "head_dim": 16},
+    "cohere": {"logit_scale": 0.25},
+    "granite": {"logits_scaling": 4.0},
+    "qwen2": {},
+    "mistral": {},
+    "gpt2": {},
+}
+TINY_SIZES = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": False}  # fmt: skip
+GPT2_SIZES = {"n_embd": 64, "n_inner": 256, "n_layer": 2, "n_head": 4, "n_positions": 512, "tie_word_embeddings": False}
+
+
 @pytest.mark.slow
-def test_gemma2_trainer_validation_equals_the_exported_models_forward(tmp_path):
-    """End to end with soft-capping: 10 steps of a tiny Gemma-2 on 1 rank through `ntl-pretrain train`, exported;
-    transformers' forward of the export (which soft-caps) gives the validation CE and NTL the trainer logged."""
+@pytest.mark.parametrize("model_type", sorted(END_TO_END))
+def test_trainer_validation_equals_the_exported_models_forward(tmp_path, model_type):
+    """End to end: 10 steps of a tiny model on 1 rank through `ntl-pretrain train`, exported; transformers' own
+    forward of the export (which applies the architecture's soft-capping or scaling) gives the validation CE and NTL
+    the trainer logged (Llama: tests/test_train_e2e.py)."""
     import subprocess
     import sys
     from pathlib import Path
 
+    import yaml
     from launches import assert_model_reproduces_logged_validation, environment, partition_all_config
     from transformers import AutoTokenizer
 
     from ntl_pretrain.export import export_checkpoint
 
     repo, steps, run = Path(__file__).resolve().parents[1], 10, tmp_path / "run"
+    recipe = yaml.safe_load((repo / "recipes" / "tiny-cpu.yaml").read_text())
+    sizes = GPT2_SIZES if model_type == "gpt2" else TINY_SIZES
+    recipe["model"] = {"model_type": model_type, "attention": "eager", "config": {**sizes, **END_TO_END[model_type]}}
+    recipe["deepspeed"] = {"config": str(partition_all_config(tmp_path))}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     settings = [
-        "model.model_type=gemma2", "model.attention=eager", "model.config.head_dim=16",
-        "model.config.final_logit_softcapping=3.0", f"train.output_dir={run}", f"train.max_steps={steps}",
-        f"deepspeed.config={partition_all_config(tmp_path)}", "data.seq_len=64", "train.micro_batch_size=4",
+        f"train.output_dir={run}", f"train.max_steps={steps}", "data.seq_len=64", "train.micro_batch_size=4",
         "train.global_batch_size=4", "optimizer.lr=1e-2", f"train.eval_every_steps={steps}", "train.eval_max_batches=3",
         f"checkpoint.every_steps={steps}", "logging.progress_bar=false", "train.resume=null",
     ]  # fmt: skip
     cli = [sys.executable, "-m", "ntl_pretrain.cli"]
-    done = subprocess.run([*cli, "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *settings], cwd=repo,
+    done = subprocess.run([*cli, "train", str(tmp_path / "recipe.yaml"), "--nproc", "1", *settings], cwd=repo,
                           env=environment(), capture_output=True, text=True, timeout=400)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    step_folder = run / "checkpoints" / f"step_{steps}"
-    export_checkpoint(step_folder, tmp_path / "hf")
+    export_checkpoint(run / "checkpoints" / f"step_{steps}", tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
-    assert model.config.final_logit_softcapping == 3.0
+    for key, value in END_TO_END[model_type].items():
+        assert getattr(model.config, key) == value
     assert_model_reproduces_logged_validation(model, AutoTokenizer.from_pretrained(tmp_path / "hf"), run, steps,
                                               micro_batch_size=4, ranks=1)  # fmt: skip
 
