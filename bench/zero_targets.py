@@ -8,14 +8,15 @@ such numbers weigh on the loss almost whatever the model predicts. For every tra
 tokenised as the recipes do (one record a row), and for the single-digit and the 1-3-digit tiny tokenizers and
 Llama-3: the numbers, the share of them whose value is 0, and where those zeros come from (a lone `0`, or the `0`
 before a decimal point, which is its own number unless `float_level` joins `0.5` into 5).
-With `--run`: each run's last checkpoint on its validation set (one micro-batch of its packed blocks after another):
-the share of numbers with a zero target, their mean loss against the others', and their share of the summed loss
-and of the gradient norm on the logits.
+With `--run`: each run's last checkpoint on its (first) validation set, one micro-batch of packed blocks after
+another: the share of numbers with a zero target, their mean loss against the others', and their share of the
+summed loss and of the gradient norm on the logits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from importlib import resources
@@ -79,8 +80,10 @@ def run_shares(run: str, max_batches: int) -> dict[str, float]:
         model = AutoModelForCausalLM.from_pretrained(exported.hf_folder)
         tokenizer = AutoTokenizer.from_pretrained(exported.hf_folder)
     nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-    loader = build_dataloader(recipe_validation(target), tokenizer, micro_batch_size=8, dp_rank=0, dp_world_size=1,
-                              seed=0, split="validation")  # fmt: skip
+    validation = recipe_validation(target)
+    data = dataclasses.replace(validation, sources=validation.validation[:1], validation=validation.validation[:1])
+    loader = build_dataloader(data, tokenizer, micro_batch_size=8, dp_rank=0, dp_world_size=1, seed=0,
+                              split="validation")  # fmt: skip
     totals = torch.zeros(6, dtype=torch.float64)  # numbers, zero numbers, loss, zero loss, grad², zero grad²
     for index, batch in enumerate(loader):
         if index == max_batches:
