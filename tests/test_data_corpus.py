@@ -86,6 +86,19 @@ def test_addition_is_compact_exact_and_holds_out_interpolation_and_larger_operan
     assert sum(map(len, questions)) == len(set().union(*questions))  # 4,000 distinct of the 10,000 sums
 
 
+def test_multiplication_splits_all_900_questions_and_extrapolates_to_three_digits():
+    splits = make_set("multiplication", {"train": 600, "validation": 100, "interpolation": 200, "extrapolation": 500},
+                      seed=0)  # fmt: skip
+    pairs = {}
+    for split, examples in splits.items():
+        found = [tuple(map(int, re.fullmatch(r"(\d+)\*(\d)=", e["question"]).groups())) for e in examples]
+        assert [int(e["answer"]) for e in examples] == [a * b for a, b in found]
+        pairs[split] = set(found)
+    held_in = pairs["train"] | pairs["validation"] | pairs["interpolation"]
+    assert held_in == {(a, b) for a in range(10, 100) for b in range(10)}  # every question once, in one split
+    assert all(100 <= a < 1000 for a, _ in pairs["extrapolation"]) and len(pairs["extrapolation"]) == 500
+
+
 def test_committed_corpus_is_small_and_regenerates_byte_for_byte(tmp_path):
     total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
     assert total < 3_000_000

@@ -157,6 +157,13 @@ def compact_addition(rng: random.Random, level: Difficulty) -> Example:
     return _example(f"{a}+{b}=", Decimal(a + b))
 
 
+def compact_multiplication(rng: random.Random, level: Difficulty) -> Example:
+    """`a*b=` with `a` of the level's digit counts and `b` a single digit: the study's second task, where how far an
+    answer is off matters more than exactness (two-digit `a`: 900 questions in all)."""
+    a, b = draw_integer(rng, level), rng.randint(0, 9)
+    return _example(f"{a}*{b}=", Decimal(a * b))
+
+
 Generator = Callable[[random.Random, Difficulty], Example]
 
 
@@ -182,6 +189,9 @@ SETS: dict[str, QuestionSet] = {
         **MIXED,
     ),
     "addition": QuestionSet([compact_addition], train=Difficulty(1, 2, 0), extrapolation=Difficulty(3, 3, 0)),
+    "multiplication": QuestionSet(
+        [compact_multiplication], train=Difficulty(2, 2, 0), extrapolation=Difficulty(3, 3, 0)
+    ),
 }
 
 

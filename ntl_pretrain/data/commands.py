@@ -10,6 +10,8 @@ ARITHMETIC_SIZES = {"train": 15000, "validation": 1000, "interpolation": 1000, "
 WORD_PROBLEM_SIZES = {"train": 5000, "validation": 500, "interpolation": 500, "extrapolation": 500}
 # 8,500 of the 10,000 questions `a+b=` with a, b < 100: interpolation and validation questions are held out.
 ADDITION_SIZES = {"train": 7000, "validation": 500, "interpolation": 1000, "extrapolation": 1000}
+# All 900 questions `a*b=` with a two-digit a and a one-digit b, split three ways; 500 with a three-digit a.
+MULTIPLICATION_SIZES = {"train": 600, "validation": 100, "interpolation": 200, "extrapolation": 500}
 # The tiny tokenizer's training text. Fixed, so a set added later (addition) leaves the tokenizer as it is.
 TOKENIZER_SETS = ("arithmetic", "prose", "word_problems")
 
@@ -44,6 +46,7 @@ def run_make_arithmetic(args: argparse.Namespace) -> None:
         "arithmetic": scaled(ARITHMETIC_SIZES),
         "word_problems": scaled(WORD_PROBLEM_SIZES),
         "addition": scaled(ADDITION_SIZES),
+        "multiplication": scaled(MULTIPLICATION_SIZES),
     }
     for path in make_arithmetic(args.out, sizes, args.seed):
         print(path)
