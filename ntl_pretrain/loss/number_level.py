@@ -48,10 +48,6 @@ class NumberSpans:
     count: torch.Tensor
     """int64 scalar: how many numbers."""
 
-    def select(self, rows: slice) -> NumberSpans:
-        """Positions `rows` (numbers keep their global index)."""
-        return NumberSpans(self.number[rows], self.first[rows], self.place[rows], self.count)
-
 
 def find_number_spans(
     labels: torch.Tensor, nv: NumberVocab, ignore_index: int = -100, float_level: bool = False
