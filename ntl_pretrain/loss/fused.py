@@ -213,8 +213,7 @@ def forward_rows(
         torch.index_select(z_RV, 1, shard.local_ids, out=z_NK[rows])  # while the chunk is in cache
     empty = logits_NV.new_zeros(0, dtype=dtype)
     lse, z_target = (torch.cat(column) for column in zip(*chunks, strict=True)) if chunks else (empty, empty)
-    ce, ntl, stats = rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, spans)
-    return ce, ntl, stats
+    return rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, spans)
 
 
 def rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, spans):
