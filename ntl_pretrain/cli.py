@@ -1,5 +1,5 @@
-"""`ntl-pretrain`: train (wraps the deepspeed launcher), export, convert-gguf, verify; eval, plot, study and data come
-from the modules that own them."""
+"""`ntl-pretrain`: train (wraps the deepspeed launcher), export, convert-gguf, verify; eval, plot, study, data and
+doctor come from the modules that own them."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ DELEGATED_COMMANDS = {
     "plot": "ntl_pretrain.plot",
     "study": "ntl_pretrain.study",
     "data": "ntl_pretrain.data.commands",
+    "doctor": "ntl_pretrain.doctor.commands",
 }
 
 

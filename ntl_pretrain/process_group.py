@@ -9,6 +9,7 @@ ones; torch routes each collective by its tensor's device. CPU jobs use gloo.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -24,3 +25,13 @@ def bind_local_device() -> None:
     (`all_gather_object`, `broadcast_object_list`) on NCCL stage their bytes on the current device."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def exit_without_finalising(code: int) -> None:
+    """End the rank once everything it owns is on disk, skipping interpreter finalisation: there, gloo's worker
+    threads can still be torn down after their process group is destroyed and abort a run that succeeded
+    ("terminate called without an active exception", SIGABRT: 2 of 86 two-rank CPU runs of the tiny recipe here, on
+    torch 2.13, pytorch/pytorch#190489 and #179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

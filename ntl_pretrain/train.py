@@ -34,7 +34,7 @@ from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
-from ntl_pretrain.process_group import bind_local_device, default_backend
+from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising
 from ntl_pretrain.schedule import lr_multiplier
 from ntl_pretrain.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
@@ -494,16 +494,6 @@ def prepare_output_dir(recipe: Recipe) -> None:
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
-
-
-def exit_without_finalising(code: int) -> None:
-    """End the rank once everything it owns is on disk, skipping interpreter finalisation: there, gloo's worker
-    threads can still be torn down after their process group is destroyed and abort a run that succeeded
-    ("terminate called without an active exception", SIGABRT: 2 of 86 two-rank CPU runs of the tiny recipe here, on
-    torch 2.13, pytorch/pytorch#190489 and #179291)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

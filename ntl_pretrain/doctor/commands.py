@@ -1,0 +1,109 @@
+"""`ntl-pretrain doctor` and `python -m ntl_pretrain.doctor` (every rank of a launch): run the checks, merge them
+over ranks, print the table on rank 0 and write the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ntl_pretrain.doctor.collectives import collectives_check
+from ntl_pretrain.doctor.environment import environment_check
+from ntl_pretrain.doctor.loss_checks import loss_check
+from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write_json
+from ntl_pretrain.doctor.speed import speed_check
+from ntl_pretrain.doctor.training import TINY_RECIPE, throughput_check, train_checks
+from ntl_pretrain.process_group import bind_local_device, default_backend
+
+# Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).
+WAIT_FOR_TRAINING = datetime.timedelta(minutes=30)
+TRAIN_ROWS = ("train", "train resume", "export")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="skip the throughput run and use a smaller bandwidth test")
+    parser.add_argument("--out", type=Path, default=None, metavar="REPORT.json", help="also write the report here")
+    work_dir_help = "where the training checks run (default: a temporary folder, removed if they pass)"
+    parser.add_argument("--work-dir", type=Path, default=None, help=work_dir_help)
+    parser.add_argument("--recipe", type=Path, default=TINY_RECIPE, help="the tiny recipe (default: %(default)s)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("doctor", help="check that this machine trains correctly (loss, collectives, "
+                                   "speed, train/resume/export)")  # fmt: skip
+    add_arguments(parser)
+    parser.set_defaults(func=run_doctor)
+
+
+def init_process_group() -> None:
+    """Join the launch this process belongs to, or make a 1-process group when it was started on its own."""
+    if "RANK" not in os.environ:
+        from ntl_pretrain.cli import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))  # fmt: skip
+    bind_local_device()
+    dist.init_process_group(default_backend(), timeout=WAIT_FOR_TRAINING)
+
+
+def this_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def node_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -> list[Check]:
+    """The training checks, run by each node's first rank; the node's other ranks report them as run there."""
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return [Check(name, None, "run by the node's local rank 0") for name in (*TRAIN_ROWS, "throughput")]
+    checks = guarded("train", lambda: train_checks(device, work_dir, args.recipe))
+    checks += [Check(name, False, "not run: training failed") for name in TRAIN_ROWS[len(checks) :]]
+    if args.quick:
+        return [*checks, Check("throughput", None, "--quick")]
+    return [*checks, *guarded("throughput", lambda: [throughput_check(device, work_dir, args.recipe)])]
+
+
+def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -> list[Check]:
+    checks = guarded("environment", lambda: environment_check(device))
+    checks += guarded("collectives", lambda: collectives_check(device, args.quick))
+    checks += guarded("loss", lambda: loss_check(device))
+    checks += guarded("speed", lambda: speed_check(device))
+    return checks + node_checks(device, args, work_dir)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    init_process_group()
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="ntl-doctor-"))
+    try:
+        checks = run_checks(this_device(), args, work_dir / "checks")
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, checks)
+        merged = merge_ranks(per_rank)
+        failed = any(check.ok is False for check in merged)
+        if dist.get_rank() == 0:
+            print(table(merged), flush=True)
+            if args.out is not None:
+                write_json(merged, args.out, dist.get_world_size())
+        if failed:
+            print(f"ntl-pretrain doctor: rank {dist.get_rank()}: the training checks' files are in {work_dir}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        elif args.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.doctor", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_doctor(parser.parse_args(argv))

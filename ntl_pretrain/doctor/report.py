@@ -1,0 +1,59 @@
+"""Check results: one row per check, merged over ranks, printed as a table and written as JSON."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None
+    """None: skipped (`figure` says why)."""
+    figure: str
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        return "skip" if self.ok is None else ("ok" if self.ok else "FAIL")
+
+
+def guarded(name: str, run: Callable[[], list[Check]]) -> list[Check]:
+    """The checks `run` returns, or one failed check naming the exception it raised: a broken check is reported,
+    and the checks after it still run."""
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001 - every failure becomes a row of the report
+        return [Check(name, False, f"{type(error).__name__}: {error}", {"traceback": traceback.format_exc()})]
+
+
+def merge_ranks(per_rank: list[list[Check]]) -> list[Check]:
+    """One row per check: failed when any rank failed it (the figure names those ranks), else rank 0's row."""
+    merged = []
+    for rows in zip(*per_rank, strict=True):
+        failed = [rank for rank, row in enumerate(rows) if row.ok is False]
+        first = rows[failed[0]] if failed else rows[0]
+        figure = first.figure if not failed or len(rows) == 1 else f"rank {', '.join(map(str, failed))}: {first.figure}"
+        detail = first.detail if len(rows) == 1 else {f"rank{rank}": row.detail for rank, row in enumerate(rows)}
+        merged.append(Check(first.name, False if failed else first.ok, figure, detail))
+    return merged
+
+
+def table(checks: list[Check]) -> str:
+    width = max(len(check.name) for check in checks)
+    lines = [f"{'check':<{width}}  {'':4}  figure", f"{'-' * width}  ----  ------"]
+    lines += [f"{check.name:<{width}}  {check.status:<4}  {check.figure}" for check in checks]
+    failed = sum(check.ok is False for check in checks)
+    lines.append(f"{failed} of {len(checks)} checks failed" if failed else f"all {len(checks)} checks passed")
+    return "\n".join(lines)
+
+
+def write_json(checks: list[Check], path: Path, world_size: int) -> None:
+    report = {"world_size": world_size, "ok": all(check.ok is not False for check in checks),
+              "checks": [{**asdict(check), "status": check.status} for check in checks]}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -1,0 +1,159 @@
+"""Checks 5 and 6: train the tiny recipe on this node's devices through the real launcher, resume it, export it,
+and (GPU, not --quick) measure the throughput of a mid-size model.
+
+5. Run A trains 20 steps with a checkpoint at step 10 and validation over the whole held-out split at step 20.
+   Run B starts from a copy of A's step-10 checkpoint and trains steps 11-20: its loss, CE, NTL, gradient norm
+   and token counts must equal A's (exactly in fp32; in bf16 on GPU to a relative 1e-2, as reductions on the
+   device need not run in the same order twice). `ntl-pretrain eval` then exports A's last checkpoint, loads it
+   with transformers, and must reproduce A's validation CE and NTL (fp32: relative 1e-5; bf16: 2e-2, as the
+   export is evaluated in a different precision from the one that trained).
+6. A 12-layer, 768-wide Llama at sequence 2,048 in bf16 trains 12 steps; tokens/s and MFU are the median of the
+   last 10.
+
+Both run where LOCAL_RANK is 0, on every node of a multi-node doctor, with all of the node's devices: the ranks
+of the doctor itself wait meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from ntl_pretrain.doctor.report import Check
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+TINY_RECIPE = REPOSITORY / "recipes" / "tiny-cpu.yaml"
+STEPS, SAVE_AT = 20, 10
+COMPARED = ("loss", "ce", "ntl", "grad_norm", "tokens")
+RESUME_TOLERANCE = {"fp32": 0.0, "bf16": 1e-2}
+EXPORT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",
+                    "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK")  # fmt: skip
+THROUGHPUT_MODEL = ["model.config.hidden_size=768", "model.config.intermediate_size=3072",
+                    "model.config.num_hidden_layers=12", "model.config.num_attention_heads=12",
+                    "model.config.num_key_value_heads=12", "model.config.max_position_embeddings=2048"]  # fmt: skip
+
+
+def local_ranks() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+
+
+def launch_environment() -> dict[str, str]:
+    """This process's environment without the doctor's own launch: the nested run is a job of its own."""
+    return {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
+
+
+def cli(args: list[str], log: Path) -> subprocess.CompletedProcess:
+    """`ntl-pretrain ARGS`, its output to `log`; raises with the log's tail when it fails."""
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", *args], stdout=subprocess.PIPE,
+                              stderr=out, text=True, env=launch_environment(), check=False)  # fmt: skip
+    if done.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"ntl-pretrain {args[0]} exited with {done.returncode} (log {log}):\n{tail}")
+    return done
+
+
+def precision(device: torch.device) -> str:
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def overrides(output_dir: Path, device: torch.device, max_steps: int) -> list[str]:
+    ranks = local_ranks()
+    return [f"train.output_dir={output_dir}", f"train.max_steps={max_steps}", f"checkpoint.every_steps={SAVE_AT}",
+            "checkpoint.keep_last=2", f"train.eval_every_steps={STEPS}", "train.eval_max_batches=null",
+            "data.seq_len=64", "train.micro_batch_size=2", f"train.global_batch_size={4 * ranks}",
+            "schedule.warmup_steps=5", "logging.progress_bar=false", "logging.wandb=false", "eval.every_steps=null",
+            f"train.device={device.type}", f"train.precision={precision(device)}"]  # fmt: skip
+
+
+def train(recipe: Path, output_dir: Path, device: torch.device, max_steps: int, extra: list[str] = ()) -> None:
+    args = ["train", str(recipe), "--nproc", str(local_ranks()), *overrides(output_dir, device, max_steps), *extra]
+    cli(args, output_dir.parent / f"{output_dir.name}.log")
+
+
+def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
+    found = {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split") == split:
+            found[record["step"]] = record
+    return found
+
+
+def relative_difference(a: float, b: float) -> float:
+    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
+
+
+def continue_from_copy(first: Path, second: Path, recipe: Path, device: torch.device) -> None:
+    """Run B: a new output folder holding only A's step-10 checkpoint, trained on to the last step."""
+    checkpoints = second / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    shutil.copytree(first / "checkpoints" / f"step_{SAVE_AT}", checkpoints / f"step_{SAVE_AT}")
+    (checkpoints / "latest").write_text(f"step_{SAVE_AT}")
+    train(recipe, second, device, STEPS)
+
+
+def resume_check(first: Path, second: Path, device: torch.device) -> Check:
+    a, b = records(first), records(second)
+    resumed = sorted(step for step in b if step > SAVE_AT)
+    if resumed != list(range(SAVE_AT + 1, STEPS + 1)) or min(b) <= SAVE_AT:
+        return Check("train resume", False, f"run B logged steps {sorted(b)}, expected {SAVE_AT + 1}-{STEPS}")
+    worst = max(relative_difference(a[step][key], b[step][key]) for step in resumed for key in COMPARED)
+    tolerance = RESUME_TOLERANCE[precision(device)]
+    figure = f"steps {SAVE_AT + 1}-{STEPS} after resuming from step {SAVE_AT}: largest relative difference " \
+        f"{worst:.1e} (tolerance {tolerance:g})"  # fmt: skip
+    return Check("train resume", worst <= tolerance, figure, {"worst_relative_difference": worst})
+
+
+def export_check(first: Path, device: torch.device) -> Check:
+    out = first.parent / "eval.json"
+    cli(["eval", str(first), "--max-examples", "1", "--out", str(out)], first.parent / "eval.log")
+    evaluated, logged = json.loads(out.read_text()), records(first, "validation")[STEPS]
+    kind = yaml.safe_load((first / "recipe.yaml").read_text())["loss"]["ntl"]["kind"]
+    differences = {"val_ce": relative_difference(evaluated["val_ce"], logged["val_ce"]),
+                   "val_ntl": relative_difference(evaluated[f"val_ntl_{kind}"], logged["val_ntl"])}  # fmt: skip
+    tolerance = EXPORT_TOLERANCE[precision(device)]
+    figure = f"transformers on the export: val_ce {evaluated['val_ce']:.5f} vs logged {logged['val_ce']:.5f}, " \
+        f"relative differences CE {differences['val_ce']:.1e}, NTL {differences['val_ntl']:.1e} (tolerance " \
+        f"{tolerance:g})"  # fmt: skip
+    return Check("export", max(differences.values()) <= tolerance, figure, differences)
+
+
+def train_checks(device: torch.device, work_dir: Path, recipe: Path = TINY_RECIPE) -> list[Check]:
+    if not recipe.exists():
+        raise FileNotFoundError(f"{recipe}: the tiny recipe; run the doctor from a checkout or pass --recipe")
+    first, second = work_dir / "run_a", work_dir / "run_b"
+    shutil.rmtree(work_dir, ignore_errors=True)
+    work_dir.mkdir(parents=True)
+    train(recipe, first, device, STEPS)
+    steps = records(first)
+    figure = f"{local_ranks()} rank(s), {precision(device)}: loss {steps[1]['loss']:.3f} -> " \
+        f"{steps[STEPS]['loss']:.3f} in {STEPS} steps, peak {steps[STEPS]['peak_mem_mib']:.0f} MiB"  # fmt: skip
+    trained = Check("train", sorted(steps) == list(range(1, STEPS + 1)), figure)
+    continue_from_copy(first, second, recipe, device)
+    return [trained, resume_check(first, second, device), export_check(first, device)]
+
+
+def throughput_check(device: torch.device, work_dir: Path, recipe: Path = TINY_RECIPE) -> Check:
+    if device.type != "cuda":
+        return Check("throughput", None, "GPU only")
+    output_dir = work_dir / "throughput"
+    extra = [*THROUGHPUT_MODEL, "data.seq_len=2048", "train.micro_batch_size=4", "train.eval_every_steps=null",
+             f"train.global_batch_size={4 * local_ranks()}", "checkpoint.every_steps=null"]  # fmt: skip
+    train(recipe, output_dir, device, 12, extra)
+    last = [records(output_dir)[step] for step in range(3, 13)]
+    tokens_per_s = statistics.median(record["tokens_per_s"] for record in last)
+    mfu = [record["mfu"] for record in last if record["mfu"] is not None]
+    figure = f"Llama 12x768, seq 2048, bf16, {local_ranks()} GPU(s): {tokens_per_s:,.0f} tokens/s, MFU " + (
+        f"{statistics.median(mfu):.1%}" if mfu else "n/a (device peak unknown)"
+    )
+    return Check("throughput", True, figure, {"tokens_per_s": tokens_per_s, "mfu": mfu})
