@@ -34,6 +34,7 @@ from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
+from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
 from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising
 from ntl_pretrain.schedule import lr_multiplier
 from ntl_pretrain.stopping import EXIT_STOPPED, StopRequest
@@ -85,12 +86,11 @@ class Trainer:
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
         self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
         self.head = self.built.module.head
-        optimizer = torch.optim.AdamW(
-            parameter_groups(self.built.module, recipe.optimizer.weight_decay),
-            lr=recipe.optimizer.lr,
-            betas=tuple(recipe.optimizer.betas),
-            eps=recipe.optimizer.eps,
-        )
+        groups = parameter_groups(self.built.module, recipe.optimizer.weight_decay)
+        # The launcher hid the GPUs from ranks that run on CPU (cli.launch_environment).
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.optimizer_kind = optimizer_kind(ds_config, device_type)
+        optimizer = build_optimizer(groups, recipe.optimizer, self.optimizer_kind)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(recipe.schedule, recipe.train.max_steps))
         ds_config = reshard.prepare_resume(self.resume_from, ds_config, self.world_size)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -161,8 +161,8 @@ class Trainer:
             where = f"starting from the weights of init_from {self.recipe.init_from}"
         else:
             where = "starting from scratch"
-        print(f"ntl-pretrain: {self.output_dir}: {where}; attention {self.built.attention}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(f"ntl-pretrain: {self.output_dir}: {where}; attention {self.built.attention}; AdamW "
+              f"{self.optimizer_kind}", file=sys.stderr, flush=True)  # fmt: skip
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got a stop signal (one small all-reduce per step, so all ranks stop at the same step)."""

@@ -40,7 +40,7 @@ def test_one_process_passes_on_cpu(tmp_path):
     checks = report_of(command, out, tmp_path / "log.txt")
     skipped = {name for name, check in checks.items() if check["status"] == "skip"}
     assert skipped == {"all-reduce bandwidth", "loss vocab-parallel fp32", "throughput"}
-    assert "1 rank(s), fp32" in checks["train"]["figure"]
+    assert "1 rank(s), fp32, attention sdpa, AdamW default" in checks["train"]["figure"]
     assert checks["train resume"]["detail"]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
     assert max(checks["export"]["detail"].values()) < 1e-5
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -128,6 +129,12 @@ def export_check(first: Path, device: torch.device) -> Check:
     return Check("export", max(differences.values()) <= tolerance, figure, differences)
 
 
+def started_with(log: Path) -> str:
+    """The attention backend and AdamW implementation the run's first line names (train.Trainer)."""
+    found = re.search(r"attention (\S+); AdamW (\S+)", log.read_text())
+    return f"attention {found[1]}, AdamW {found[2]}" if found else "attention and AdamW not logged"
+
+
 def train_checks(device: torch.device, work_dir: Path, recipe: Path = TINY_RECIPE) -> list[Check]:
     if not recipe.exists():
         raise FileNotFoundError(f"{recipe}: the tiny recipe; run the doctor from a checkout or pass --recipe")
@@ -136,8 +143,9 @@ def train_checks(device: torch.device, work_dir: Path, recipe: Path = TINY_RECIP
     work_dir.mkdir(parents=True)
     train(recipe, first, device, STEPS)
     steps = records(first)
-    figure = f"{local_ranks()} rank(s), {precision(device)}: loss {steps[1]['loss']:.3f} -> " \
-        f"{steps[STEPS]['loss']:.3f} in {STEPS} steps, peak {steps[STEPS]['peak_mem_mib']:.0f} MiB"  # fmt: skip
+    figure = f"{local_ranks()} rank(s), {precision(device)}, {started_with(work_dir / 'run_a.log')}: loss " \
+        f"{steps[1]['loss']:.3f} -> {steps[STEPS]['loss']:.3f} in {STEPS} steps, peak " \
+        f"{steps[STEPS]['peak_mem_mib']:.0f} MiB"  # fmt: skip
     trained = Check("train", sorted(steps) == list(range(1, STEPS + 1)), figure)
     continue_from_copy(first, second, recipe, device)
     return [trained, resume_check(first, second, device), export_check(first, device)]
