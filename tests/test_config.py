@@ -186,7 +186,7 @@ def test_every_command_and_option_is_documented(capsys):
     usage = capsys.readouterr().out
     parser = cli.build_parser()
     commands = {words[0] for words, _ in command_options(parser) if words}
-    assert commands >= {"train", "export", "convert-gguf", "verify", "eval", "plot", "study", "data"}
+    assert commands >= {"train", "export", "convert-gguf", "verify", "eval", "plot", "study", "data", "doctor"}
     assert all(command in usage for command in commands)
     docs = "\n".join(path.read_text() for path in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))))
     undocumented = [

@@ -76,6 +76,8 @@ def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -
     checks += guarded("collectives", lambda: collectives_check(device, args.quick))
     checks += guarded("loss", lambda: loss_check(device))
     checks += guarded("speed", lambda: speed_check(device))
+    if device.type == "cuda":  # hand the cached blocks back: the training checks' processes share this GPU
+        torch.cuda.empty_cache()
     return checks + node_checks(device, args, work_dir)
 
 
