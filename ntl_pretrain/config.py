@@ -236,6 +236,9 @@ class CheckpointConfig:
 class LoggingConfig:
     progress_bar: bool = True
     """Rank-0 tqdm bar with loss, CE, NTL, tokens/s and peak memory."""
+    verbose: bool = False
+    """Console: false shows the progress bar, rank 0's lines and warnings, and errors from every rank; true also
+    shows the launcher's INFO lines, the other ranks' warnings and DeepSpeed's use of deprecated torch collectives."""
     wandb: bool = False
     """Also log to Weights & Biases (needs the `wandb` extra; honours WANDB_MODE=offline)."""
     wandb_project: str = "ntl_pretrain"
