@@ -38,11 +38,13 @@ def default_nproc() -> int:
     return torch.cuda.device_count() or 1
 
 
-def train_command(args: argparse.Namespace) -> list[str]:
-    """The deepspeed launcher command for a validated recipe on this machine."""
+def train_command(args: argparse.Namespace, verbose: bool = False) -> list[str]:
+    """The deepspeed launcher command for a validated recipe on this machine. Unless the recipe asks for
+    `logging.verbose`, the launcher logs errors only, not its INFO lines (world info, each spawned command and exit)."""
     port = args.master_port or free_port()
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]  # the deepspeed of this interpreter's env
-    return [*launcher, "--num_gpus", str(args.nproc), "--master_port", str(port),
+    log_level = [] if verbose else ["--log_level", "error"]
+    return [*launcher, "--num_gpus", str(args.nproc), "--master_port", str(port), *log_level,
             "--module", "ntl_pretrain.train", args.recipe, *args.overrides]  # fmt: skip
 
 
@@ -61,7 +63,7 @@ def run_train(args: argparse.Namespace) -> int:
     done = preflight.finished_step(recipe)
     finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
         "nothing to train (raise train.max_steps to continue)"  # fmt: skip
-    command = train_command(args)
+    command = train_command(args, recipe.logging.verbose)
     env = launch_environment(recipe.train.device)
     if args.dry_run:
         print(dump_recipe(recipe), end="")

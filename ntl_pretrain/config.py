@@ -236,6 +236,9 @@ class CheckpointConfig:
 class LoggingConfig:
     progress_bar: bool = True
     """Rank-0 tqdm bar with loss, CE, NTL, tokens/s and peak memory."""
+    verbose: bool = False
+    """Console: false shows the progress bar, rank 0's lines and warnings, and errors from every rank; true also
+    shows the launcher's INFO lines, the other ranks' warnings and DeepSpeed's use of deprecated torch collectives."""
     wandb: bool = False
     """Also log to Weights & Biases (needs the `wandb` extra; honours WANDB_MODE=offline)."""
     wandb_project: str = "ntl_pretrain"
@@ -494,8 +497,8 @@ def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins)
     for key in raw:
         if key not in names:
             dotted = ".".join(key_path + (str(key),))
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = _closest(str(key), names)
+            hint = f"did you mean {close!r}? " if close else ""
             raise RecipeError(
                 f"{origins.of(key_path + (str(key),))}: {dotted}: unknown key ({hint}known: {sorted(names)})"
             )
@@ -556,19 +559,53 @@ def _adapter(hint: object) -> pydantic.TypeAdapter:
 
 def _type_error(hint, value, key_path, origins, expected: str | None = None) -> typing.NoReturn:
     expected = expected or _type_name(hint)
-    hint_null = " (write null, not None)" if isinstance(value, str) and value.strip().lower() == "none" else ""
-    raise RecipeError(f"{origins.of(key_path)}: {'.'.join(key_path)}: expected {expected}, got {value!r}{hint_null}")
+    raise RecipeError(
+        f"{origins.of(key_path)}: {'.'.join(key_path)}: expected {expected}, got {value!r}{_value_hint(hint, value)}"
+    )
+
+
+def _value_hint(hint: object, value: object) -> str:
+    """What the writer of a refused string most likely meant: null for `None` (where null is allowed), else a choice
+    it misspells."""
+    if not isinstance(value, str):
+        return ""
+    if value.strip().lower() == "none" and type(None) in typing.get_args(hint):
+        return " (write null, not None)"
+    # Stricter than for keys: a short value is close to unrelated words (at 0.6, `gpu` would suggest `cpu`).
+    close = _closest(value, _choices(hint), cutoff=0.75)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def _closest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The candidate that `word` most likely misspells, case aside; None when none is close enough."""
+    by_lower = {candidate.lower(): candidate for candidate in candidates}
+    close = difflib.get_close_matches(word.lower(), by_lower, n=1, cutoff=cutoff)
+    return by_lower[close[0]] if close else None
+
+
+def _choices(hint: object) -> list[str]:
+    """The string values a Literal field (also inside `... | None`) allows; empty for any other type."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return [arg for arg in args if isinstance(arg, str)]
+    if origin in (typing.Union, types.UnionType):
+        return [choice for arg in args for choice in _choices(arg)]
+    return []
 
 
 def _type_name(hint: object) -> str:
-    """Readable expected type: `one of ['was', 'mse'] or null`, `int or null`, `list of float`."""
+    """Readable expected type: `one of 'was', 'mse' (or null)`, `int or null`, `list of float`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is type(None):
         return "null"
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(arg) for arg in args)
+        names = " or ".join(_type_name(arg) for arg in args if arg is not type(None))
+        if type(None) not in args:
+            return names
+        # After a list of values, in parentheses: null is not one more value to write in quotes.
+        return f"{names} (or null)" if _choices(hint) else f"{names} or null"
     if origin is Literal:
-        return f"one of {list(args)}"
+        return "one of " + ", ".join(repr(arg) for arg in args)
     if origin is list:
         return f"list of {_type_name(args[0])}"
     if origin is dict:

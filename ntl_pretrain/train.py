@@ -18,6 +18,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,9 @@ from ntl_pretrain.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
+# DeepSpeed's ZeRO-3 calls collectives that torch deprecated (all_gather_into_tensor and reduce_scatter_tensor in
+# torch 2.13): a warning for DeepSpeed's maintainers, printed by every rank.
+DEPRECATED_COLLECTIVE = r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -51,6 +55,22 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def quiet_console(rank: int) -> None:
+    """`logging.verbose: false`: DeepSpeed's deprecated-collective warnings are hidden, and ranks other than 0 show
+    errors only (they run the same code as rank 0, which shows the warnings once). Errors, tracebacks and this
+    project's own lines are printed, not logged or warned, so every rank still shows them."""
+    warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVE, category=FutureWarning)
+    if rank == 0:
+        return
+    from deepspeed.utils import logger as deepspeed_logger
+    from deepspeed.utils import set_log_level_from_string
+    from transformers.utils import logging as transformers_logging
+
+    warnings.simplefilter("ignore")
+    set_log_level_from_string("error", deepspeed_logger)
+    transformers_logging.set_verbosity_error()
 
 
 def init_distributed(timeout_s: int = TrainConfig.dist_timeout_seconds) -> None:
@@ -460,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     """Train one rank; returns the exit code (0, or `EXIT_STOPPED` for a run stopped by a signal)."""
     args = parse_args(argv)
     recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
+    if not recipe.logging.verbose:
+        quiet_console(int(os.environ.get("RANK", "0")))
     stop = StopRequest(recipe.train.stop_grace_seconds, who=f"rank {os.environ.get('RANK', '0')}: ")
     stop.install()  # from here on a signal means "stop at the next step boundary", also during start-up
     init_distributed(recipe.train.dist_timeout_seconds)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import yaml
 
 from ntl_pretrain import cli
-from ntl_pretrain.config import RecipeError, dump_recipe, load_recipe
+from ntl_pretrain.config import Recipe, RecipeError, dump_recipe, load_recipe
 from ntl_pretrain.deepspeed_config import build_deepspeed_config, grad_accum_steps, load_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,6 +87,63 @@ def test_bad_recipes_name_the_key_and_the_file(tmp_path, in_base, in_child, over
     message = str(error.value)
     assert key in message
     assert message.startswith(str(tmp_path / origin) if origin.endswith(".yaml") else origin)
+
+
+def literal_keys(cls: type, instance: object, prefix: str = ""):
+    """(dotted key, allowed values, whether null is allowed) of every Literal field below `cls`, following sections
+    and the first item of the recipe's lists of sections (`data.sources.0.format`)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        hint, value, key = hints[field.name], getattr(instance, field.name), prefix + field.name
+        item_hint = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+        if dataclasses.is_dataclass(hint):
+            yield from literal_keys(hint, value, key + ".")
+        elif dataclasses.is_dataclass(item_hint) and value:
+            yield from literal_keys(item_hint, value[0], key + ".0.")
+        else:
+            members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+            literals = [member for member in (hint, *members) if typing.get_origin(member) is Literal]
+            if literals:
+                yield key, typing.get_args(literals[0]), type(None) in typing.get_args(hint)
+
+
+def test_every_choice_key_names_its_allowed_values():
+    found = {}
+    for key, allowed, nullable in literal_keys(Recipe, load_recipe(TINY)):
+        with pytest.raises(RecipeError) as error:
+            load_recipe(TINY, [f"{key}=zzz"])
+        listed = ", ".join(repr(value) for value in allowed) + (" (or null)" if nullable else "")
+        found[key] = str(error.value)
+        assert str(error.value) == f"command-line override: {key}: expected one of {listed}, got 'zzz'"
+    assert {"loss.ntl.kind", "loss.head", "model.attention", "schedule.kind", "train.device", "train.precision",
+            "checkpoint.verify", "data.sources.0.format", "data.sources.0.sample_by"} <= set(found)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "loss.ntl.kind=wass",
+            "loss.ntl.kind: expected one of 'was', 'mse', 'mae', 'huber', 'number' (or null), got 'wass' "
+            "(did you mean 'was'?)",
+        ),
+        ("loss.head=Dense", "loss.head: expected one of 'chunked', 'dense', got 'Dense' (did you mean 'dense'?)"),
+        (
+            "data.sources.1.format=jsnol",
+            "data.sources.1.format: expected one of 'auto', 'jsonl', 'json', 'parquet', 'txt', 'arrow', 'hub', "
+            "got 'jsnol' (did you mean 'jsonl'?)",
+        ),
+        # Nothing is suggested where no choice is an obvious misspelling: gpu is not cpu.
+        ("train.device=gpu", "train.device: expected one of 'auto', 'cuda', 'cpu', got 'gpu'"),
+        # null is suggested only where null is allowed.
+        ("schedule.kind=None", "schedule.kind: expected one of 'cosine', 'wsd', 'constant', got 'None'"),
+        ("loss.ntl.kind=None", "(or null), got 'None' (write null, not None)"),
+    ],
+)
+def test_a_wrong_choice_suggests_the_one_it_misspells(override, message):
+    with pytest.raises(RecipeError) as error:
+        load_recipe(TINY, [override])
+    assert str(error.value).endswith(message)
 
 
 def test_base_cycle_is_reported(tmp_path):
