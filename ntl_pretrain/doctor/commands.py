@@ -94,7 +94,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             print(table(merged), flush=True)
             if args.out is not None:
                 write_json(merged, args.out, dist.get_world_size())
-        if failed:
+        if failed and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # the rank that ran the training checks
             print(f"ntl-pretrain doctor: rank {dist.get_rank()}: the training checks' files are in {work_dir}",
                   file=sys.stderr, flush=True)  # fmt: skip
         elif args.work_dir is None:

@@ -32,14 +32,18 @@ def guarded(name: str, run: Callable[[], list[Check]]) -> list[Check]:
 
 
 def merge_ranks(per_rank: list[list[Check]]) -> list[Check]:
-    """One row per check: failed when any rank failed it (the figure names those ranks), else rank 0's row."""
+    """One row per check name (in the order ranks report them): failed when any rank failed it (the figure names
+    those ranks), else rank 0's row. By name, not position: a check that raised on one rank is one row there."""
+    names = list(dict.fromkeys(check.name for rows in per_rank for check in rows))
     merged = []
-    for rows in zip(*per_rank, strict=True):
-        failed = [rank for rank, row in enumerate(rows) if row.ok is False]
-        first = rows[failed[0]] if failed else rows[0]
-        figure = first.figure if not failed or len(rows) == 1 else f"rank {', '.join(map(str, failed))}: {first.figure}"
-        detail = first.detail if len(rows) == 1 else {f"rank{rank}": row.detail for rank, row in enumerate(rows)}
-        merged.append(Check(first.name, False if failed else first.ok, figure, detail))
+    for name in names:
+        rows = {rank: check for rank, checks in enumerate(per_rank) for check in checks if check.name == name}
+        failed = [rank for rank, row in rows.items() if row.ok is False]
+        first = rows[failed[0]] if failed else next(iter(rows.values()))
+        many = len(per_rank) > 1
+        figure = f"rank {', '.join(map(str, failed))}: {first.figure}" if failed and many else first.figure
+        detail = {f"rank{rank}": row.detail for rank, row in rows.items()} if many else first.detail
+        merged.append(Check(name, False if failed else first.ok, figure, detail))
     return merged
 
 
