@@ -41,7 +41,7 @@ def bf16_works(device: torch.device) -> bool:
     """A bf16 matmul on the device gives the fp32 result to bf16 precision (CUDA: also the driver's own answer)."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return False
-    a = torch.randn(64, 64, device=device, generator=None)
+    a = torch.randn(64, 64, device=device)
     exact = a @ a.T
     return torch.allclose((a.bfloat16() @ a.T.bfloat16()).float(), exact, rtol=0.05, atol=0.5)
 
@@ -60,13 +60,14 @@ def environment_check(device: torch.device) -> list[Check]:
     backend = str(dist.get_backend())
     bf16 = bf16_works(device)
     attention = auto_attention(device)
+    found = devices()
     missing = [name for name in ("torch", "deepspeed", "transformers") if versions[name] == "not installed"]
     figure = (f"torch {versions['torch']}, deepspeed {versions['deepspeed']}, transformers {versions['transformers']}"
-              f", cuda {versions['cuda']}; {devices()[0]} x{len(devices())}; backend {backend}; bf16 "
+              f", cuda {versions['cuda']}; {found[0]} x{len(found)}; backend {backend}; bf16 "
               f"{'ok' if bf16 else 'NO'}; attention auto = {attention}")  # fmt: skip
     if missing:
         figure = f"missing {', '.join(missing)}; " + figure
-    detail = {"versions": versions, "devices": devices(), "backend": backend, "bf16": bf16, "attention_auto": attention}
+    detail = {"versions": versions, "devices": found, "backend": backend, "bf16": bf16, "attention_auto": attention}
     # bf16 is what GPU recipes train in: a GPU without it cannot run them.
     ok = not missing and (bf16 or device.type == "cpu")
     return [Check("environment", ok, figure, detail)]
