@@ -52,15 +52,14 @@ def launch_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
 
 
-def cli(args: list[str], log: Path) -> subprocess.CompletedProcess:
+def cli(args: list[str], log: Path) -> None:
     """`ntl-pretrain ARGS`, its output to `log`; raises with the log's tail when it fails."""
     with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", *args], stdout=subprocess.PIPE,
-                              stderr=out, text=True, env=launch_environment(), check=False)  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", *args], stdout=out,
+                              stderr=subprocess.STDOUT, env=launch_environment(), check=False)  # fmt: skip
     if done.returncode != 0:
         tail = log.read_text()[-2000:]
         raise RuntimeError(f"ntl-pretrain {args[0]} exited with {done.returncode} (log {log}):\n{tail}")
-    return done
 
 
 def precision(device: torch.device) -> str:
@@ -76,7 +75,7 @@ def overrides(output_dir: Path, device: torch.device, max_steps: int) -> list[st
             f"train.device={device.type}", f"train.precision={precision(device)}"]  # fmt: skip
 
 
-def train(recipe: Path, output_dir: Path, device: torch.device, max_steps: int, extra: list[str] = ()) -> None:
+def train(recipe: Path, output_dir: Path, device: torch.device, max_steps: int, extra: tuple[str, ...] = ()) -> None:
     args = ["train", str(recipe), "--nproc", str(local_ranks()), *overrides(output_dir, device, max_steps), *extra]
     cli(args, output_dir.parent / f"{output_dir.name}.log")
 
@@ -155,8 +154,8 @@ def throughput_check(device: torch.device, work_dir: Path, recipe: Path = TINY_R
     if device.type != "cuda":
         return Check("throughput", None, "GPU only")
     output_dir = work_dir / "throughput"
-    extra = [*THROUGHPUT_MODEL, "data.seq_len=2048", "train.micro_batch_size=4", "train.eval_every_steps=null",
-             f"train.global_batch_size={4 * local_ranks()}", "checkpoint.every_steps=null"]  # fmt: skip
+    extra = (*THROUGHPUT_MODEL, "data.seq_len=2048", "train.micro_batch_size=4", "train.eval_every_steps=null",
+             f"train.global_batch_size={4 * local_ranks()}", "checkpoint.every_steps=null")  # fmt: skip
     train(recipe, output_dir, device, 12, extra)
     last = [records(output_dir)[step] for step in range(3, 13)]
     tokens_per_s = statistics.median(record["tokens_per_s"] for record in last)
