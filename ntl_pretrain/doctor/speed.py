@@ -18,6 +18,7 @@ from ntl_pretrain.doctor.loss_checks import draw_labels, multi_digit_vocab
 from ntl_pretrain.doctor.report import Check
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
+from ntl_pretrain.numbers import NumberVocab
 
 # (positions, vocabulary, hidden): Llama-3's vocabulary and an 8B model's hidden size on GPU; a tenth on CPU.
 SIZES = {"cuda": (8192, 128_256, 4096), "cpu": (1024, 32_768, 512)}
@@ -65,13 +66,20 @@ def backward_of(loss_fn: Callable[[], torch.Tensor], *leaves: torch.Tensor) -> C
     return step
 
 
-def loss_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
+def labelled(device: torch.device, seed: int) -> tuple[NumberVocab, torch.Tensor, torch.Generator]:
+    """The Llama-3-like vocabulary of this device's size on the device, labels drawn from it, and the generator
+    that drew them (to draw the inputs next)."""
     positions, vocab_size, _ = SIZES[device.type]
     nv = multi_digit_vocab(vocab_size)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     labels = draw_labels(nv, generator, positions).to(device)
+    return nv.to(device), labels, generator
+
+
+def loss_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
+    positions, vocab_size, _ = SIZES[device.type]
+    nv, labels, generator = labelled(device, seed=0)
     logits = torch.randn(positions, vocab_size, generator=generator).to(device, dtype).requires_grad_()
-    nv = nv.to(device)
     return {
         "F.cross_entropy": backward_of(lambda: F.cross_entropy(logits, labels), logits),
         "ce_ntl_loss was": backward_of(lambda: ce_ntl_loss(logits, labels, nv, kind="was").loss, logits),
@@ -81,13 +89,10 @@ def loss_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[
 
 def head_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     positions, vocab_size, hidden_size = SIZES[device.type]
-    nv = multi_digit_vocab(vocab_size)
-    generator = torch.Generator().manual_seed(1)
-    labels = draw_labels(nv, generator, positions).to(device)
+    nv, labels, generator = labelled(device, seed=1)
     hidden = torch.randn(positions, hidden_size, generator=generator).to(device, dtype).requires_grad_()
     weight = (torch.randn(vocab_size, hidden_size, generator=generator) * hidden_size**-0.5).to(device, dtype)
     weight.requires_grad_()
-    nv = nv.to(device)
     return {
         "dense head": backward_of(lambda: ce_ntl_loss(hidden @ weight.T, labels, nv, kind="was").loss, hidden, weight),
         "chunked head": backward_of(

@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from ntl_pretrain.doctor.report import Check
+from ntl_pretrain.plot import read_metrics
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 TINY_RECIPE = REPOSITORY / "recipes" / "tiny-cpu.yaml"
@@ -81,12 +82,8 @@ def train(recipe: Path, output_dir: Path, device: torch.device, max_steps: int, 
 
 
 def records(output_dir: Path, split: str | None = None) -> dict[int, dict]:
-    found = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split") == split:
-            found[record["step"]] = record
-    return found
+    """The run's last record per step of one kind: training steps (split None) or "validation"."""
+    return {record["step"]: record for record in read_metrics(output_dir) if record.get("split") == split}
 
 
 def relative_difference(a: float, b: float) -> float:
