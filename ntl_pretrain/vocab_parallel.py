@@ -6,8 +6,8 @@ docs/vocab-parallel.md); the decoder trunk stays in the DeepSpeed ZeRO-3 engine.
 the trunk:
 
 - the process groups (vocabulary groups, and replica groups joining the ranks that hold the same slice);
-- the slice's own AdamW and learning-rate schedule, with the recipe's hyper-parameters (decayed, as a dense
-  output matrix is);
+- the slice's own AdamW (fused on CUDA, as the trunk's) and learning-rate schedule, with the recipe's
+  hyper-parameters (decayed, as a dense output matrix is);
 - gradient clipping by the combined norm of trunk and output layer, so that the run equals a dense one: the
   slices' norm joins DeepSpeed's norm groups, DeepSpeed clips the trunk with the combined norm (and reports it as
   the global grad norm), and the same coefficient is applied to the slice;
@@ -33,6 +33,7 @@ from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.loss.logit_transform import LogitTransform
 from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, assemble_output_matrix
 from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.optimizer import build_optimizer
 from ntl_pretrain.schedule import lr_multiplier
 
 FOLDER = "vocab_parallel"  # inside a checkpoint step folder
@@ -77,12 +78,12 @@ class VocabParallelOutputHead(OutputHead):
         self.vocab_parallel_size = recipe.loss.vocab_parallel_size
         settings = recipe.optimizer
         self.grad_clip = settings.grad_clip
-        self.optimizer = torch.optim.AdamW(
-            head.parameters(),
-            lr=settings.lr,
-            betas=tuple(settings.betas),
-            eps=settings.eps,
-            weight_decay=settings.weight_decay,
+        # The slice stays on the device even when ZeRO offloads the trunk's optimizer, so it never takes CPU Adam.
+        on_cuda = next(head.parameters()).is_cuda
+        self.optimizer = build_optimizer(
+            [{"params": list(head.parameters()), "weight_decay": settings.weight_decay}],
+            settings,
+            "fused" if on_cuda else "default",
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_multiplier(recipe.schedule, recipe.train.max_steps)
