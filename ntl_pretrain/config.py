@@ -497,7 +497,7 @@ def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins)
     for key in raw:
         if key not in names:
             dotted = ".".join(key_path + (str(key),))
-            close = _closest(str(key), names)
+            close = _closest(str(key), names) or _section_holding(str(key))
             hint = f"did you mean {close!r}? " if close else ""
             raise RecipeError(
                 f"{origins.of(key_path + (str(key),))}: {dotted}: unknown key ({hint}known: {sorted(names)})"
@@ -574,6 +574,20 @@ def _value_hint(hint: object, value: object) -> str:
     # Stricter than for keys: a short value is close to unrelated words (at 0.6, `gpu` would suggest `cpu`).
     close = _closest(value, _choices(hint), cutoff=0.75)
     return f" (did you mean {close!r}?)" if close else ""
+
+
+def _section_holding(key: str) -> str | None:
+    """Where in the recipe `key` is a field (`precision` -> `train.precision`), for a key put in the wrong section;
+    None unless exactly one section has it."""
+    paths, sections = [], [((), Recipe)]
+    while sections:
+        prefix, cls = sections.pop()
+        for name, hint in typing.get_type_hints(cls).items():
+            if name == key and prefix:
+                paths.append(".".join(prefix + (key,)))
+            if dataclasses.is_dataclass(hint):
+                sections.append((prefix + (name,), hint))
+    return paths[0] if len(paths) == 1 else None
 
 
 def _closest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | None:

@@ -199,6 +199,26 @@ def test_cli_fails_fast_naming_key_and_source(capsys):
     assert "command-line override: loss.ntl.wieght: unknown key" in err
 
 
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("precision=bf16", "precision: unknown key (did you mean 'train.precision'?"),  # the section left out
+        ("train.lr=1e-4", "train.lr: unknown key (did you mean 'optimizer.lr'?"),  # the wrong section
+        ("train.precison=bf16", "train.precison: unknown key (did you mean 'precision'?"),  # a sibling first
+    ],
+)
+def test_a_key_in_the_wrong_section_names_the_section_that_holds_it(override, suggestion):
+    with pytest.raises(RecipeError) as error:
+        load_recipe(TINY, [override])
+    assert suggestion in str(error.value)
+
+
+def test_a_key_no_section_holds_gets_no_suggestion():
+    with pytest.raises(RecipeError) as error:
+        load_recipe(TINY, ["learning_rate_please=1"])
+    assert "did you mean" not in str(error.value)
+
+
 def test_cli_dry_run_prints_the_resolved_recipe_and_launcher(capsys):
     assert cli.main(["train", str(TINY), "--nproc", "2", "--dry-run", "train.max_steps=7"]) == 0
     out = capsys.readouterr().out
