@@ -23,6 +23,11 @@ def offloads_optimizer(ds_config: dict) -> bool:
 def optimizer_kind(ds_config: dict, device_type: str) -> str:
     if offloads_optimizer(ds_config):
         return "deepspeed-cpu-adam"
+    return on_device_kind(device_type)
+
+
+def on_device_kind(device_type: str) -> str:
+    """The AdamW for parameters that stay on `device_type` (also those ZeRO does not hold)."""
     return "fused" if device_type == "cuda" else "default"
 
 

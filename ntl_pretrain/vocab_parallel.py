@@ -33,7 +33,7 @@ from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.loss.logit_transform import LogitTransform
 from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, assemble_output_matrix
 from ntl_pretrain.numbers import NumberVocab
-from ntl_pretrain.optimizer import build_optimizer
+from ntl_pretrain.optimizer import build_optimizer, on_device_kind
 from ntl_pretrain.schedule import lr_multiplier
 
 FOLDER = "vocab_parallel"  # inside a checkpoint step folder
@@ -79,11 +79,10 @@ class VocabParallelOutputHead(OutputHead):
         settings = recipe.optimizer
         self.grad_clip = settings.grad_clip
         # The slice stays on the device even when ZeRO offloads the trunk's optimizer, so it never takes CPU Adam.
-        on_cuda = next(head.parameters()).is_cuda
         self.optimizer = build_optimizer(
             [{"params": list(head.parameters()), "weight_decay": settings.weight_decay}],
             settings,
-            "fused" if on_cuda else "default",
+            on_device_kind(head.weight.device.type),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_multiplier(recipe.schedule, recipe.train.max_steps)
