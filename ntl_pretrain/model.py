@@ -45,9 +45,10 @@ class CausalLMWithLoss(nn.Module):
         position_ids: torch.Tensor,
         num_tokens: float | None = None,
         num_number_tokens: float | None = None,
+        ntl_labels: torch.Tensor | None = None,
     ) -> HeadOutput:
         hidden_BTH = self.lm.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
-        return self.head(hidden_BTH, labels, num_tokens, num_number_tokens)
+        return self.head(hidden_BTH, labels, num_tokens, num_number_tokens, ntl_labels)
 
 
 @dataclass

@@ -204,14 +204,23 @@ def layout_differences(saved_recipe: dict, recipe: Recipe) -> list[Difference]:
 
 
 def data_fingerprint(recipe: Recipe) -> dict[str, dict]:
-    """Training source name → what makes its documents: files (path, size, edge digest), template, text field."""
+    """Training source name → what makes its documents: files (path, size, edge digest), template, text field, and
+    which labels carry which loss where that is not every label for both (`label_roles`): the shuffle buffer and
+    packer in the checkpoint hold tokens marked with the roles they were read with (data/packing.py)."""
     return {source.label: _source_fingerprint(source) for source in recipe.data.sources}
 
 
 def _source_fingerprint(source: SourceConfig) -> dict:
     remote = source.format == "hub" or is_remote(source.path)
     files = [{"path": source.path}] if remote else [_file_identity(Path(file)) for file in resolve_files(source)]
-    return {"files": files, "template": source.template, "text_field": source.text_field}
+    return {"files": files, "template": source.template, "text_field": source.text_field, **_label_roles(source)}
+
+
+def _label_roles(source: SourceConfig) -> dict:
+    """Absent for the default (all labels carry both losses), so checkpoints written before these keys compare."""
+    if not source.answer_only:
+        return {}
+    return {"label_roles": {"answer": source.answer, "ce": source.ce_labels, "ntl": source.ntl_labels}}
 
 
 def _file_identity(path: Path) -> dict:
@@ -256,7 +265,10 @@ def _label(raw: dict) -> str:
 
 
 def _recipe_source(raw: dict) -> dict:
-    return {"files": [{"path": raw.get("path")}], "template": raw.get("template"), "text_field": raw.get("text_field")}
+    known = {field.name for field in dataclasses.fields(SourceConfig)}
+    roles = _label_roles(SourceConfig(**{key: value for key, value in raw.items() if key in known}))
+    return {"files": [{"path": raw.get("path")}], "template": raw.get("template"), "text_field": raw.get("text_field"),
+            **roles}  # fmt: skip
 
 
 def _present(fingerprint: dict | None) -> str:

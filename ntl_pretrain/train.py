@@ -289,21 +289,23 @@ class Trainer:
         counts = torch.zeros(3, dtype=torch.float64)
         for batch in batches:
             labels_BT = batch["labels"]
-            target_BT = labels_BT != IGNORE_INDEX
-            counts[0] += target_BT.sum()
+            number_labels_BT = batch.get("ntl_labels", labels_BT)  # where NTL applies (packing.make_batch)
+            counts[0] += (labels_BT != IGNORE_INDEX).sum()
             if classes is not None and ntl.kind == "number":  # one NTL term per number, not per number token
-                counts[1] += count_numbers(labels_BT, self.built.number_vocab, float_level=ntl.float_level)
+                counts[1] += count_numbers(number_labels_BT, self.built.number_vocab, float_level=ntl.float_level)
             elif classes is not None:
-                counts[1] += (target_BT & (classes[labels_BT.clamp(min=0)] >= 0)).sum()
+                counts[1] += ((number_labels_BT != IGNORE_INDEX) & (classes[number_labels_BT.clamp(min=0)] >= 0)).sum()
             counts[2] += labels_BT.numel()
         dist.all_reduce(counts)
         return counts
 
     def _to_device(self, batch: dict) -> dict:
-        """The micro-batch on the rank's device; on CUDA through pinned memory, so the copy does not block."""
+        """The model's inputs of a micro-batch on the rank's device; on CUDA through pinned memory, so the copy does
+        not block."""
         cuda = self.engine.device.type == "cuda"
+        keys = [key for key in ("input_ids", "labels", "position_ids", "ntl_labels") if key in batch]
         return {key: (batch[key].pin_memory() if cuda else batch[key]).to(self.engine.device, non_blocking=cuda)
-                for key in ("input_ids", "labels", "position_ids")}  # fmt: skip
+                for key in keys}  # fmt: skip
 
     def _count_nonfinite(self, loss: float) -> None:
         """DeepSpeed skips the update when the gradient norm is not finite; count those steps."""
@@ -342,17 +344,22 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Validation CE / NTL over the data validation split, summed over all ranks; with NTL on, also the CE at
-        number labels (`val_number_ce`, what `ntl-pretrain eval` reports too)."""
-        sums = torch.zeros(5, dtype=torch.float64)
+        number labels (`val_number_ce`, what `ntl-pretrain eval` reports too); with Q/A validation sources, CE and
+        NTL at their answer labels alone (`val_answer_ce`, `val_answer_ntl`), from a second forward."""
+        answers = self.recipe.data.answer_labels
+        sums = torch.zeros(9 if answers else 5, dtype=torch.float64)
         self.engine.eval()
         with torch.no_grad():
             for batch in self._lockstep(self._dataloader("validation")):
-                out = self.engine(**self._to_device(batch))
-                terms = (out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
+                outs = [self.engine(**self._to_device(batch))]
+                if answers:
+                    outs.append(self.engine(**self._to_device(answer_labels_only(batch))))
+                terms = [outs[0].number_ce]
+                terms += [term for out in outs for term in (out.ce, out.ntl, out.num_tokens, out.num_number_tokens)]
                 sums += torch.tensor([float(term) for term in terms], dtype=torch.float64)
         self.engine.train()
         dist.all_reduce(sums)
-        ce, ntl, tokens, number_tokens, number_ce = sums.tolist()
+        number_ce, ce, ntl, tokens, number_tokens, *answer_sums = sums.tolist()
         ce, ntl = ce / max(tokens, 1), ntl / max(number_tokens, 1)
         record = {
             "step": self.step,
@@ -365,6 +372,10 @@ class Trainer:
         }
         if self.built.number_vocab is not None:  # a CE-only run does not know which labels are numbers
             record["val_number_ce"] = number_ce / max(number_tokens, 1)
+        if answers:
+            answer_ce, answer_ntl, answer_tokens, answer_number_tokens = answer_sums
+            record["val_answer_ce"] = answer_ce / max(answer_tokens, 1)
+            record["val_answer_ntl"] = answer_ntl / max(answer_number_tokens, 1)
         return record
 
     def generation_eval(self) -> dict:
@@ -390,13 +401,17 @@ class Trainer:
             yield batch
 
     def _empty_batch(self) -> dict:
+        """A validation batch's keys and shapes (every rank must run the same forwards)."""
         shape = (self.recipe.train.micro_batch_size, self.recipe.data.seq_len)
         positions_BT = torch.arange(shape[1]).expand(shape).contiguous()
-        return {
+        batch = {
             "input_ids": torch.zeros(shape, dtype=torch.long),
             "labels": torch.zeros(shape, dtype=torch.long),
             "position_ids": positions_BT,
         }
+        if self.recipe.data.answer_labels:
+            batch["answer_mask"] = torch.zeros(shape, dtype=torch.bool)
+        return batch
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -462,6 +477,12 @@ class Trainer:
             listed = "; ".join(map(str, changes))
             message = f"resuming step {self.step} with the recipe's {listed} (checkpoint → recipe, from the next step)"
             print(f"ntl-pretrain: {message}", file=sys.stderr, flush=True)
+
+
+def answer_labels_only(batch: dict) -> dict:
+    """`batch` with every label outside a Q/A record's answer ignored (`answer_mask`, packing.make_batch)."""
+    answer_BT = batch["answer_mask"]
+    return {**batch, "labels": torch.where(answer_BT, batch["labels"], IGNORE_INDEX)}
 
 
 def _float_or_none(value) -> float | None:

@@ -107,8 +107,8 @@ class VocabParallelOutputHead(OutputHead):
         lm.set_output_embeddings(VocabParallelOutputLayer(head))
         return cls(head, groups, recipe, dist.get_world_size())
 
-    def forward(self, hidden_BTH, labels_BT, num_tokens=None, num_number_tokens=None) -> HeadOutput:
-        out = self.head(hidden_BTH, labels_BT, num_tokens, num_number_tokens)
+    def forward(self, hidden_BTH, labels_BT, num_tokens=None, num_number_tokens=None, ntl_labels_BT=None) -> HeadOutput:
+        out = self.head(hidden_BTH, labels_BT, num_tokens, num_number_tokens, ntl_labels_BT)
         return HeadOutput(out.loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)
 
     def attach(self, engine) -> None:

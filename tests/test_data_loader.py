@@ -29,6 +29,11 @@ def write_corpus(folder: Path) -> list[SourceConfig]:
     pq.write_table(
         pa.table({"body": [f"Parquet row {i} costs {i * 3}.5 yen" for i in range(200)]}), folder / "p.parquet"
     )
+    return corpus_sources(folder)
+
+
+def corpus_sources(folder: Path) -> list[SourceConfig]:
+    """The sources of the corpus `write_corpus` wrote."""
     return [
         SourceConfig(path=str(folder / "qa.jsonl"), template="{question} {answer}", weight=3.0),
         SourceConfig(path=str(folder / "prose.jsonl"), weight=1.0),
@@ -156,7 +161,8 @@ def check_counters_over_ranks(folder: str) -> None:
     from distributed import counting_collectives
 
     rank = dist.get_rank()
-    cfg = DataConfig(sources=write_corpus(Path(folder)), seq_len=48, shuffle_buffer=16, tokenize_batch=8)
+    # the parent wrote the corpus: a rank rewriting it would race with the other rank reading it
+    cfg = DataConfig(sources=corpus_sources(Path(folder)), seq_len=48, shuffle_buffer=16, tokenize_batch=8)
     data_loader = loader(cfg, rank=rank, world=2)
     take(data_loader, 5 + 20 * rank)  # the ranks stand at different points
     local = data_loader.metrics()

@@ -1,7 +1,7 @@
 """`ntl-pretrain eval` on a run reproduces the trainer's own validation: a tiny run trained with
 `data.per_document_attention: true` (sdpa and eager, 2 gloo ranks, two validation sources) validates over the
 whole split after its last step; eval of the saved checkpoint (exported, plain transformers, one process) gives
-the same CE, NTL and number-label CE on the same label counts."""
+the same CE, NTL and number-label CE on the same label counts, and the same CE and NTL at the answer labels."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def test_eval_equals_the_trainers_validation_with_per_document_attention(tmp_pat
     assert got["val_ce"] == pytest.approx(trainer["val_ce"], rel=1e-5)
     assert got["val_ntl_was"] == pytest.approx(trainer["val_ntl"], rel=1e-5)  # the recipe's NTL kind is WAS
     assert got["val_number_ce"] == pytest.approx(trainer["val_number_ce"], rel=1e-5)
+    # the validation sources are Q/A records: CE and NTL at their answer labels alone agree too
+    assert got["val_answer_ce"] == pytest.approx(trainer["val_answer_ce"], rel=1e-5)
+    assert got["val_answer_ntl_was"] == pytest.approx(trainer["val_answer_ntl"], rel=1e-5)
+    assert 0 < got["val_answer_tokens"] < got["val_tokens"]
 
     # each source is packed on its own, in the trainer as here: the per-source numbers add up to the totals
     sources = ("arithmetic", "word_problems")

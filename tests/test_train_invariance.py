@@ -7,7 +7,9 @@ and for the number-level one (normalised by the global batch's count of numbers)
 tokenizer, as GPU recipes do.
 
 The 2-rank part runs this file as a script under torchrun; sequences carry different numbers of ignored labels,
-so normalising per micro-batch or per rank instead of over the global batch would show.
+so normalising per micro-batch or per rank instead of over the global batch would show. With the number-level
+NTL the batches also carry `ntl_labels` that differ from the CE labels (as for a source with `ntl_labels: answer`,
+packing.py): NTL acts on some labels CE ignores and ignores others CE keeps, so counts must follow each mask.
 """
 
 from __future__ import annotations
@@ -27,21 +29,25 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
 SEQ_LEN, SEQUENCES, STEPS = 32, 4, 5
 IGNORED_PREFIX = (0, 5, 17, 30)  # per sequence: leading labels set to -100
+NTL_IGNORED_SUFFIX = (3, 0, 11, 20)  # per sequence, with label roles: trailing NTL labels set to -100
 LR, WEIGHT = 1e-3, 0.3
 
 
-def global_batches(tokenizer) -> list[dict[str, torch.Tensor]]:
-    """STEPS global batches of SEQUENCES real arithmetic sequences (plenty of number tokens)."""
+def global_batches(tokenizer, kind: str) -> list[dict[str, torch.Tensor]]:
+    """STEPS global batches of SEQUENCES real arithmetic sequences (plenty of number tokens); for the number-level
+    kind with `ntl_labels` too: NTL keeps the labels CE ignores in each row's prefix and ignores a suffix."""
     lines = (REPO / "ntl_pretrain" / "corpus" / "arithmetic" / "train.jsonl").read_text().splitlines()[:200]
     ids = [i for line in lines for i in tokenizer(" ".join(json.loads(line).values()) + "\n")["input_ids"]]
     blocks = torch.tensor(ids[: STEPS * SEQUENCES * (SEQ_LEN + 1)]).view(STEPS, SEQUENCES, SEQ_LEN + 1)
     batches = []
     for block in blocks:
-        labels = block[:, 1:].clone()
-        for row, ignored in enumerate(IGNORED_PREFIX):
+        labels, ntl_labels = block[:, 1:].clone(), block[:, 1:].clone()
+        for row, (ignored, ntl_ignored) in enumerate(zip(IGNORED_PREFIX, NTL_IGNORED_SUFFIX, strict=True)):
             labels[row, :ignored] = -100
+            ntl_labels[row, SEQ_LEN - ntl_ignored :] = -100
         positions = torch.arange(SEQ_LEN).expand(SEQUENCES, -1).contiguous()
-        batches.append({"input_ids": block[:, :-1].contiguous(), "labels": labels, "position_ids": positions})
+        batch = {"input_ids": block[:, :-1].contiguous(), "labels": labels, "position_ids": positions}
+        batches.append({**batch, "ntl_labels": ntl_labels} if kind == "number" else batch)
     return batches
 
 
@@ -81,7 +87,7 @@ def run_layout(layout: tuple, ds_config: str, output_dir: str, kind: str) -> dic
     initial = full_parameters(trainer.built.module)
     rank, per_rank = dist.get_rank(), SEQUENCES // dist.get_world_size()
     records = []
-    for batch in global_batches(trainer.tokenizer):
+    for batch in global_batches(trainer.tokenizer, kind):
         mine = {key: value[rank * per_rank : (rank + 1) * per_rank] for key, value in batch.items()}
         micro = [
             {k: v[i : i + micro_batch_size] for k, v in mine.items()} for i in range(0, per_rank, micro_batch_size)
@@ -103,9 +109,9 @@ def float64_reference(initial: dict, config, tokenizer, kind: str) -> dict:
     nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     losses, grad_norms = [], []
-    for batch in global_batches(tokenizer):
+    for batch in global_batches(tokenizer, kind):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        out = ce_ntl_loss(logits, batch["labels"], nv, kind=kind, reduction="sum")
+        out = ce_ntl_loss(logits, batch["labels"], nv, kind=kind, reduction="sum", ntl_labels=batch.get("ntl_labels"))
         loss = out.ce / out.num_tokens + WEIGHT * out.ntl / out.num_number_tokens
         optimizer.zero_grad()
         loss.backward()

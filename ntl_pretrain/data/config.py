@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 Format = Literal["auto", "jsonl", "json", "parquet", "txt", "arrow", "hub"]
+LabelSet = Literal["all", "answer"]
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt", ".arrow": "arrow"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 PKG_PREFIX = "pkg:"
@@ -36,6 +37,15 @@ class SourceConfig:
     """`format: hub` only: the dataset configuration name."""
     hub_split: str = "train"
     """`format: hub` only: the split to stream."""
+    answer_field: str | None = None
+    """The `template` field that holds a Q/A record's answer; null = `answer` when the template has an `{answer}`
+    field. Its tokens and the EOS after them are the record's *answer labels* (docs/data.md, "Which labels carry
+    which loss"); validation reports `val_answer_ce` and `val_answer_ntl_<kind>` on them."""
+    ce_labels: LabelSet = "all"
+    """Training sources: which labels carry cross-entropy: `all`, or only the `answer` labels (loss on completions
+    only)."""
+    ntl_labels: LabelSet = "all"
+    """Training sources: which labels carry NTL: `all` number labels, or only those in the `answer`."""
 
     def check(self) -> None:
         if not self.path:
@@ -48,6 +58,7 @@ class SourceConfig:
                 raise ValueError(f"template: {self.template!r} names no field (write fields as {{name}})")
         if self.format != "hub" and self.hub_config is not None:
             raise ValueError("hub_config: only for format: hub")
+        self._check_answer()
         formats = {source_format(self, path) for path in resolve_files(self)}
         if len(formats) > 1:
             raise ValueError(f"path: {self.path!r} mixes formats {sorted(formats)}; use one source per format")
@@ -63,6 +74,33 @@ class SourceConfig:
             return self.path
         *_, folder, name = ["", *self.path.rstrip("/").replace("pkg:", "").split("/")]
         return f"{folder}/{name.split('.', 1)[0]}".lstrip("/")
+
+    def _check_answer(self) -> None:
+        if self.answer_field is not None and (self.template or "").count("{" + self.answer_field + "}") != 1:
+            raise ValueError(
+                f"answer_field: the template must hold {{{self.answer_field}}} exactly once, without a format spec "
+                f"(template: {self.template!r})"
+            )
+        for key in ("ce_labels", "ntl_labels"):
+            if getattr(self, key) == "answer" and self.answer is None:
+                raise ValueError(
+                    f"{key}: 'answer' needs a Q/A source: a `template` with an {{answer}} field, or `answer_field` "
+                    f"naming the template's answer field (template: {self.template!r})"
+                )
+
+    @property
+    def answer(self) -> str | None:
+        """The template field holding the answer (`answer_field`, or `answer` where the template has it), or None."""
+        if self.template is None:
+            return None
+        if self.answer_field is not None:
+            return self.answer_field
+        return "answer" if self.template.count("{answer}") == 1 else None
+
+    @property
+    def answer_only(self) -> bool:
+        """Some loss is restricted to the answer labels."""
+        return "answer" in (self.ce_labels, self.ntl_labels)
 
     @property
     def template_fields(self) -> list[str]:
@@ -99,6 +137,16 @@ class DataConfig:
     prefetch_batches: int = 4
     """Batches each worker prepares ahead (with `num_workers` > 0)."""
 
+    @property
+    def label_roles(self) -> bool:
+        """Training batches carry `ntl_labels` apart from `labels` (some source restricts a loss to its answers)."""
+        return any(source.answer_only for source in self.sources)
+
+    @property
+    def answer_labels(self) -> bool:
+        """Validation batches carry `answer_mask` (some validation source is a Q/A source)."""
+        return any(source.answer is not None for source in self.validation)
+
     def check(self) -> None:
         if not self.sources:
             raise ValueError("sources: at least one training source is required")
@@ -116,6 +164,12 @@ class DataConfig:
             raise ValueError(f"tokenize_batch_chars: must be >= 1, got {self.tokenize_batch_chars}")
         if self.prefetch_batches < 1:
             raise ValueError(f"prefetch_batches: must be >= 1, got {self.prefetch_batches}")
+        for index, source in enumerate(self.validation):
+            if source.answer_only:
+                raise ValueError(
+                    f"validation.{index}: ce_labels/ntl_labels apply to training sources; validation scores all labels "
+                    "(val_ce) and, for a Q/A source, its answer labels (val_answer_ce, val_answer_ntl_<kind>)"
+                )
         labels = [source.label for source in self.sources]
         duplicates = sorted({label for label in labels if labels.count(label) > 1})
         if duplicates:

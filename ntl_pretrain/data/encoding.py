@@ -19,6 +19,9 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from ntl_pretrain.data.packing import ANSWER
+from ntl_pretrain.data.sources import QAText
+
 # Tokenised whole and in the two pieces at " sat", to learn how pieces join for this tokenizer.
 JOIN_PROBE = ("The cat sat on the mat, 12 times.", 7)
 
@@ -84,11 +87,36 @@ class DocumentEncoder:
         self.tokenizer = tokenizer
         self.max_chars = max_chars
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        # encode_batch_fast skips offsets, which packing never uses (tokenizers >= 0.21).
+        # encode_batch_fast skips offsets, which packing never uses (tokenizers >= 0.21); Q/A records need them.
         self.encode_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+        self.encode_with_offsets = getattr(backend, "encode_batch", None)
         self.piece_join = self._piece_join()
 
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        """int32 ids of each text, EOS last; a Q/A record's (`QAText`) carry its label-role bits (packing.py)."""
+        qa = [index for index, text in enumerate(texts) if isinstance(text, QAText)]
+        if not qa:
+            return self._plain(texts)
+        documents = self._plain([text for text in texts if not isinstance(text, QAText)])[::-1]
+        tagged = dict(zip(qa, self._tagged([texts[index] for index in qa]), strict=True))
+        return [tagged[index] if index in tagged else documents.pop() for index in range(len(texts))]
+
+    def _tagged(self, texts: list[QAText]) -> list[np.ndarray]:
+        """Ids with `ANSWER` on every token that overlaps the answer's characters and on the EOS, and the text's
+        `outside_flags` on the others. Q/A records are short: each is tokenised whole."""
+        if self.encode_with_offsets is None:
+            raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r}: Q/A sources need a fast tokenizer (offsets)")
+        documents = []
+        for text, encoding in zip(texts, self.encode_with_offsets(list(texts), add_special_tokens=False), strict=True):
+            ids = np.array([*encoding.ids, self.eos_id], dtype=np.int32)
+            ends = np.array([end for _, end in encoding.offsets] + [len(text) + 1])
+            starts = np.array([start for start, _ in encoding.offsets] + [len(text)])
+            in_answer = (ends > text.answer_start) & (starts < text.answer_end)
+            in_answer[-1] = True
+            documents.append(ids | np.where(in_answer, ANSWER, text.outside_flags).astype(np.int32))
+        return documents
+
+    def _plain(self, texts: list[str]) -> list[np.ndarray]:
         # Each call's ids become int32 at once: as Python ints a long document's ids would take ~9x the memory.
         pieces_per_document: list[list[np.ndarray]] = [[] for _ in texts]
         for call in self._calls(self._pieces(texts)):

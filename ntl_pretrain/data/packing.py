@@ -3,6 +3,11 @@
 Shapes: B micro-batch rows, T = seq_len. A block holds T+1 tokens: inputs are its first T, labels its
 last T (labels are already shifted; the loss head does not shift again). Consecutive blocks overlap by
 one token, so every token after the first is a label exactly once and nothing is padded.
+
+Label roles (docs/data.md, "Which labels carry which loss"): the encoder marks the tokens of a Q/A record's answer
+with the `ANSWER` bit and, where a source restricts CE or NTL to its answers, the tokens outside them with `NO_CE` /
+`NO_NTL`. The bits sit above every token id, so the shuffle buffer, the packer, their checkpointed state and the
+resharding carry them unchanged and without extra memory; `make_batch` takes them off again.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+ANSWER, NO_CE, NO_NTL = 1 << 28, 1 << 29, 1 << 30
+TOKEN_BITS = ANSWER - 1
+"""Token ids are below 2^28 (vocabularies have at most a few hundred thousand tokens)."""
 
 
 class Packer:
@@ -89,15 +97,25 @@ class Packer:
 
 
 def make_batch(
-    blocks_BT1: np.ndarray, eos_id: int, per_document_attention: bool, num_labels_B: np.ndarray | None = None
+    blocks_BT1: np.ndarray,
+    eos_id: int,
+    per_document_attention: bool,
+    num_labels_B: np.ndarray | None = None,
+    *,
+    label_roles: bool = False,
+    answer_mask: bool = False,
 ) -> dict[str, torch.Tensor]:
     """`input_ids`, `labels` and `position_ids`, each int64 `[B, T]`, from blocks of T+1 tokens.
 
     With `per_document_attention`, positions restart at 0 after every EOS and the label of an EOS (the
     next document's first token, which the document cannot predict) is ignored. `num_labels_B` marks
     padded tails (finite streams): labels from that index on are ignored.
+    `label_roles`: `labels` are the CE labels and `ntl_labels` (int64 [B, T]) the NTL labels, each ignored where
+    its source restricts that loss to answers; without it one `labels` serves both. `answer_mask`: also a bool
+    [B, T] `answer_mask`, the labels that belong to a Q/A record's answer (or its EOS).
     """
-    blocks = torch.from_numpy(blocks_BT1.astype(np.int64))
+    tokens = torch.from_numpy(blocks_BT1.astype(np.int64))
+    blocks, flags_BT = tokens & TOKEN_BITS, tokens[:, 1:] & ~TOKEN_BITS
     input_ids_BT, labels_BT = blocks[:, :-1], blocks[:, 1:].clone()
     B, T = input_ids_BT.shape
     steps_BT = torch.arange(T).expand(B, T)
@@ -113,8 +131,10 @@ def make_batch(
         position_ids_BT = steps_BT.clone()
     if num_labels_B is not None:
         labels_BT[steps_BT >= torch.from_numpy(num_labels_B).unsqueeze(1)] = IGNORE_INDEX
-    return {
-        "input_ids": input_ids_BT.contiguous(),
-        "labels": labels_BT,
-        "position_ids": position_ids_BT.contiguous(),
-    }
+    batch = {"input_ids": input_ids_BT.contiguous(), "labels": labels_BT, "position_ids": position_ids_BT.contiguous()}
+    if answer_mask:
+        batch["answer_mask"] = (flags_BT & ANSWER).bool() & (labels_BT != IGNORE_INDEX)
+    if label_roles:
+        batch["ntl_labels"] = torch.where((flags_BT & NO_NTL).bool(), IGNORE_INDEX, labels_BT)
+        batch["labels"] = torch.where((flags_BT & NO_CE).bool(), IGNORE_INDEX, labels_BT)
+    return batch

@@ -20,7 +20,7 @@ from ntl_pretrain.data.encoding import DocumentEncoder, read_batch
 from ntl_pretrain.data.mixture import Mixture
 from ntl_pretrain.data.packing import Packer, make_batch
 from ntl_pretrain.data.shuffle import ShuffleBuffer
-from ntl_pretrain.data.sources import SourceStream
+from ntl_pretrain.data.sources import QAText, SourceStream
 
 Batch = dict[str, torch.Tensor]
 
@@ -77,7 +77,9 @@ class TrainReader:
     def next_batch(self) -> Batch:
         blocks = [self.next_block() for _ in range(self.micro_batch_size)]
         self.counts["batches"] += 1
-        return make_batch(np.stack(blocks), self.encoder.eos_id, self.cfg.per_document_attention)
+        return make_batch(
+            np.stack(blocks), self.encoder.eos_id, self.cfg.per_document_attention, label_roles=self.cfg.label_roles
+        )
 
     def next_block(self) -> np.ndarray:
         """The next `seq_len + 1` tokens of this reader's stream (a micro-batch row)."""
@@ -98,7 +100,9 @@ class TrainReader:
 
     def _read_batch(self) -> None:
         batch = read_batch(self.documents, self.cfg.tokenize_batch, self.cfg.tokenize_batch_chars)
-        if self.encoder.piece_join is not None and len(batch[-1][1]) > self.stream_above_chars:
+        # A Q/A record is tokenised whole, so that its answer's tokens can be marked (encoding.py).
+        last = batch[-1][1]
+        if self.encoder.piece_join is not None and len(last) > self.stream_above_chars and not isinstance(last, QAText):
             source, text = batch.pop()
             self.streamed = StreamedDocument(source, text.encode("utf-8"))
         for (source, _), document in zip(batch, self.encoder([text for _, text in batch]), strict=True):
@@ -176,15 +180,22 @@ def validation_batches(
             rows.append(block)
             num_labels.append(block_labels)
         if len(rows) == micro_batch_size:
-            yield make_batch(np.stack(rows), encoder.eos_id, cfg.per_document_attention, np.array(num_labels))
+            yield _validation_batch(rows, num_labels, encoder.eos_id, cfg)
             rows, num_labels, batches = [], [], batches + 1
     batches_per_rank = ceil_div(ceil_div(num_blocks, dp_world_size), micro_batch_size)
     for _ in range(batches, batches_per_rank):
         padding = micro_batch_size - len(rows)
         rows += [np.full(cfg.seq_len + 1, encoder.eos_id, dtype=np.int32)] * padding
         num_labels += [0] * padding
-        yield make_batch(np.stack(rows), encoder.eos_id, cfg.per_document_attention, np.array(num_labels))
+        yield _validation_batch(rows, num_labels, encoder.eos_id, cfg)
         rows, num_labels = [], []
+
+
+def _validation_batch(rows: list[np.ndarray], num_labels: list[int], eos_id: int, cfg: DataConfig) -> Batch:
+    """With an `answer_mask` when some validation source is a Q/A source (validation scores all labels)."""
+    return make_batch(
+        np.stack(rows), eos_id, cfg.per_document_attention, np.array(num_labels), answer_mask=cfg.answer_labels
+    )
 
 
 def _validation_blocks(cfg: DataConfig, encoder: DocumentEncoder, skipped: Counter) -> Iterator[tuple[np.ndarray, int]]:

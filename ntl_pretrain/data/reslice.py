@@ -141,9 +141,14 @@ class SlicedStreams:
                 if self.first_row <= stream * self.rows_per_stream + index < self.first_row + self.rows_per_rank:
                     rows.append(block)
         any_reader = next(iter(self.readers.values()))
-        eos_id, per_document = any_reader.encoder.eos_id, any_reader.cfg.per_document_attention
+        eos_id, cfg = any_reader.encoder.eos_id, any_reader.cfg
         self.pending = [
-            make_batch(np.stack(rows[start : start + self.micro_batch_size]), eos_id, per_document)
+            make_batch(
+                np.stack(rows[start : start + self.micro_batch_size]),
+                eos_id,
+                cfg.per_document_attention,
+                label_roles=cfg.label_roles,
+            )
             for start in range(0, len(rows), self.micro_batch_size)
         ]
 

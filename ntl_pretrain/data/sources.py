@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from ntl_pretrain.data.config import COMPRESSION_SUFFIXES, SourceConfig, is_remote, resolve_files, source_format
+from ntl_pretrain.data.packing import NO_CE, NO_NTL
 
 UTF8_BOM = b"\xef\xbb\xbf"
 COMPRESSION_NAMES = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
@@ -58,8 +59,19 @@ class Cursor:
     documents_this_epoch: int = 0
 
 
+class QAText(str):
+    """The text of a Q/A record (a source with an answer field) and where, in characters, its answer is: the
+    encoder marks the answer's tokens (`packing.ANSWER`) and, for `ce_labels`/`ntl_labels: answer`, the labels
+    outside it (`packing.NO_CE`, `packing.NO_NTL`). A `str`, so the mixture and batching pass it on unchanged."""
+
+    answer_start: int
+    answer_end: int
+    outside_flags: int
+    """Flags of the tokens outside the answer."""
+
+
 def render(record: object, source: SourceConfig) -> str:
-    """The document text of one parsed record, or `BadRecord(reason)`."""
+    """The document text of one parsed record (a `QAText` for a Q/A source), or `BadRecord(reason)`."""
     if not isinstance(record, dict):
         raise BadRecord("not_a_record")
     for name in source.template_fields:
@@ -71,7 +83,19 @@ def render(record: object, source: SourceConfig) -> str:
     text = record[source.text_field] if source.template is None else source.template.format_map(record)
     if not text.strip():
         raise BadRecord("empty")
-    return text
+    return text if source.answer is None else qa_text(text, record, source)
+
+
+def qa_text(text: str, record: dict, source: SourceConfig) -> QAText:
+    """`text` with its answer's span: the template up to the answer field, rendered, gives where the answer starts."""
+    head = source.template.split("{" + source.answer + "}", 1)[0]
+    document = QAText(text)
+    document.answer_start = len(head.format_map(record))
+    document.answer_end = document.answer_start + len(record[source.answer])
+    document.outside_flags = (NO_CE if source.ce_labels == "answer" else 0) | (
+        NO_NTL if source.ntl_labels == "answer" else 0
+    )
+    return document
 
 
 def parse_unit(raw: bytes, fmt: str, source: SourceConfig) -> str:

@@ -6,8 +6,11 @@ it: restarting position ids, no attention mask and no KV cache, the mode in whic
 eager attention inside each packed document (docs/data.md). So `val_ce`, `val_ntl` (of the run's NTL kind) and
 `val_number_ce` equal the trainer's over the whole split. NTL is measured with a fixed kind (WAS by default)
 whatever the model was trained with, so a CE-only model gets an NTL too, and so is the number-level NTL
-(`val_ntl_number`, integers: `float_level` off), which every model gets beside the chosen kind. With a process
-group every rank reads its blocks (the loader gives every rank equally many batches) and the sums are all-reduced.
+(`val_ntl_number`, integers: `float_level` off), which every model gets beside the chosen kind. A Q/A source (one
+with an answer field, docs/data.md) also gets CE and NTL at its answer labels alone (`val_answer_ce`,
+`val_answer_ntl_<kind>`): the answer's tokens and its EOS, teacher-forced after the question, where the operands'
+random digits do not dilute them. With a process group every rank reads its blocks (the loader gives every rank
+equally many batches) and the sums are all-reduced.
 
 Shapes: B micro-batch, T sequence, V model vocabulary.
 """
@@ -39,7 +42,8 @@ def validation_metrics(
 ) -> dict[str, float]:
     """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_ntl_number`, `val_tokens`, `val_number_tokens`, `val_numbers`
     and `val_number_ce` (CE where the label is a number token: where NTL acts, and where it may trade CE for closer
-    numbers; per number token) over all
+    numbers; per number token), with Q/A sources `val_answer_ce`, `val_answer_ntl_<kind>` and `val_answer_tokens`,
+    over all
     sources and ranks, and with several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart
     from arithmetic).
     Each source is packed on its own, as in the trainer; `max_batches` caps each source's micro-batches per rank;
@@ -58,10 +62,11 @@ def validation_metrics(
             )
     finally:
         model.train(was_training)
-    metrics = _summary(sum(per_source.values()), "val_", ntl_kind)
+    answers = {source.label: source.answer is not None for source in sources}
+    metrics = _summary(sum(per_source.values()), "val_", ntl_kind, any(answers.values()))
     if len(per_source) > 1:
         for label, sums in per_source.items():
-            metrics.update(_summary(sums, f"val/{label}/", ntl_kind))
+            metrics.update(_summary(sums, f"val/{label}/", ntl_kind, answers[label]))
     return metrics
 
 
@@ -74,8 +79,9 @@ def _source_sums(
     max_batches: int | None,
     ntl_kind: str,
 ) -> torch.Tensor:
-    """float64 [7]: summed CE, summed NTL, label tokens, number-label tokens, summed CE at number labels, summed
-    number-level NTL and numbers of `data`'s one validation source over all ranks."""
+    """float64 [11]: summed CE, summed NTL, label tokens, number-label tokens, summed CE at number labels, summed
+    number-level NTL, numbers, then summed CE, label tokens, summed NTL and NTL terms at the answer labels (0 for a
+    source without answers) of `data`'s one validation source over all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     loader = build_dataloader(
         data,
@@ -86,7 +92,7 @@ def _source_sums(
         seed=0,
         split="validation",
     )
-    sums = torch.zeros(7, dtype=torch.float64)
+    sums = torch.zeros(11, dtype=torch.float64)
     is_number_V = (number_vocab.classes >= 0).to(model.device)
     with torch.no_grad():
         for index, batch in enumerate(loader):
@@ -102,10 +108,20 @@ def _source_sums(
                 whole = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind="number", reduction="sum")
             totals = [out.ce.sum(), out.ntl.sum(), out.num_tokens, at_number_BT.sum(), number_ce,
                       whole.ntl.sum(), whole.num_number_tokens]  # fmt: skip
+            totals += _answer_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind)
             sums += torch.stack(totals).double().cpu()
     if world > 1:
         dist.all_reduce(sums)
     return sums
+
+
+def _answer_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind) -> list[torch.Tensor]:
+    """[summed CE, label tokens, summed NTL, NTL terms] at the batch's answer labels (zeros when it has none)."""
+    if "answer_mask" not in batch:
+        return [torch.zeros((), dtype=torch.float64, device=labels_BT.device)] * 4
+    answer_labels_BT = torch.where(batch["answer_mask"].to(labels_BT.device), labels_BT, -100)
+    out = ce_ntl_loss(logits_BTV, answer_labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="sum")
+    return [out.ce, out.num_tokens, out.ntl, out.num_number_tokens]
 
 
 def packed_forward(model: PreTrainedModel, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -116,10 +132,17 @@ def packed_forward(model: PreTrainedModel, input_ids_BT: torch.Tensor, position_
     return model(input_ids=input_ids_BT.to(device), position_ids=position_ids_BT.to(device), use_cache=False).logits
 
 
-def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str) -> dict[str, float]:
-    ce, ntl, tokens, number_tokens, number_ce, ntl_number, numbers = sums.tolist()
+def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str, answers: bool) -> dict[str, float]:
+    ce, ntl, tokens, number_tokens, number_ce, ntl_number, numbers, *answer_sums = sums.tolist()
     mean_ce = ce / max(tokens, 1.0)
+    answer_ce, answer_tokens, answer_ntl, answer_ntl_terms = answer_sums
+    answer_metrics = {
+        f"{prefix}answer_ce": answer_ce / max(answer_tokens, 1.0),
+        f"{prefix}answer_ntl_{ntl_kind}": answer_ntl / max(answer_ntl_terms, 1.0),
+        f"{prefix}answer_tokens": answer_tokens,
+    }
     return {
+        **(answer_metrics if answers else {}),
         f"{prefix}ce": mean_ce,
         f"{prefix}perplexity": math.exp(mean_ce),
         f"{prefix}ntl_{ntl_kind}": ntl / max(numbers if ntl_kind == "number" else number_tokens, 1.0),

@@ -32,8 +32,9 @@ class HeadOutput(NamedTuple):
 
 
 class OutputHead(nn.Module):
-    """Output layer + loss. `forward(hidden_BTH, labels_BT, num_tokens, num_number_tokens) -> HeadOutput`: the
-    global batch's counts normalise `loss`, or None for sums.
+    """Output layer + loss. `forward(hidden_BTH, labels_BT, num_tokens, num_number_tokens, ntl_labels_BT=None) ->
+    HeadOutput`: the global batch's counts normalise `loss`, or None for sums; `ntl_labels_BT` where NTL applies
+    when that is not where CE does (`ce_ntl_loss`).
 
     The trainer calls, in this order, whatever the head:
       `attach(engine)` once the engine exists;

@@ -37,6 +37,7 @@ class DenseHead(OutputHead):
         labels_BT: torch.Tensor,
         num_tokens: float | None = None,
         num_number_tokens: float | None = None,
+        ntl_labels_BT: torch.Tensor | None = None,
     ) -> HeadOutput:
         logits_BTV = self.transform(self.projection(hidden_BTH))
         out = ce_ntl_loss(
@@ -48,6 +49,7 @@ class DenseHead(OutputHead):
             reweigh=self.ntl.reweigh,
             reduction="sum",
             float_level=self.ntl.float_level,
+            ntl_labels=ntl_labels_BT,
         )
         if num_tokens is None:
             loss = out.ce + self.ntl.weight * out.ntl

@@ -47,10 +47,13 @@ def ce_ntl_loss(
     group: torch.distributed.ProcessGroup | None = None,
     vocab_start: int = 0,
     float_level: bool = False,
+    ntl_labels: torch.Tensor | None = None,
 ) -> LossOutput:
     """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber|number, or None for CE
     only). "number" is one loss per whole number across its tokens, along the last dimension of `labels`;
     `float_level` lets one decimal point join two runs of number labels into one number (number_level.py).
+    `ntl_labels` (shaped like `labels`): where NTL applies, when that differs from where CE does (loss on answers
+    only, packing.py); each position's label is then ignored in one of them or the same token in both.
 
     `logits` [..., V] (fp32/bf16/fp16; math runs in fp32, fp64 stays fp64) and `labels` [...] are aligned
     position by position: shift them before calling for next-token prediction. With `group`, `logits` holds the
@@ -59,14 +62,16 @@ def ce_ntl_loss(
     counts (a batch without number labels has ntl = 0); to normalise over a global batch, take "sum" and divide
     by the counts summed over it.
     """
-    check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh)
+    check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh, ntl_labels)
     num_columns = logits.shape[-1]
     logits_NV = logits.reshape(-1, num_columns)
     shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
+    ntl_labels_N = None if ntl_labels is None else ntl_labels.reshape(-1)
     targets = make_targets(
-        labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns, compute_dtype(logits)
+        labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns, compute_dtype(logits), ntl_labels_N
     )
-    spans = find_number_spans(labels, nv, ignore_index, float_level) if kind == "number" else None
+    number_labels = labels if ntl_labels is None else ntl_labels
+    spans = find_number_spans(number_labels, nv, ignore_index, float_level) if kind == "number" else None
     ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group, spans)
     num_tokens = targets.valid.sum()
     num_number_tokens = targets.is_number.sum() if spans is None else spans.count
@@ -87,8 +92,17 @@ def no_number_shard(device: torch.device) -> NumberShard:
     return NumberShard(vocab=None, local_ids=empty.long(), values=empty, classes=empty.long(), class_spread=empty)
 
 
-def check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh=False) -> None:
+def check_loss_arguments(
+    logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh=False, ntl_labels=None
+) -> None:
     """Raise an error that says what was expected for any argument `ce_ntl_loss` cannot take."""
+    if ntl_labels is not None:
+        if ntl_labels.shape != labels.shape:
+            raise ValueError(f"ntl_labels {tuple(ntl_labels.shape)} must have labels' shape {tuple(labels.shape)}")
+        torch._assert_async(
+            ((ntl_labels == labels) | (ntl_labels == ignore_index) | (labels == ignore_index)).all(),
+            "ntl_labels must equal labels wherever neither is ignore_index",
+        )
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
     if kind == "number" and reweigh:

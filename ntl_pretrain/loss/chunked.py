@@ -64,6 +64,7 @@ def linear_ce_ntl_loss(
     num_number_tokens: int | torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
     float_level: bool = False,
+    ntl_labels: torch.Tensor | None = None,
 ) -> LossOutput:
     """CE + `ntl_weight`·NTL of the logits `transform(hidden @ weight.T)`, `chunk_size` positions at a time.
 
@@ -77,8 +78,8 @@ def linear_ce_ntl_loss(
     sum NTL / num_number_tokens, the counts being this call's unless given (pass counts summed over the global
     batch to normalise over it). Collectives with `group`: two all-reduces per chunk, plus one to agree on the
     chunk size when `chunk_size` is None, and two for kind "number"'s first pass; none in backward. The returned
-    counts are always this call's (with kind "number", `num_number_tokens` counts numbers; `float_level` as in
-    `ce_ntl_loss`).
+    counts are always this call's (with kind "number", `num_number_tokens` counts numbers; `float_level` and
+    `ntl_labels` as in `ce_ntl_loss`).
     """
     rows = linear_ce_ntl_rows(
         hidden,
@@ -97,6 +98,7 @@ def linear_ce_ntl_loss(
         num_number_tokens,
         transform=transform,
         float_level=float_level,
+        ntl_labels=ntl_labels,
     )
     ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
     number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum() * rows.ntl_scale
@@ -142,18 +144,21 @@ def linear_ce_ntl_rows(
     num_number_tokens,
     transform=IDENTITY,
     float_level=False,
+    ntl_labels=None,
 ) -> LinearLossRows:
     """`linear_ce_ntl_loss` before the per-position terms are summed (same arguments, all positional but the last
-    two)."""
+    three)."""
     labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size)
     logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)
-    check_loss_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start, reweigh)
+    check_loss_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start, reweigh, ntl_labels)
     vocab_end = vocab_start + weight.shape[0]
     shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else no_number_shard(hidden.device)
     dtype = compute_dtype(hidden)
-    targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype)
-    spans = find_number_spans(labels, nv, ignore_index, float_level) if kind == "number" else None
+    ntl_labels_N = None if ntl_labels is None else ntl_labels.reshape(-1)
+    targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype, ntl_labels_N)
+    number_labels = labels if ntl_labels is None else ntl_labels
+    spans = find_number_spans(number_labels, nv, ignore_index, float_level) if kind == "number" else None
     ntl_terms_N = targets.is_number if spans is None else spans.first
     counts = targets.valid.sum(), ntl_terms_N.sum()
     ce_scale, ntl_scale = _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, hidden.device)

@@ -83,7 +83,10 @@ def make_targets(
     vocab_start: int,
     num_columns: int,
     dtype: torch.dtype,
+    ntl_labels_N: torch.Tensor | None = None,
 ) -> Targets:
+    """CE where `labels_N` is not `ignore_index`; NTL where `ntl_labels_N` (default: `labels_N`) is a number token.
+    Where both are set they are the same token (packing.make_batch ignores one or the other, never changes it)."""
     valid = labels_N != ignore_index
     label = torch.where(valid, labels_N, 0)
     column = label - vocab_start
@@ -93,7 +96,12 @@ def make_targets(
         number_class, value, scale, cap = torch.full_like(label, -1), zeros, zeros + 1, zeros
     else:
         vocab = shard.vocab
-        number_class = torch.where(valid, vocab.classes[label], -1)
+        if ntl_labels_N is not None:
+            ntl_valid = ntl_labels_N != ignore_index
+            label = torch.where(ntl_valid, ntl_labels_N, 0)
+        else:
+            ntl_valid = valid
+        number_class = torch.where(ntl_valid, vocab.classes[label], -1)
         is_number = number_class >= 0
         value = torch.where(is_number, vocab.values[label].to(dtype), zeros)
         scale = torch.where(is_number, vocab.scales[label].to(dtype), zeros + 1)

@@ -120,8 +120,10 @@ class VocabParallelHead(nn.Module):
         labels_BT: torch.Tensor,
         num_tokens: int | torch.Tensor | None = None,
         num_number_tokens: int | torch.Tensor | None = None,
+        ntl_labels_BT: torch.Tensor | None = None,
     ) -> LossOutput:
-        """This rank's loss share (every rank of the group must call it with the same shapes).
+        """This rank's loss share (every rank of the group must call it with the same shapes, and all with or all
+        without `ntl_labels_BT`, as in `ce_ntl_loss`).
 
         loss: differentiable, sum CE / num_tokens + λ · sum NTL / num_number_tokens over this rank's positions (pass
         the global batch's counts; without them the sums are returned). Its backward gives this rank's hidden
@@ -133,15 +135,13 @@ class VocabParallelHead(nn.Module):
             raise ValueError("pass both num_tokens and num_number_tokens (the global batch's counts), or neither")
         hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
         group_hidden_MH = GatherPositions.apply(hidden_NH, self.group)
-        # The group's labels keep their rows ([k·B, T]): the number-level loss reads numbers along them.
-        labels_RT = labels_BT.reshape(-1, labels_BT.shape[-1]) if labels_BT.dim() else labels_BT.reshape(1, 1)
-        group_labels_RT = labels_RT.new_empty(dist.get_world_size(self.group) * labels_RT.shape[0], labels_RT.shape[1])
-        dist.all_gather_into_tensor(group_labels_RT, labels_RT.contiguous(), group=self.group)
+        group_labels_RT = self._group_rows(labels_BT)
+        group_ntl_labels_RT = None if ntl_labels_BT is None else self._group_rows(ntl_labels_BT)
         rows = linear_ce_ntl_rows(
             group_hidden_MH.view(*group_labels_RT.shape, -1), self.weight.to(hidden_BTH.dtype), group_labels_RT,
             self.number_vocab, self.kind, self.ntl_weight, self.reweigh, self.ignore_index,
             "mean" if given_counts else "sum", self.chunk_size, self.group, self.vocab_start, num_tokens,
-            num_number_tokens, transform=self.transform, float_level=self.float_level,
+            num_number_tokens, transform=self.transform, float_level=self.float_level, ntl_labels=group_ntl_labels_RT,
         )  # fmt: skip
         rank, positions = dist.get_rank(self.group), hidden_NH.shape[0]
         own = slice(rank * positions, (rank + 1) * positions)
@@ -152,6 +152,13 @@ class VocabParallelHead(nn.Module):
         loss = rows.loss - rows.loss.detach() + share
         number_ce = torch.where(rows.is_number_N[own], rows.ce_N[own], 0.0).sum()
         return LossOutput(loss, ce, ntl, rows.valid_N[own].sum(), rows.ntl_terms_N[own].sum(), number_ce)
+
+    def _group_rows(self, labels_BT: torch.Tensor) -> torch.Tensor:
+        """The group's labels [k·B, T], rows kept (the number-level loss reads numbers along them)."""
+        labels_RT = labels_BT.reshape(-1, labels_BT.shape[-1]) if labels_BT.dim() else labels_BT.reshape(1, 1)
+        group_labels_RT = labels_RT.new_empty(dist.get_world_size(self.group) * labels_RT.shape[0], labels_RT.shape[1])
+        dist.all_gather_into_tensor(group_labels_RT, labels_RT.contiguous(), group=self.group)
+        return group_labels_RT
 
     def average_gradients(self, data_parallel_size: int, replica_group: dist.ProcessGroup | None = None) -> None:
         """Make the slice's gradient what DeepSpeed gives a replicated parameter: summed over the ranks holding
