@@ -1,0 +1,166 @@
+"""Paired statistics for a study: each variant's runs paired by seed with its baseline's, as pure functions.
+
+For the per-seed differences d_1..d_n (variant − baseline, or signed so + is better: the caller chooses): the mean,
+its confidence intervals from Student's t with n − 1 degrees of freedom, the paired t statistic and its two-sided
+p, and the sign-flip permutation p (under "no effect" each d_i is as likely to be −d_i: the share of the 2^n sign
+patterns whose mean is at least as far from 0 as the observed one, the observed pattern included). Holm's step-down
+correction adjusts the p of a family of comparisons.
+
+The t distribution comes from the regularised incomplete beta function (a continued fraction, as in Numerical
+Recipes §6.4), so that the package needs no scipy; tests check it against scipy.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+EXACT_PERMUTATION_MAX_N = 20  # 2^20 sign patterns, 8 MiB of sums; beyond that a seeded sample of patterns
+PERMUTATION_SAMPLES = 2**16
+
+
+def _incomplete_beta_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of I_x(a, b) (modified Lentz), converging fast for x < (a + 1) / (a + b + 2)."""
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 10_000):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < eps:
+            return fraction
+    raise ArithmeticError(f"incomplete beta: no convergence for a={a}, b={b}, x={x}")
+
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), 0 <= x <= 1."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _incomplete_beta_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _incomplete_beta_fraction(b, a, 1.0 - x) / b
+
+
+def t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with `df` degrees of freedom."""
+    if math.isnan(t):
+        return math.nan
+    if math.isinf(t):
+        return 0.0
+    return incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_quantile(probability: float, df: float) -> float:
+    """The `probability` quantile of Student's t (0.975 for a two-sided 95% interval), by bisection on the CDF."""
+    if not 0.0 < probability < 1.0:
+        raise ValueError(f"probability must be in (0, 1), got {probability}")
+    tail = 2.0 * min(probability, 1.0 - probability)  # the two-sided p of the quantile's |t|
+    low, high = 0.0, 1.0
+    while t_two_sided_p(high, df) > tail:
+        high *= 2.0
+    for _ in range(200):
+        middle = (low + high) / 2.0
+        if t_two_sided_p(middle, df) > tail:
+            low = middle
+        else:
+            high = middle
+    return math.copysign((low + high) / 2.0, probability - 0.5)
+
+
+def sign_flip_p(differences: list[float]) -> float:
+    """Two-sided sign-flip permutation p of the mean difference: exact over all 2^n sign patterns (the observed
+    one included) for n <= EXACT_PERMUTATION_MAX_N, else over the observed pattern and PERMUTATION_SAMPLES random
+    ones (seed 0, so a report is reproducible). NaN without differences."""
+    d = np.asarray(differences, dtype=np.float64)
+    if d.size == 0:
+        return math.nan
+    observed = abs(d.sum())
+    slack = 1e-9 * np.abs(d).sum()  # the same |sum| reached in another order may differ in the last bits
+    if d.size <= EXACT_PERMUTATION_MAX_N:
+        sums = np.zeros(1)
+        for value in d:
+            sums = np.concatenate([sums + value, sums - value])
+        return float(np.mean(np.abs(sums) >= observed - slack))
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(PERMUTATION_SAMPLES, d.size))
+    extreme = int(np.sum(np.abs(signs @ d) >= observed - slack))
+    return (1 + extreme) / (1 + PERMUTATION_SAMPLES)
+
+
+@dataclass(frozen=True)
+class PairedStats:
+    """Statistics of n paired differences; NaN where n is too small (t and its CIs need n >= 2) or the
+    differences do not vary (all equal: no t, and a CI of width 0)."""
+
+    n: int
+    mean: float
+    std: float
+    ci95: tuple[float, float]
+    ci90: tuple[float, float]
+    t: float
+    p_t: float
+    p_permutation: float
+
+
+def confidence_interval(mean: float, std: float, n: int, level: float) -> tuple[float, float]:
+    if n < 2:
+        return math.nan, math.nan
+    half = t_quantile(0.5 + level / 2.0, n - 1) * std / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def paired_stats(differences: list[float]) -> PairedStats:
+    n = len(differences)
+    if n == 0:
+        return PairedStats(0, math.nan, math.nan, (math.nan,) * 2, (math.nan,) * 2, math.nan, math.nan, math.nan)
+    mean = statistics.fmean(differences)
+    std = statistics.stdev(differences) if n > 1 else math.nan
+    if n < 2 or std == 0.0:
+        t = math.nan if n < 2 or mean == 0.0 else math.copysign(math.inf, mean)
+    else:
+        t = mean / (std / math.sqrt(n))
+    return PairedStats(
+        n=n,
+        mean=mean,
+        std=std,
+        ci95=confidence_interval(mean, std, n, 0.95),
+        ci90=confidence_interval(mean, std, n, 0.90),
+        t=t,
+        p_t=t_two_sided_p(t, n - 1) if n > 1 else math.nan,
+        p_permutation=sign_flip_p(differences),
+    )
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p of a family, in the given order: the k-th smallest of m is multiplied by
+    m − k + 1, then made non-decreasing in that order and capped at 1. A NaN p (no test) counts as 1."""
+    m = len(p_values)
+    filled = [1.0 if math.isnan(p) else p for p in p_values]
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=lambda i: filled[i])):
+        running = max(running, min(1.0, (m - rank) * filled[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def paired_gains(results: list[dict], baseline: list[dict], key: str, higher_is_better: bool) -> list[float]:
+    """Per seed that both lists of evaluation results (each with its run's `seed`) measured with a finite `key`,
+    in seed order: variant − baseline, signed so that + is better (baseline − variant for a lower-is-better
+    metric)."""
+    sign = 1.0 if higher_is_better else -1.0
+    ours = {r["seed"]: r.get(key, math.nan) for r in results}
+    theirs = {r["seed"]: r.get(key, math.nan) for r in baseline}
+    gains = [sign * (ours[seed] - theirs[seed]) for seed in sorted(ours.keys() & theirs.keys())]
+    return [gain for gain in gains if math.isfinite(gain)]
