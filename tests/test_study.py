@@ -12,22 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from ntl_pretrain.config import load_recipe
+from ntl_pretrain.config import RecipeError, load_recipe
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation.answers import error_profile
-from ntl_pretrain.study import (
+from ntl_pretrain.study import execute, placement
+from ntl_pretrain.study_report import (
     VALIDATION_METRICS,
-    StudyRun,
     _wall_clock,
-    baseline_of,
     error_profile_section,
-    execute,
     generation_metrics,
     low_accuracy_notes,
-    plan,
     results_table,
     write_report,
 )
+from ntl_pretrain.study_runs import StudyRun, baseline_of, plan
 
 STUDY_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "study"
 SETS = ["addition_interpolation", "addition_extrapolation"]  # the labels of the study recipe's eval.qa_sets
@@ -62,7 +60,7 @@ def test_plan_names_runs_and_refuses_unknown_variants(tmp_path: Path) -> None:
     names = ["ce-seed0", "ce-seed1", "ntl-was-seed0", "ntl-was-seed1", "3digit-ce-seed0", "3digit-ce-seed1"]
     assert [run.name for run in runs] == names
     assert runs[-1].run_dir == tmp_path / "3digit" / "ce-seed1"
-    with pytest.raises(FileNotFoundError, match="ntl-huber"):
+    with pytest.raises(RecipeError, match="ntl-huber"):
         plan(STUDY_RECIPES, ["ntl-huber"], [0], tmp_path)
 
 
@@ -117,7 +115,7 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     assert plot.is_file() and "](study.png)" in text
     assert "## Protocol (fixed before the runs: [protocol.md](protocol.md))\n\nPrimary metric: exact match.\n" in text
 
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines()}
+    rows = table_rows(section(text, "## Results"))
     exact_row, mae_row = rows[f"{SETS[0]} exact match"], rows[f"{SETS[0]} MAE"]
     assert rows[f"{SETS[1]} digit acc."] and rows["val NTL-WAS"]  # every set's metrics, then validation
     assert "val CE at number labels" not in rows
@@ -128,7 +126,7 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     # paired by seed: ntl-was has the higher exact match on all 3 seeds, the lower MAE on seeds 0 and 2 only
     assert exact_row[3].rstrip(" |") == f"+{statistics.fmean(was_exact) - statistics.fmean(ce_exact):.3f} (3/3)"
     mae_gain = statistics.fmean(m for _, m in measured["ce"]) - statistics.fmean(m for _, m in measured["ntl-was"])
-    assert mae_row[3].rstrip(" |") == f"+{mae_gain:.1f} (2/3)"
+    assert mae_row[3].rstrip(" |") == f"+{mae_gain:.3f} (2/3)"
     assert "(0.25 for n = 3; two-sided sign test)" in text
     assert rows[f"{SETS[1]} digit acc."][3].rstrip(" |") == "+0.000"  # tied on every seed: no count
     assert "6 runs, 7.0 min" in text
@@ -140,6 +138,17 @@ def test_report_tables_mean_std_and_differences(tmp_path: Path) -> None:
     at_step_2 = [exact * 2 / 3 for exact in ce_exact]
     assert "| step 2 | step 3 |" in curve and "first 100 questions" in curve
     assert ce_row.split(" | ")[1] == f"{statistics.fmean(at_step_2):.3f} ± {statistics.stdev(at_step_2):.3f}"
+
+
+def section(text: str, heading: str) -> str:
+    """The Markdown from `heading` to the next heading of its level."""
+    level = heading.split(" ")[0] + " "
+    return text.split(heading, 1)[1].split("\n" + level, 1)[0]
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Table rows by their first cell; each row's cells as split on " | " (the first keeps its "| ")."""
+    return {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines() if line.startswith("|")}
 
 
 def test_wall_clock_counts_only_time_with_a_run_in_progress(tmp_path: Path) -> None:
@@ -180,7 +189,7 @@ def test_error_profile_section_needs_every_runs_answers(tmp_path: Path) -> None:
         run = StudyRun(variant, seed, STUDY_RECIPES / f"{variant}.yaml", tmp_path / f"{variant}-seed{seed}")
         run.run_dir.mkdir()
         records = [answer("5+7=", "12", generated), answer("6+6=", "12", "12")]
-        run.answers_file.write_text("".join(json.dumps(record) + "\n" for record in records))
+        (run.run_dir / "answers.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
         runs.append(run)
     lines = error_profile_section(runs)
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
@@ -188,7 +197,7 @@ def test_error_profile_section_needs_every_runs_answers(tmp_path: Path) -> None:
     assert rows["ce"][1:4] == ["0.750 ± 0.354", "0.250 ± 0.354", "0.000 ± 0.000"]
     assert rows["ntl-was"][1:4] == ["0.750 ± 0.354", "0.000 ± 0.000", "0.250 ± 0.354"]
     assert rows["ce"][4] == "1.000 ± 0.000" and rows["ntl-was"][5].rstrip(" |") == "n/a"
-    runs[-1].answers_file.unlink()
+    (runs[-1].run_dir / "answers.jsonl").unlink()
     assert error_profile_section(runs) == []  # one run without answers (an older evaluation): no section
 
 
@@ -204,7 +213,8 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     run = StudyRun("ntl-was", 0, STUDY_RECIPES / "ntl-was.yaml", tmp_path / "ntl-was-seed0")
     overrides = ["train.max_steps=2", "train.eval_every_steps=2", "train.eval_max_batches=null",
                  "model.config.num_hidden_layers=1"]  # fmt: skip
-    execute(run, overrides, ["--max-examples", "8", "--max-new-tokens", "4"], threads=2, logs=tmp_path / "logs")
+    _, env = placement("cpu", jobs=1, environ=dict(os.environ), cpu_count=2)
+    execute(run, overrides, ["--max-examples", "8", "--max-new-tokens", "4"], env, logs=tmp_path / "logs")
     results = run.results()
     records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     trainer_validation = next(r for r in records if r.get("split") == "validation")
@@ -213,5 +223,5 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     assert results["val_ntl_was"] == pytest.approx(trainer_validation["val_ntl"], rel=1e-5)
     assert results[f"eval/{SETS[0]}/examples"] == results[f"eval/{SETS[1]}/examples"] == 8  # the recipe's sets
     assert records[-1]["split"] == "eval"  # --log-metrics appended the evaluation for `ntl-pretrain plot`
-    assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s"}
+    assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s", "started", "finished"}
     assert [record["set"] for record in run.answers()] == [SETS[0]] * 8 + [SETS[1]] * 8  # for error_profile

@@ -1,0 +1,91 @@
+"""The runs of a study: one per (variant, seed), named, paired with a CE baseline, read from their folders.
+
+A run's results are read from its archived copy (`--archive`, study_archive.py) when that is complete, else from
+its run folder, so the report, `runs.csv` and the statistics work alike from either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ntl_pretrain.config import RecipeError
+from ntl_pretrain.evaluation.answers import error_profile
+from ntl_pretrain.study_archive import is_complete, read_answers
+
+BASELINE = "ce"
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    variant: str
+    seed: int
+    recipe: Path
+    run_dir: Path
+    archive: Path | None = None
+    """The folder that holds (or will hold) this run's archived result files; None without `--archive`."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant.replace('/', '-')}-seed{self.seed}"
+
+    @property
+    def done_file(self) -> Path:
+        return self.run_dir / "study.json"
+
+    @property
+    def archived(self) -> bool:
+        return self.archive is not None and is_complete(self.archive)
+
+    @property
+    def done(self) -> bool:
+        return self.archived or self.done_file.is_file()
+
+    @property
+    def folder(self) -> Path:
+        """Where the finished run's results are read: its archived copy when complete, else its run folder."""
+        return self.archive if self.archive is not None and self.archived else self.run_dir
+
+    def results(self) -> dict:
+        return json.loads((self.folder / "eval.json").read_text())
+
+    def timing(self) -> dict:
+        return json.loads((self.folder / "study.json").read_text())
+
+    def answers(self) -> list[dict] | None:
+        """Every question's record from `ntl-pretrain eval --answers`; None for a run evaluated without them."""
+        return read_answers(self.folder)
+
+    def error_profiles(self) -> dict[str, dict[str, float]]:
+        """`error_profile` of each question set's answers ({} without answers)."""
+        by_set: dict[str, list[dict]] = {}
+        for record in self.answers() or []:
+            by_set.setdefault(record["set"], []).append(record)
+        return {qa_set: error_profile(records) for qa_set, records in by_set.items()}
+
+    def measured(self) -> dict:
+        """Everything the run measured: its evaluation results, then `errors/<set>/<key>` from its answers."""
+        profiles = self.error_profiles()
+        errors = {f"errors/{qa_set}/{key}": value for qa_set, p in profiles.items() for key, value in p.items()}
+        return self.results() | errors
+
+
+def plan(
+    recipes: Path, variants: list[str], seeds: list[int], runs_dir: Path, archive: Path | None = None
+) -> list[StudyRun]:
+    runs = []
+    for variant in variants:
+        recipe = recipes / f"{variant}.yaml"
+        if not recipe.is_file():
+            raise RecipeError(f"{recipe}: no recipe for variant {variant!r}")
+        for seed in seeds:
+            run = StudyRun(variant, seed, recipe, runs_dir / f"{variant}-seed{seed}")
+            runs.append(replace(run, archive=archive / run.name) if archive is not None else run)
+    return runs
+
+
+def baseline_of(variant: str) -> str:
+    """The CE variant an NTL variant is paired with: `ce` in the same recipe folder (same tokenizer, data, model)."""
+    folder, _, _ = variant.rpartition("/")
+    return f"{folder}/{BASELINE}" if folder else BASELINE
