@@ -85,8 +85,9 @@ def _outcome(
         return INCONCLUSIVE, f"the t-test and the permutation test disagree on significance at α {rule.alpha:g}"
     if t_significant and primary.mean >= rule.min_gain:
         if guard.ci95[0] > rule.guard_ci_floor:
-            return HELPS, f"significant, mean gain >= {rule.min_gain:g}, guard CI above {rule.guard_ci_floor:g}"
-        return INCONCLUSIVE, f"the guard's 95% CI reaches {_signed(guard.ci95[0])}, not above {rule.guard_ci_floor:g}"
+            return HELPS, f"significant, mean gain >= {rule.min_gain:g}, guard CI above {_signed(rule.guard_ci_floor)}"
+        floor = _signed(rule.guard_ci_floor)
+        return INCONCLUSIVE, f"the guard's 95% CI reaches {_signed(guard.ci95[0])}, not above {floor}"
     if t_significant and primary.mean <= -rule.min_gain:
         return HURTS, f"significant, mean loss >= {rule.min_gain:g}"
     low, high = primary.ci90
@@ -105,9 +106,9 @@ def verdict_lines(rule: DecisionRule, verdicts: list[Verdict]) -> list[str]:
     """The report's section: the rule's parameters, then one line per comparison."""
     lines = ["## Decision (computed by the protocol's rule)", "",
              f"Primary: `{rule.primary}`, gain signed so + is better; paired two-sided t-test and sign-flip "
-             f"permutation test, each Holm-corrected over the {len(rule.comparisons)} comparisons at α "
+             f"permutation test, each Holm-corrected over the comparisons ({len(rule.comparisons)}) at α "
              f"{rule.alpha:g}. Helps: both significant, mean gain >= {rule.min_gain:g} and the 95% CI of the "
-             f"`{rule.guard}` gain above {rule.guard_ci_floor:g}; hurts: both significant, mean loss >= "
+             f"`{rule.guard}` gain above {_signed(rule.guard_ci_floor)}; hurts: both significant, mean loss >= "
              f"{rule.min_gain:g}; no useful effect: 90% CI within ±{rule.no_effect_margin:g}; otherwise inconclusive.",
              ""]  # fmt: skip
     for v in verdicts:

@@ -3,22 +3,29 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 from pathlib import Path
 
 import pytest
+from scipy import stats as scipy_stats
 
 from ntl_pretrain.config import RecipeError, load_recipe
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation.answers import error_profile
-from ntl_pretrain.study import execute, placement
+from ntl_pretrain.study import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
+from ntl_pretrain.study import main as study_command
+from ntl_pretrain.study_archive import ARCHIVED, archive_run
+from ntl_pretrain.study_decision import DecisionRule, decide
 from ntl_pretrain.study_report import (
     VALIDATION_METRICS,
     _wall_clock,
+    by_variant,
     error_profile_section,
     generation_metrics,
     low_accuracy_notes,
@@ -225,3 +232,202 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     assert records[-1]["split"] == "eval"  # --log-metrics appended the evaluation for `ntl-pretrain plot`
     assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s", "started", "finished"}
     assert [record["set"] for record in run.answers()] == [SETS[0]] * 8 + [SETS[1]] * 8  # for error_profile
+
+
+def write_finished_run(run: StudyRun, results: dict, answers: list[dict]) -> None:
+    """What `execute` leaves in a run folder (without checkpoints): results, answers, the trainer's records."""
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "eval.json").write_text(json.dumps(results))
+    (run.run_dir / "answers.jsonl").write_text("".join(json.dumps(record) + "\n" for record in answers))
+    steps = [{"step": s, "loss": 2.0 / s, "ce": 2.0 / s, "ntl": 0.0} for s in (1, 2)]
+    (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (run.run_dir / "recipe.yaml").write_text("{}")
+    timing = {"variant": run.variant, "seed": run.seed, "train_s": 60.0, "eval_s": 5.0, "started": 1e9 + 100 * run.seed,
+              "finished": 1e9 + 100 * run.seed + 65}  # fmt: skip
+    (run.run_dir / "study.json").write_text(json.dumps(timing))
+
+
+# Per seed: (ce exact, ntl-was exact, ce log-error, ntl-was log-error, ce's and ntl-was's generated answer to 5+7).
+PAIRED = [(0.50, 0.58, 0.20, 0.15, "15", "13"), (0.40, 0.41, 0.25, 0.24, "13", "13"),
+          (0.60, 0.66, 0.18, 0.12, "16", "13"), (0.55, 0.52, 0.21, 0.22, "12", "14")]  # fmt: skip
+
+
+def answers_to(five_plus_seven: str) -> list[dict]:
+    """Three answers: 5+7 as given, 9+9 off by one in the last digit, 1+1 right."""
+    return [answer("5+7=", "12", five_plus_seven), answer("9+9=", "18", "17"), answer("1+1=", "2", "2")]
+
+
+def paired_study(tmp_path: Path, archive: Path | None = None) -> list[StudyRun]:
+    runs = []
+    for seed, (ce_exact, was_exact, ce_log, was_log, ce_answer, was_answer) in enumerate(PAIRED):
+        for variant, exact, log_error, generated in (("ce", ce_exact, ce_log, ce_answer),
+                                                     ("ntl-was", was_exact, was_log, was_answer)):  # fmt: skip
+            name = f"{variant}-seed{seed}"
+            run = StudyRun(variant, seed, STUDY_RECIPES / f"{variant}.yaml", tmp_path / "runs" / name,
+                           None if archive is None else archive / name)  # fmt: skip
+            results = fake_results(exact, 1.0, seed) | {f"eval/{SETS[0]}/log_mae": log_error}
+            del results["seed"]
+            write_finished_run(run, results, answers_to(generated))
+            runs.append(run)
+    return runs
+
+
+def test_report_pairs_every_metric_writes_runs_csv_and_states_the_verdict(tmp_path: Path) -> None:
+    runs = paired_study(tmp_path)
+    doc, plot = tmp_path / "docs" / "study.md", tmp_path / "docs" / "study.png"
+    rule = DecisionRule(comparisons=(("ntl-was", "ce"),), primary=f"eval/{SETS[0]}/log_mae")
+    write_report(runs, doc, plot, "ntl-pretrain study", [], rule=rule)
+    text = doc.read_text()
+
+    ce_log, was_log = [p[2] for p in PAIRED], [p[3] for p in PAIRED]
+    log_gains = [c - w for c, w in zip(ce_log, was_log, strict=True)]  # CE minus the variant: + is better
+    reference = scipy_stats.ttest_rel(ce_log, was_log)
+    low, high = reference.confidence_interval(0.95)
+    paired = table_rows(section(text, "## Paired differences"))
+    row = [cell.strip(" |") for cell in paired[f"{SETS[0]} log10(1+AE)"]]
+    assert row[1:] == [f"+{statistics.fmean(log_gains):.3f}", f"[{_signed(low)}, {_signed(high)}]",
+                       f"+{reference.statistic:.2f}", f"{reference.pvalue:.3f}", "0.375", "4"]  # fmt: skip
+    # the permutation p: gains +0.05 +0.01 +0.06 −0.01 (sum 0.11); as far from 0 are the observed signs, those with
+    # −0.01 flipped (0.13) or both ±0.01 flipped (0.11, a tie), and their negatives: 6 of 16 sign patterns
+
+    # of the wrong last digits, the share off by one: 9+9=17 always, 5+7 when answered 13 (not 15, 16 or 14)
+    results = table_rows(section(text, "## Results"))
+    off_by_one = results[f"{SETS[0]} wrong last digits off by 1"]
+    ce_share = [error_profile(answers_to(p[4]))["last_digit_off_by_one"] for p in PAIRED]
+    was_share = [error_profile(answers_to(p[5]))["last_digit_off_by_one"] for p in PAIRED]
+    assert ce_share == [0.5, 1.0, 0.5, 1.0] and was_share == [1.0, 1.0, 1.0, 0.5]
+    assert off_by_one[1] == f"{statistics.fmean(ce_share):.3f} ± {statistics.stdev(ce_share):.3f}"
+    assert off_by_one[3].rstrip(" |") == "+0.125 (2/3)"  # better on seeds 0 and 2, worse on 3, tied on 1
+    off_by_one_paired = [cell.strip(" |") for cell in paired[f"{SETS[0]} wrong last digits off by 1"]]
+    assert off_by_one_paired[1] == "+0.125" and off_by_one_paired[-1] == "4"
+    assert f"{SETS[0]} R²" in results and results[f"{SETS[0]} MAE"][1] == "1.000 ± 0.000"  # 3 decimals
+
+    verdict = decide(rule, by_variant(runs, [run.measured() for run in runs]))[0]
+    assert f"- `ntl-was` vs `ce`: **{verdict.outcome}**" in section(text, "## Decision")
+
+    with (tmp_path / "docs" / "study-runs.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(row["variant"], row["seed"]) for row in rows] == [(v, str(s)) for s in range(4) for v in ("ce", "ntl-was")]
+    assert float(rows[3][f"eval/{SETS[0]}/log_mae"]) == PAIRED[1][3]
+    assert float(rows[2][f"errors/{SETS[0]}/last_digit_off_by_one"]) == ce_share[1]
+    assert rows[0]["train_s"] == "60.0" and rows[0]["eval_s"] == "5.0" and "val_ntl_was" in rows[0]
+
+
+def _signed(value: float) -> str:
+    return f"{'+' if value >= 0 else '−'}{abs(value):.3f}"
+
+
+def test_archived_runs_are_done_and_report_without_their_run_folders(tmp_path: Path) -> None:
+    archive = tmp_path / "committed"
+    runs = paired_study(tmp_path, archive)
+    for run in runs[:-1]:
+        archive_run(run.run_dir, run.archive)
+    archived = sorted(path.name for path in (archive / "ce-seed0").iterdir())
+    assert archived == sorted(ARCHIVED) and "answers.jsonl.gz" in archived  # compressed, never a checkpoint
+    # the last run finished before --archive was given: run_all archives it and runs nothing
+    run_all(runs, [], [], jobs=2, env={}, logs=tmp_path / "logs")
+    assert all(run.archived for run in runs) and not (tmp_path / "logs").exists()
+
+    shutil.rmtree(tmp_path / "runs")  # a fresh clone: the archive alone
+    fresh = plan(STUDY_RECIPES, ["ce", "ntl-was"], [0, 1, 2, 3], tmp_path / "runs", archive)
+    assert all(run.done for run in fresh) and fresh[4].folder == archive / "ntl-was-seed0"
+    assert fresh[4].answers() == answers_to(PAIRED[0][5])
+    doc = tmp_path / "docs" / "study.md"
+    write_report(fresh, doc, tmp_path / "docs" / "study.png", "ntl-pretrain study", [])
+    assert "## Paired differences" in doc.read_text() and (tmp_path / "docs" / "study.png").is_file()
+    assert "8 runs, 8.7 min of run time in total; 4.3 min of wall-clock" in doc.read_text()  # 4 x 65 s, from study.json
+
+    (archive / "ce-seed3" / "study.json").unlink()  # an incomplete copy is not a finished run
+    assert not plan(STUDY_RECIPES, ["ce"], [3], tmp_path / "runs", archive)[0].done
+
+
+def study_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = study_command([*argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_a_bad_override_or_variant_touches_no_run_folder(tmp_path: Path, capsys) -> None:
+    unfinished = tmp_path / "runs" / "ce-seed0"
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text("{}\n")
+    common = ["--recipes", str(STUDY_RECIPES), "--seeds", "0", "--runs-dir", str(tmp_path / "runs")]
+    code, out, err = study_main(capsys, "trian.max_steps=1", *common, "--variants", "ce")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"ntl-pretrain study: {STUDY_RECIPES / 'ce.yaml'}: command-line override: trian: unknown key")
+    code, _, err = study_main(capsys, *common, "--variants", "ce", "ntl-huber")
+    assert code == 2 and "no recipe for variant 'ntl-huber'" in err
+    code, _, err = study_main(capsys, *common, "--variants", "ce", "ntl-was", "--decide")
+    assert code == 2 and "--decide compares" in err
+    assert (unfinished / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_status_and_no_report_before_every_planned_run_is_finished(tmp_path: Path, capsys) -> None:
+    archive = tmp_path / "committed"
+    runs = paired_study(tmp_path, archive)
+    for run in runs[:3]:
+        archive_run(run.run_dir, run.archive)
+    shutil.rmtree(tmp_path / "runs")
+    doc, protocol = tmp_path / "study.md", tmp_path / "protocol.md"
+    protocol.write_text("fixed\n")
+    common = ["--recipes", str(STUDY_RECIPES), "--variants", "ce", "ntl-was", "--seeds", "0", "1", "--runs-dir",
+              str(tmp_path / "runs"), "--archive", str(archive), "--doc", str(doc)]  # fmt: skip
+    code, out, _ = study_main(capsys, *common, "--status")
+    assert code == 0 and out.splitlines() == ["ce: 2 done, 0 pending", "ntl-was: 1 done, 1 pending",
+                                              "all: 3 of 4 planned runs done, 1 pending"]  # fmt: skip
+    code, out, _ = study_main(capsys, *common, "--protocol", str(protocol), "--stop-after", "0")
+    assert code == EXIT_UNFINISHED and not doc.exists() and not (tmp_path / "runs").exists()
+    assert out == "ntl-pretrain study: 3 of 4 planned runs finished; no report until all are\n"
+
+
+def test_cpu_runs_split_the_threads_and_gpu_runs_share_the_device() -> None:
+    environ = {"PATH": "/bin", "DS_ACCELERATOR": "cpu"}
+    overrides, env = placement("cpu", jobs=2, environ=environ, cpu_count=16)
+    assert overrides == [] and env == environ | {"OMP_NUM_THREADS": "8"}  # as before: the trainer picks gloo
+    overrides, env = placement("cuda", jobs=8, environ=environ, cpu_count=16)
+    assert overrides == ["train.device=cuda"] and env == {"PATH": "/bin", "OMP_NUM_THREADS": "2"}
+    assert resolve_device("auto", {"auto"}, cuda_available=True) == "cuda"
+    assert resolve_device("auto", {"auto", "cpu"}, cuda_available=True) == "cpu"
+    assert resolve_device("auto", {"cuda"}, cuda_available=False) == "cpu"
+    assert resolve_device("cpu", {"auto"}, cuda_available=True) == "cpu"
+    with pytest.raises(RecipeError, match="no CUDA GPU is visible"):
+        resolve_device("cuda", {"auto"}, cuda_available=False)
+    with pytest.raises(RecipeError, match="train.device: cpu"):
+        resolve_device("cuda", {"cpu"}, cuda_available=True)
+
+
+def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The whole command with a GPU (faked): each run's train and eval commands and environment."""
+    launched: list[tuple[list[str], dict]] = []
+
+    def fake_subprocess_run(command: list[str], env: dict, **_) -> None:
+        launched.append((command, env))
+        if "ntl_pretrain.evaluation" in command:
+            folder = Path(command[command.index("ntl_pretrain.evaluation") + 1])
+            seed = int(folder.name.rsplit("seed", 1)[1])
+            results = fake_results(0.5, 1.0, seed)
+            del results["seed"]
+            (folder / "eval.json").write_text(json.dumps(results))
+            (folder / "answers.jsonl").write_text(json.dumps(answer("5+7=", "12", "13")) + "\n")
+        else:
+            folder = Path(next(arg for arg in command if arg.startswith("train.output_dir=")).split("=", 1)[1])
+            folder.mkdir(parents=True)
+            (folder / "recipe.yaml").write_text("{}")
+            (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+
+    monkeypatch.setattr("ntl_pretrain.study.subprocess.run", fake_subprocess_run)
+    monkeypatch.setattr("ntl_pretrain.study._cuda_available", lambda: True)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    runs_dir = tmp_path / "runs"
+    code, out, _ = study_main(capsys, "--recipes", str(STUDY_RECIPES), "--variants", "ce", "ntl-was", "--seeds", "0",
+                              "1", "--runs-dir", str(runs_dir), "--doc", str(tmp_path / "study.md"), "--jobs", "3",
+                              "train.max_steps=7")  # fmt: skip
+    assert code == 0 and out.endswith(f"{tmp_path / 'study.md'}\n")
+    trains = [(command, env) for command, env in launched if "train" in command]
+    assert len(trains) == 4 and len(launched) == 8
+    for _, env in launched:
+        assert "DS_ACCELERATOR" not in env and env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 3))
+    for command, _ in trains:
+        assert command[command.index("train") + 2 :][:2] == ["--nproc", "1"]
+        assert command[-2:] == ["train.max_steps=7", "train.device=cuda"]
+    assert (tmp_path / "study-runs.csv").is_file()
