@@ -63,13 +63,14 @@ def resolve_device(requested: str, recipe_devices: set[str], cuda_available: boo
 
 
 def placement(device: str, jobs: int, environ: dict[str, str], cpu_count: int) -> tuple[list[str], dict[str, str]]:
-    """(recipe overrides, environment) of every run's processes. CPU: cpu_count/jobs threads each, as DeepSpeed's
-    CPU accelerator. CUDA: all `jobs` runs on the one visible device, so the GPU is never hidden and DeepSpeed is
-    never told to use its CPU accelerator; `train.device=cuda` makes a run without a GPU fail instead of training on
-    CPU. Each run still gets its share of the CPU threads (data loading, the host side of each step)."""
+    """(recipe overrides, environment) of every run's processes. CPU: cpu_count/jobs threads each, on DeepSpeed's
+    CPU accelerator with any GPU hidden (training and evaluation alike; what the trainer chooses by itself on a
+    machine without a GPU). CUDA: all `jobs` runs on the one visible device, so the GPU is never hidden and DeepSpeed
+    is never told to use its CPU accelerator; `train.device=cuda` makes a run without a GPU fail instead of training
+    on CPU. Each run still gets its share of the CPU threads (data loading, the host side of each step)."""
     env = {**environ, "OMP_NUM_THREADS": str(max(1, cpu_count // jobs))}
     if device == "cpu":
-        return [], env
+        return [], env | {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     if env.get("DS_ACCELERATOR") == "cpu":
         del env["DS_ACCELERATOR"]
     return ["train.device=cuda"], env
@@ -148,6 +149,8 @@ def run_study(args: argparse.Namespace) -> int:
         if args.status:
             print("\n".join(status_lines(runs)))
             return 0
+        if args.jobs < 1:
+            raise RecipeError(f"--jobs: must be >= 1 runs at once, got {args.jobs}")
         rule = DecisionRule() if args.decide else None
         if rule is not None and rule.variants() - set(args.variants):
             raise RecipeError(f"--decide compares {sorted(rule.variants())}: add the missing ones to --variants")

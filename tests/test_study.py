@@ -359,6 +359,8 @@ def test_a_bad_override_or_variant_touches_no_run_folder(tmp_path: Path, capsys)
     assert code == 2 and "no recipe for variant 'ntl-huber'" in err
     code, _, err = study_main(capsys, *common, "--variants", "ce", "ntl-was", "--decide")
     assert code == 2 and "--decide compares" in err
+    code, _, err = study_main(capsys, *common, "--variants", "ce", "--jobs", "0")
+    assert code == 2 and "--jobs: must be >= 1" in err
     assert (unfinished / "metrics.jsonl").read_text() == "{}\n"
 
 
@@ -381,9 +383,10 @@ def test_status_and_no_report_before_every_planned_run_is_finished(tmp_path: Pat
 
 
 def test_cpu_runs_split_the_threads_and_gpu_runs_share_the_device() -> None:
+    overrides, env = placement("cpu", jobs=2, environ={"PATH": "/bin"}, cpu_count=16)
+    assert overrides == [] and env == {"PATH": "/bin", "OMP_NUM_THREADS": "8", "DS_ACCELERATOR": "cpu",
+                                       "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
     environ = {"PATH": "/bin", "DS_ACCELERATOR": "cpu"}
-    overrides, env = placement("cpu", jobs=2, environ=environ, cpu_count=16)
-    assert overrides == [] and env == environ | {"OMP_NUM_THREADS": "8"}  # as before: the trainer picks gloo
     overrides, env = placement("cuda", jobs=8, environ=environ, cpu_count=16)
     assert overrides == ["train.device=cuda"] and env == {"PATH": "/bin", "OMP_NUM_THREADS": "2"}
     assert resolve_device("auto", {"auto"}, cuda_available=True) == "cuda"
