@@ -34,7 +34,7 @@ from ntl_pretrain.study_runs import StudyRun, plan
 
 VARIANTS = ("ce", "ntl-was", "ntl-mse")
 SEEDS = (0, 1, 2)
-EXIT_UNFINISHED = 3  # `--protocol` with a planned run unfinished (or no run finished at all): no report
+EXIT_UNFINISHED = 3  # `--protocol` or `--decide` with a planned run unfinished (or none finished at all): no report
 
 
 def run_commands(run: StudyRun, overrides: list[str], eval_args: list[str]) -> tuple[list[str], list[str]]:
@@ -138,7 +138,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--protocol", type=Path, help="Markdown written before the runs, quoted in the report; "
                         f"no report until every planned run is finished (exit code {EXIT_UNFINISHED})")  # fmt: skip
     parser.add_argument("--decide", action="store_true", help="state the verdicts of the study v3 decision rule "
-                        "(study_decision.DecisionRule) in the report")  # fmt: skip
+                        "(study_decision.DecisionRule) in the report, once every planned run is finished")  # fmt: skip
     parser.add_argument("--status", action="store_true", help="print how many planned runs are done, then exit")
     parser.set_defaults(func=run_study)
 
@@ -164,7 +164,8 @@ def run_study(args: argparse.Namespace) -> int:
     run_all(runs, [*args.overrides, *device_overrides], eval_args, args.jobs, env, args.runs_dir / "logs",
             stop_after_s)  # fmt: skip
     finished = [run for run in runs if run.done]
-    if len(finished) < len(runs) and (args.protocol is not None or not finished):
+    # A protocol's report, or a verdict, from some of the runs is what the protocol forbids: a peek.
+    if len(finished) < len(runs) and (args.protocol is not None or rule is not None or not finished):
         print(f"ntl-pretrain study: {len(finished)} of {len(runs)} planned runs finished; no report until all are")
         return EXIT_UNFINISHED
     command = shlex.join(["ntl-pretrain", "study", *(sys.argv[2:] if sys.argv[1:2] == ["study"] else sys.argv[1:])])

@@ -351,7 +351,8 @@ def test_a_bad_override_or_variant_touches_no_run_folder(tmp_path: Path, capsys)
     unfinished = tmp_path / "runs" / "ce-seed0"
     unfinished.mkdir(parents=True)
     (unfinished / "metrics.jsonl").write_text("{}\n")
-    common = ["--recipes", str(STUDY_RECIPES), "--seeds", "0", "--runs-dir", str(tmp_path / "runs")]
+    common = ["--recipes", str(STUDY_RECIPES), "--seeds", "0", "--runs-dir", str(tmp_path / "runs"), "--doc",
+              str(tmp_path / "study.md"), "--plot", str(tmp_path / "study.png")]  # fmt: skip
     code, out, err = study_main(capsys, "trian.max_steps=1", *common, "--variants", "ce")
     assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert err.startswith(f"ntl-pretrain study: {STUDY_RECIPES / 'ce.yaml'}: command-line override: trian: unknown key")
@@ -373,13 +374,26 @@ def test_status_and_no_report_before_every_planned_run_is_finished(tmp_path: Pat
     doc, protocol = tmp_path / "study.md", tmp_path / "protocol.md"
     protocol.write_text("fixed\n")
     common = ["--recipes", str(STUDY_RECIPES), "--variants", "ce", "ntl-was", "--seeds", "0", "1", "--runs-dir",
-              str(tmp_path / "runs"), "--archive", str(archive), "--doc", str(doc)]  # fmt: skip
+              str(tmp_path / "runs"), "--archive", str(archive), "--doc", str(doc), "--plot",
+              str(tmp_path / "study.png")]  # fmt: skip
     code, out, _ = study_main(capsys, *common, "--status")
     assert code == 0 and out.splitlines() == ["ce: 2 done, 0 pending", "ntl-was: 1 done, 1 pending",
                                               "all: 3 of 4 planned runs done, 1 pending"]  # fmt: skip
     code, out, _ = study_main(capsys, *common, "--protocol", str(protocol), "--stop-after", "0")
     assert code == EXIT_UNFINISHED and not doc.exists() and not (tmp_path / "runs").exists()
     assert out == "ntl-pretrain study: 3 of 4 planned runs finished; no report until all are\n"
+
+    recipes = tmp_path / "recipes" / "3digit"  # the variants the default decision rule compares
+    recipes.mkdir(parents=True)
+    for variant in ("ce", "ntl-was", "ntl-was-answer"):
+        (recipes / f"{variant}.yaml").write_text(f"base: {STUDY_RECIPES / '3digit' / 'ntl-was.yaml'}\n")
+    finished = StudyRun("3digit/ce", 0, recipes / "ce.yaml", tmp_path / "runs" / "3digit" / "ce-seed0")
+    write_finished_run(finished, fake_results(0.5, 1.0, 0), answers_to("13"))  # one of the three runs
+    code, out, _ = study_main(capsys, "--recipes", str(recipes.parent), "--variants", "3digit/ce", "3digit/ntl-was",
+                              "3digit/ntl-was-answer", "--seeds", "0", "--runs-dir", str(tmp_path / "runs"),
+                              "--doc", str(doc), "--plot", str(tmp_path / "study.png"), "--decide", "--stop-after",
+                              "0")  # fmt: skip
+    assert code == EXIT_UNFINISHED and not doc.exists()  # a verdict from some runs is a peek too
 
 
 def test_cpu_runs_split_the_threads_and_gpu_runs_share_the_device() -> None:
@@ -423,7 +437,8 @@ def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys,
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     runs_dir = tmp_path / "runs"
     code, out, _ = study_main(capsys, "--recipes", str(STUDY_RECIPES), "--variants", "ce", "ntl-was", "--seeds", "0",
-                              "1", "--runs-dir", str(runs_dir), "--doc", str(tmp_path / "study.md"), "--jobs", "3",
+                              "1", "--runs-dir", str(runs_dir), "--doc", str(tmp_path / "study.md"), "--plot",
+                              str(tmp_path / "study.png"), "--jobs", "3",
                               "train.max_steps=7")  # fmt: skip
     assert code == 0 and out.endswith(f"{tmp_path / 'study.md'}\n")
     trains = [(command, env) for command, env in launched if "train" in command]
@@ -433,4 +448,4 @@ def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys,
     for command, _ in trains:
         assert command[command.index("train") + 2 :][:2] == ["--nproc", "1"]
         assert command[-2:] == ["train.max_steps=7", "train.device=cuda"]
-    assert (tmp_path / "study-runs.csv").is_file()
+    assert (tmp_path / "study-runs.csv").is_file() and (tmp_path / "study.png").is_file()
