@@ -1,20 +1,21 @@
 """`ntl-pretrain plot RUN_DIR [RUN_DIR ...] -o OUT.png`: training and numeric metrics of runs on shared axes.
 
-Reads each run's metrics.jsonl (without the records a resume superseded: `current_records`): training records
-(loss, CE, NTL; smoothed with an exponential moving average), validation records (val_ce, val_ntl) and evaluation
-records (`eval/<set>/<metric>`, from `eval.every_steps` or `ntl-pretrain eval --log-metrics`). One panel per
-metric, one line per run; runs of the same group (e.g. the seeds of one study variant) share a colour. In the
-validation panels the trainer's periodic validation (records with `"split": "validation"`, often the first
-`train.eval_max_batches` batches per rank) is a line, and `ntl-pretrain eval --log-metrics` records (`"split":
-"eval"`, by default the whole split) are hollow diamonds beside it: different measurements, never joined into one
-line. A metric measured once per run (a final evaluation) is drawn as one dot per run above its group's name
-instead. A training NTL that is zero throughout (a CE-only run has no NTL term) is left out rather than drawn as
-a flat line at 0.
+Reads each run's metrics.jsonl (or metrics.jsonl.gz, a study's archived run; without the records a resume
+superseded: `current_records`): training records (loss, CE, NTL; smoothed with an exponential moving average),
+validation records (val_ce, val_ntl) and evaluation records (`eval/<set>/<metric>`, from `eval.every_steps` or
+`ntl-pretrain eval --log-metrics`). One panel per metric, one line per run; runs of the same group (e.g. the seeds
+of one study variant) share a colour. In the validation panels the trainer's periodic validation (records with
+`"split": "validation"`, often the first `train.eval_max_batches` batches per rank) is a line, and `ntl-pretrain
+eval --log-metrics` records (`"split": "eval"`, by default the whole split) are hollow diamonds beside it: different
+measurements, never joined into one line. A metric measured once per run (a final evaluation) is drawn as one dot
+per run above its group's name instead. A training NTL that is zero throughout (a CE-only run has no NTL term) is
+left out rather than drawn as a flat line at 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -48,9 +49,12 @@ COLUMNS = 3
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The run's records in file order, without those a resume superseded (`current_records`)."""
+    """The run's records in file order, without those a resume superseded (`current_records`); from
+    `metrics.jsonl.gz` in a folder that has only that (a study's archived copy of a run, study_archive.py)."""
     path = Path(run_dir) / "metrics.jsonl"
-    with path.open() as lines:
+    if not path.is_file() and path.with_name("metrics.jsonl.gz").is_file():
+        path = path.with_name("metrics.jsonl.gz")
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as lines:
         return current_records([json.loads(line) for line in lines if line.strip()])
 
 

@@ -60,7 +60,8 @@ def generation_metrics(sets: list[str]) -> list[Metric]:
     for qa_set in sets:
         metrics += [Metric(f"eval/{qa_set}/{name}", f"{qa_set} {title}", higher, digits)
                     for name, title, higher, digits in GENERATION_METRICS]  # fmt: skip
-        metrics.append(Metric(OFF_BY_ONE.key.format(set=qa_set), OFF_BY_ONE.title.format(set=qa_set), True, 3))
+        off_by_one = OFF_BY_ONE.key.format(set=qa_set), OFF_BY_ONE.title.format(set=qa_set)
+        metrics.append(Metric(*off_by_one, OFF_BY_ONE.higher_is_better, OFF_BY_ONE.digits))
     return metrics
 
 

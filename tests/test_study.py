@@ -18,6 +18,7 @@ from scipy import stats as scipy_stats
 from ntl_pretrain.config import RecipeError, load_recipe
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation.answers import error_profile
+from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.study import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
 from ntl_pretrain.study import main as study_command
 from ntl_pretrain.study_archive import ARCHIVED, archive_run
@@ -323,7 +324,11 @@ def test_archived_runs_are_done_and_report_without_their_run_folders(tmp_path: P
     for run in runs[:-1]:
         archive_run(run.run_dir, run.archive)
     archived = sorted(path.name for path in (archive / "ce-seed0").iterdir())
-    assert archived == sorted(ARCHIVED) and "answers.jsonl.gz" in archived  # compressed, never a checkpoint
+    assert archived == sorted(ARCHIVED) and {"answers.jsonl.gz", "metrics.jsonl.gz"} < set(archived)  # no checkpoint
+    first = (archive / "ce-seed0" / "metrics.jsonl.gz").read_bytes()
+    archive_run(runs[0].run_dir, runs[0].archive)  # again, a second later: the same bytes for git
+    assert (archive / "ce-seed0" / "metrics.jsonl.gz").read_bytes() == first
+    assert read_metrics(archive / "ce-seed0") == read_metrics(runs[0].run_dir)
     # the last run finished before --archive was given: run_all archives it and runs nothing
     run_all(runs, [], [], jobs=2, env={}, logs=tmp_path / "logs")
     assert all(run.archived for run in runs) and not (tmp_path / "logs").exists()
