@@ -302,6 +302,7 @@ def test_report_pairs_every_metric_writes_runs_csv_and_states_the_verdict(tmp_pa
     off_by_one_paired = [cell.strip(" |") for cell in paired[f"{SETS[0]} wrong last digits off by 1"]]
     assert off_by_one_paired[1] == "+0.125" and off_by_one_paired[-1] == "4"
     assert f"{SETS[0]} R²" in results and results[f"{SETS[0]} MAE"][1] == "1.000 ± 0.000"  # 3 decimals
+    assert "val CE at answer labels" in results and "val NTL-WAS at answer labels" in results
 
     verdict = decide(rule, by_variant(runs, [run.measured() for run in runs]))[0]
     assert f"- `ntl-was` vs `ce`: **{verdict.outcome}**" in section(text, "## Decision")
