@@ -185,7 +185,8 @@ def recipe_devices(runs: list[StudyRun], overrides: list[str]) -> set[str]:
         try:
             recipe, _ = load_run(run.recipe, run_overrides(run, overrides), world_size=1)
         except RecipeError as error:
-            raise RecipeError(error if str(error).startswith(str(run.recipe)) else f"{run.recipe}: {error}") from error
+            message = str(error)
+            raise RecipeError(message if message.startswith(str(run.recipe)) else f"{run.recipe}: {message}") from error
         devices.add(recipe.train.device)
     return devices
 
