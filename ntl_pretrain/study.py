@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ntl_pretrain.config import RecipeError
 from ntl_pretrain.study_archive import archive_run
-from ntl_pretrain.study_decision import DecisionRule
+from ntl_pretrain.study_decision import RULES
 from ntl_pretrain.study_report import write_report
 from ntl_pretrain.study_runs import StudyRun, plan
 
@@ -137,8 +137,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--title", default="CE vs CE + NTL on two-digit addition, from scratch")
     parser.add_argument("--protocol", type=Path, help="Markdown written before the runs, quoted in the report; "
                         f"no report until every planned run is finished (exit code {EXIT_UNFINISHED})")  # fmt: skip
-    parser.add_argument("--decide", action="store_true", help="state the verdicts of the study v3 decision rule "
-                        "(study_decision.DecisionRule) in the report, once every planned run is finished")  # fmt: skip
+    parser.add_argument("--decide", nargs="?", const="v3", choices=list(RULES), metavar="RULE",
+                        help="state the verdicts of a protocol's decision rule (study_decision.RULES: v3, the "
+                        "default, or v3-gpu) in the report, once every planned run is finished")  # fmt: skip
     parser.add_argument("--status", action="store_true", help="print how many planned runs are done, then exit")
     parser.set_defaults(func=run_study)
 
@@ -151,7 +152,7 @@ def run_study(args: argparse.Namespace) -> int:
             return 0
         if args.jobs < 1:
             raise RecipeError(f"--jobs: must be >= 1 runs at once, got {args.jobs}")
-        rule = DecisionRule() if args.decide else None
+        rule = RULES[args.decide] if args.decide else None
         if rule is not None and rule.variants() - set(args.variants):
             raise RecipeError(f"--decide compares {sorted(rule.variants())}: add the missing ones to --variants")
         device = resolve_device(args.device, recipe_devices(runs, args.overrides), _cuda_available())

@@ -208,7 +208,7 @@ def paired_section(grouped: dict[str, list[dict]], metrics: list[Metric]) -> lis
              "signed so that + is better (CE minus the variant for the lower-is-better metrics); over the seeds where "
              "both runs measured the metric: the mean, its 95% confidence interval (t, n − 1 degrees of freedom), the "
              "paired t statistic and its two-sided p, and the two-sided sign-flip permutation p (exact over all 2^n "
-             "sign patterns up to n = 20, else a seeded sample of 65,536). Uncorrected for the many metrics: only "
+             "sign patterns up to n = 20, else a seeded sample of 100,000). Uncorrected for the many metrics: only "
              "the protocol's primary comparison decides anything.", ""]  # fmt: skip
     for variant in compared:
         header = "| metric | mean gain | 95% CI | t | p(t) | p(perm) | n |"

@@ -4,7 +4,7 @@ For the per-seed differences d_1..d_n (variant − baseline, or signed so + is b
 its confidence intervals from Student's t with n − 1 degrees of freedom, the paired t statistic and its two-sided
 p, and the sign-flip permutation p (under "no effect" each d_i is as likely to be −d_i: the share of the 2^n sign
 patterns whose mean is at least as far from 0 as the observed one, the observed pattern included). Holm's step-down
-correction adjusts the p of a family of comparisons.
+correction (or Bonferroni's) adjusts the p of a family of comparisons.
 
 The t distribution comes from the regularised incomplete beta function (a continued fraction, as in Numerical
 Recipes §6.4), so that the package needs no scipy; tests check it against scipy.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 EXACT_PERMUTATION_MAX_N = 20  # 2^20 sign patterns, 8 MiB of sums; beyond that a seeded sample of patterns
-PERMUTATION_SAMPLES = 2**16
+PERMUTATION_SAMPLES = 100_000  # study v3's GPU arm (docs/study-v3-protocol.md): 64 seeds
 
 
 def _incomplete_beta_fraction(a: float, b: float, x: float) -> float:
@@ -153,6 +153,11 @@ def holm(p_values: list[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * filled[index]))
         adjusted[index] = running
     return adjusted
+
+
+def bonferroni(p_values: list[float]) -> list[float]:
+    """Each p multiplied by the family's size, capped at 1; a NaN p (no test) counts as 1."""
+    return [1.0 if math.isnan(p) else min(1.0, len(p_values) * p) for p in p_values]
 
 
 def paired_gains(results: list[dict], baseline: list[dict], key: str, higher_is_better: bool) -> list[float]:

@@ -10,8 +10,18 @@ from fractions import Fraction
 import pytest
 from scipy import stats as scipy_stats
 
-from ntl_pretrain.study_decision import HELPS, HURTS, INCONCLUSIVE, NO_EFFECT, DecisionRule, decide, verdict_lines
+from ntl_pretrain.study_decision import (
+    HELPS,
+    HURTS,
+    INCONCLUSIVE,
+    NO_EFFECT,
+    RULES,
+    DecisionRule,
+    decide,
+    verdict_lines,
+)
 from ntl_pretrain.study_stats import (
+    bonferroni,
     holm,
     paired_gains,
     paired_stats,
@@ -71,7 +81,7 @@ def test_exact_sign_flip_p_counts_every_pattern() -> None:
 
 def test_sign_flip_p_samples_patterns_beyond_twenty_seeds() -> None:
     all_positive = sign_flip_p([0.05] * 25)
-    assert all_positive == 1 / (1 + 2**16)  # only the observed pattern, among the samples, is as extreme
+    assert all_positive == 1 / (1 + 100_000)  # only the observed pattern, among the samples, is as extreme
     symmetric = sign_flip_p([0.05, -0.05] * 12 + [0.0])  # mean 0: every pattern is at least as extreme
     assert symmetric == 1.0
     rng = random.Random(3)
@@ -95,6 +105,7 @@ def test_holm_step_down() -> None:
     assert holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
     assert holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])  # 2 x 0.6 capped, then non-decreasing
     assert holm([math.nan, 0.01]) == pytest.approx([1.0, 0.02])
+    assert bonferroni([0.01, 0.04, 0.5, math.nan]) == pytest.approx([0.04, 0.16, 1.0, 1.0])
 
 
 def test_paired_gains_pair_by_seed_and_sign_so_plus_is_better() -> None:
@@ -159,7 +170,7 @@ def test_decision_is_inconclusive_when_the_tests_disagree() -> None:
     """Five seeds, all better by ~0.05: t is huge, but no sign-flip p can be below 2/32 = 0.0625."""
     gains = {"3digit/ntl-was": [0.05, 0.051, 0.049, 0.05, 0.052], "3digit/ntl-was-answer": [0.0] * 5}
     verdict = decide(RULE, grouped_runs(gains))[0]
-    assert verdict.p_t_holm < 0.001 and verdict.p_permutation_holm == 2 * 2 / 32
+    assert verdict.p_t_corrected < 0.001 and verdict.p_permutation_corrected == 2 * 2 / 32
     assert verdict.outcome == INCONCLUSIVE and "disagree" in verdict.reason
 
 
@@ -167,6 +178,25 @@ def test_decision_corrects_for_the_family() -> None:
     grouped = grouped_runs({"3digit/ntl-was": noisy(0.015, 0.03), "3digit/ntl-was-answer": noisy(0.01, 0.03, seed=7)})
     verdicts = decide(RULE, grouped)
     raw = [paired_stats(paired_gains(grouped[v], grouped["3digit/ce"], PRIMARY, False)) for v, _ in RULE.comparisons]
-    assert [v.p_t_holm for v in verdicts] == holm([stats.p_t for stats in raw])
-    assert [v.p_permutation_holm for v in verdicts] == holm([stats.p_permutation for stats in raw])
+    assert [v.p_t_corrected for v in verdicts] == holm([stats.p_t for stats in raw])
+    assert [v.p_permutation_corrected for v in verdicts] == holm([stats.p_permutation for stats in raw])
     assert [v.primary for v in verdicts] == raw
+
+
+def test_the_gpu_arms_rule_decides_on_exact_match_with_bonferroni() -> None:
+    """Three arms against `ce`, exact match primary (+0.08 helps, −0.08 hurts, ±0.01 no useful effect), no guard."""
+    rule = RULES["v3-gpu"]
+    rng = random.Random(8)
+    ce = [{"seed": s, rule.primary: rng.uniform(0.1, 0.9)} for s in range(64)]
+    grouped = {"ce": ce}
+    for (variant, _), gain in zip(rule.comparisons, (0.08, -0.08, 0.0), strict=True):
+        gains = noisy(gain, 0.04, n=64, seed=len(grouped))
+        grouped[variant] = [
+            {"seed": r["seed"], rule.primary: r[rule.primary] + g} for r, g in zip(ce, gains, strict=True)
+        ]
+    verdicts = decide(rule, grouped)
+    assert [v.outcome for v in verdicts] == [HELPS, HURTS, NO_EFFECT]
+    raw = [paired_stats(paired_gains(grouped[v], ce, rule.primary, True)) for v, _ in rule.comparisons]
+    assert [v.p_t_corrected for v in verdicts] == bonferroni([stats.p_t for stats in raw])
+    assert verdicts[0].primary.p_permutation == pytest.approx(1 / 100_001)  # sampled: n = 64 > 20
+    assert "guard" not in verdict_lines(rule, verdicts)[-2]
