@@ -193,13 +193,16 @@ def recipe_devices(runs: list[StudyRun], overrides: list[str]) -> set[str]:
 
 
 def status_lines(runs: list[StudyRun]) -> list[str]:
-    """How many planned runs are done and pending, per variant and in all; no metric."""
+    """How many planned runs are done and pending, per variant and in all, and how far the runs in progress are
+    (a throughput rule counts them: docs/study-v3-protocol.md's GPU arm); no metric."""
     lines = []
     for variant in dict.fromkeys(run.variant for run in runs):
         done = sum(run.done for run in runs if run.variant == variant)
         lines.append(f"{variant}: {done} done, {sum(run.variant == variant for run in runs) - done} pending")
     done = sum(run.done for run in runs)
-    return [*lines, f"all: {done} of {len(runs)} planned runs done, {len(runs) - done} pending"]
+    in_progress = sum(run.progress() for run in runs if not run.done)
+    return [*lines, f"all: {done} of {len(runs)} planned runs done, {len(runs) - done} pending; the unfinished runs "
+            f"have trained {in_progress:.2f} runs' worth of steps"]  # fmt: skip
 
 
 def _cuda_available() -> bool:

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import yaml
+
 from ntl_pretrain.config import RecipeError
 from ntl_pretrain.evaluation.answers import error_profile
 from ntl_pretrain.study_archive import is_complete, read_answers
@@ -63,6 +65,18 @@ class StudyRun:
         for record in self.answers() or []:
             by_set.setdefault(record["set"], []).append(record)
         return {qa_set: error_profile(records) for qa_set, records in by_set.items()}
+
+    def progress(self) -> float:
+        """The share of `train.max_steps` trained: 1 when done, else the last training step in metrics.jsonl over
+        the max_steps of the recipe the trainer wrote (0 before either exists). No result, only how far."""
+        if self.done:
+            return 1.0
+        recipe, metrics = self.run_dir / "recipe.yaml", self.run_dir / "metrics.jsonl"
+        if not recipe.is_file() or not metrics.is_file():
+            return 0.0
+        max_steps = yaml.safe_load(recipe.read_text())["train"]["max_steps"]
+        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if '"loss"' in line]
+        return min(max(steps, default=0) / max_steps, 1.0)
 
     def measured(self) -> dict:
         """Everything the run measured: its evaluation results, then `errors/<set>/<key>` from its answers."""

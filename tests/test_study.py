@@ -382,9 +382,16 @@ def test_status_and_no_report_before_every_planned_run_is_finished(tmp_path: Pat
     common = ["--recipes", str(STUDY_RECIPES), "--variants", "ce", "ntl-was", "--seeds", "0", "1", "--runs-dir",
               str(tmp_path / "runs"), "--archive", str(archive), "--doc", str(doc), "--plot",
               str(tmp_path / "study.png")]  # fmt: skip
+    in_progress = tmp_path / "runs" / "ntl-was-seed1"  # at step 250 of 1,000 (the recipe the trainer wrote)
+    in_progress.mkdir(parents=True)
+    (in_progress / "recipe.yaml").write_text("train: {max_steps: 1000}\n")
+    steps = [{"step": 249, "loss": 1.0}, {"step": 250, "loss": 1.0}, {"step": 250, "split": "validation"}]
+    (in_progress / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     code, out, _ = study_main(capsys, *common, "--status")
     assert code == 0 and out.splitlines() == ["ce: 2 done, 0 pending", "ntl-was: 1 done, 1 pending",
-                                              "all: 3 of 4 planned runs done, 1 pending"]  # fmt: skip
+                                              "all: 3 of 4 planned runs done, 1 pending; the unfinished runs have "
+                                              "trained 0.25 runs' worth of steps"]  # fmt: skip
+    shutil.rmtree(tmp_path / "runs")
     code, out, _ = study_main(capsys, *common, "--protocol", str(protocol), "--stop-after", "0")
     assert code == EXIT_UNFINISHED and not doc.exists() and not (tmp_path / "runs").exists()
     assert out == "ntl-pretrain study: 3 of 4 planned runs finished; no report until all are\n"
