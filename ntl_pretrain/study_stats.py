@@ -6,8 +6,7 @@ p, and the sign-flip permutation p (under "no effect" each d_i is as likely to b
 patterns whose mean is at least as far from 0 as the observed one, the observed pattern included). Holm's step-down
 correction (or Bonferroni's) adjusts the p of a family of comparisons.
 
-The t distribution comes from the regularised incomplete beta function (a continued fraction, as in Numerical
-Recipes §6.4), so that the package needs no scipy; tests check it against scipy.
+The t distribution is scipy's.
 """
 
 from __future__ import annotations
@@ -17,66 +16,22 @@ import statistics
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats as scipy_stats
 
 EXACT_PERMUTATION_MAX_N = 20  # 2^20 sign patterns, 8 MiB of sums; beyond that a seeded sample of patterns
 PERMUTATION_SAMPLES = 100_000  # study v3's GPU arm (docs/study-v3-protocol.md): 64 seeds
 
 
-def _incomplete_beta_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of I_x(a, b) (modified Lentz), converging fast for x < (a + 1) / (a + b + 2)."""
-    tiny, eps = 1e-300, 1e-15
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    fraction = d
-    for m in range(1, 10_000):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            fraction *= c * d
-        if abs(c * d - 1.0) < eps:
-            return fraction
-    raise ArithmeticError(f"incomplete beta: no convergence for a={a}, b={b}, x={x}")
-
-
-def incomplete_beta(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function I_x(a, b), 0 <= x <= 1."""
-    if x <= 0.0 or x >= 1.0:
-        return 0.0 if x <= 0.0 else 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _incomplete_beta_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _incomplete_beta_fraction(b, a, 1.0 - x) / b
-
-
 def t_two_sided_p(t: float, df: float) -> float:
     """P(|T| >= |t|) for Student's t with `df` degrees of freedom."""
-    if math.isnan(t):
-        return math.nan
-    if math.isinf(t):
-        return 0.0
-    return incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    return math.nan if math.isnan(t) else float(2.0 * scipy_stats.t.sf(abs(t), df))
 
 
 def t_quantile(probability: float, df: float) -> float:
-    """The `probability` quantile of Student's t (0.975 for a two-sided 95% interval), by bisection on the CDF."""
+    """The `probability` quantile of Student's t (0.975 for a two-sided 95% interval)."""
     if not 0.0 < probability < 1.0:
         raise ValueError(f"probability must be in (0, 1), got {probability}")
-    tail = 2.0 * min(probability, 1.0 - probability)  # the two-sided p of the quantile's |t|
-    low, high = 0.0, 1.0
-    while t_two_sided_p(high, df) > tail:
-        high *= 2.0
-    for _ in range(200):
-        middle = (low + high) / 2.0
-        if t_two_sided_p(middle, df) > tail:
-            low = middle
-        else:
-            high = middle
-    return math.copysign((low + high) / 2.0, probability - 0.5)
+    return float(scipy_stats.t.ppf(probability, df))
 
 
 def sign_flip_p(differences: list[float]) -> float:
