@@ -12,8 +12,7 @@ import sys
 from collections.abc import Iterable
 
 from ntl_pretrain.config import RecipeError, dump_recipe
-from ntl_pretrain.data.sources import DataError
-from ntl_pretrain.manifest import DamagedCheckpointError
+from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_reporting
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 # Commands whose modules own them (each module has `register(subparsers)`).
@@ -92,15 +91,17 @@ def launch_environment(device: str) -> dict[str, str]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ntl_pretrain.export import export_checkpoint
+    from ntl_pretrain.export import check_out_dir, export_checkpoint
 
+    check_out_dir(args.out_dir)
     print(export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype))
     return 0
 
 
 def run_convert_gguf(args: argparse.Namespace) -> int:
-    from ntl_pretrain.export import convert_gguf
+    from ntl_pretrain.export import check_out_dir, convert_gguf
 
+    check_out_dir(args.out_dir)
     print(convert_gguf(args.gguf, args.out_dir, dtype=args.dtype))
     return 0
 
@@ -112,9 +113,12 @@ def run_verify(args: argparse.Namespace) -> int:
 
     from ntl_pretrain import checkpoint, manifest
 
-    folders = checkpoint.checkpoints_in(Path(args.path).expanduser())
+    path = Path(args.path).expanduser()
+    if not path.exists():
+        raise InputError(f"{path}: does not exist; name a run directory, its checkpoints/ folder or a step folder")
+    folders = checkpoint.checkpoints_in(path)
     if not folders:
-        print(f"ntl-pretrain: verify: no checkpoint in {args.path}", file=sys.stderr)
+        print(f"ntl-pretrain verify: no checkpoint in {args.path}", file=sys.stderr)
         return 1
     damaged = False
     for folder in folders:
@@ -132,8 +136,10 @@ def run_verify(args: argparse.Namespace) -> int:
 def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argparse.ArgumentParser:
     """This module's commands plus the `delegated` ones (importing those takes seconds, so `main` asks only for
     the one that will run)."""
-    parser = argparse.ArgumentParser(prog="ntl-pretrain", description="Pretraining with CE + λ·NTL on DeepSpeed")
-    commands = parser.add_subparsers(dest="command", required=True)
+    every_command = ",".join((*OWN_COMMANDS, *DELEGATED_COMMANDS))
+    parser = OneLineParser(prog="ntl-pretrain", description="Pretraining with CE + λ·NTL on DeepSpeed",
+                           usage=f"%(prog)s [-h] [--verbose] {{{every_command}}} ...")  # fmt: skip
+    commands = parser.add_subparsers(dest="command", required=True, prog="ntl-pretrain")
 
     train = commands.add_parser("train", help="validate a recipe, then launch it with the deepspeed launcher")
     train.add_argument("recipe")
@@ -163,6 +169,7 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
 
     for name in delegated:
         importlib.import_module(DELEGATED_COMMANDS[name]).register(commands)
+    add_verbose(parser)
     return parser
 
 
@@ -179,22 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(_delegated_to_register(argv))
     # Overrides may follow options (`train R --nproc 2 a.b=1`), which argparse cannot take as positionals.
     args, extra = parser.parse_known_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
+    return run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False))
+
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int | None:
     if extra:
-        if getattr(args, "overrides", None) is None or any(arg.startswith("-") or "=" not in arg for arg in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*args.overrides, *extra]
-    try:
-        result = args.func(args)
-    except RecipeError as error:
-        print(f"ntl-pretrain: recipe error: {error}", file=sys.stderr)
-        return 2
-    except DataError as error:
-        print(f"ntl-pretrain: data error: {error.one_line()}", file=sys.stderr)
-        return 2
-    except DamagedCheckpointError as error:
-        print(f"ntl-pretrain: {error}", file=sys.stderr)
-        return 1
-    return result or 0
+        if getattr(args, "overrides", None) is None or any(arg.startswith("-") for arg in extra):
+            raise InputError(f"unrecognized arguments: {' '.join(extra)} (`--help` lists the arguments)")
+        args.overrides = [*args.overrides, *extra]  # one without `=` is refused naming it, as any override
+    return args.func(args)
 
 
 if __name__ == "__main__":

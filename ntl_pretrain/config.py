@@ -23,14 +23,18 @@ import pydantic
 import yaml
 
 from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig
 
 HfConfigValue = int | float | str | bool | list[int] | list[float] | list[str] | None
 OVERRIDE_ORIGIN = "command-line override"
+MAX_YAML_BYTES = 1 << 20  # recipes are a few KB; the bound keeps a mistaken or hostile file from exhausting memory
 
 
-class RecipeError(ValueError):
+class RecipeError(InputError):
     """A recipe that cannot run; the message names the file and the key."""
+
+    kind = "recipe error"
 
 
 @dataclass
@@ -76,6 +80,8 @@ class NtlConfig:
     def check(self) -> None:
         if self.weight < 0:
             raise ValueError("weight: must be >= 0")
+        if self.kind is None and self.reweigh:
+            raise ValueError("reweigh: weighs the NTL term, and kind null trains without one")
         if self.kind == "number" and self.reweigh:
             raise ValueError("reweigh: not defined for kind number (it weighs single tokens)")
         if self.float_level and self.kind != "number":
@@ -147,6 +153,9 @@ class ScheduleConfig:
     def check(self) -> None:
         if self.warmup_steps < 0:
             raise ValueError("warmup_steps: must be >= 0")
+        if not 0 <= self.warmup_start_ratio <= 1:
+            raise ValueError(f"warmup_start_ratio: must be in [0, 1] (a fraction of optimizer.lr), got "
+                             f"{self.warmup_start_ratio}")  # fmt: skip
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("min_lr_ratio: must be in [0, 1]")
         if not 0 < self.decay_fraction <= 1:
@@ -306,6 +315,12 @@ class Recipe:
                 f"train.global_batch_tokens: {self.train.global_batch_tokens} is not a multiple of "
                 f"data.seq_len={self.data.seq_len}"
             )
+        if self.train.eval_every_steps is not None and not self.data.validation:
+            raise ValueError("train.eval_every_steps: validation needs data.validation sources; add some, or set "
+                             "train.eval_every_steps=null")  # fmt: skip
+        if self.eval.every_steps is not None and not self.eval.qa_sets:
+            raise ValueError("eval.every_steps: generation metrics need eval.qa_sets; add some, or set "
+                             "eval.every_steps=null")  # fmt: skip
         if self.loss.vocab_parallel_size > 1 and self.model.config.get("tie_word_embeddings") is True:
             raise ValueError(
                 "loss.vocab_parallel_size: needs an output layer of its own; model.config.tie_word_embeddings: true "
@@ -331,7 +346,7 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str
     path = path.expanduser().resolve()
     if path in seen:
         raise RecipeError(f"{path}: base: inheritance cycle through {[str(p) for p in seen]}")
-    raw = _read_yaml(path)
+    raw = read_yaml_file(path)
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping, got {type(raw).__name__}")
     _anchor_relative_paths(raw, path.parent)
@@ -343,7 +358,16 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one silently) and every
+    alias: a few hundred bytes of nested aliases expand to gigabytes, and a recipe has no need to repeat a value
+    by reference."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise RecipeError(f"line {event.start_mark.line + 1}: alias *{event.anchor}: YAML aliases are not "
+                              f"allowed; write the value out")  # fmt: skip
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen: dict[object, int] = {}
@@ -358,12 +382,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _read_yaml(path: Path) -> object:
-    """The parsed recipe file; every failure is one RecipeError naming the file."""
+def read_yaml_file(path: Path) -> object:
+    """The parsed YAML file (a recipe, or the recipe.yaml saved in a run); every failure, also a file over
+    `MAX_YAML_BYTES` or one with aliases, is one RecipeError naming the file."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as file:
+            data = file.read(MAX_YAML_BYTES + 1)
     except OSError as error:
         raise RecipeError(f"{path}: cannot read recipe: {error.strerror or error}") from error
+    if len(data) > MAX_YAML_BYTES:
+        raise RecipeError(f"{path}: over {MAX_YAML_BYTES >> 20} MiB, too large for a recipe")
     if b"\0" in data:
         raise RecipeError(f"{path}: not a recipe: binary file (NUL bytes)")
     try:
@@ -481,6 +509,9 @@ class _Origins:
     default: str
 
     def of(self, key_path: tuple[str, ...]) -> str:
+        inside = ".".join(key_path) + "."
+        if key_path and any(key.startswith(inside) and by == OVERRIDE_ORIGIN for key, by in self.by_key.items()):
+            return OVERRIDE_ORIGIN  # an override changed an item inside it (`optimizer.betas.0=1.5`)
         for end in range(len(key_path), 0, -1):
             origin = self.by_key.get(".".join(key_path[:end]))
             if origin is not None:

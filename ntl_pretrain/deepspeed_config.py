@@ -7,6 +7,7 @@ keys out (or set them to "auto", the transformers convention); the optimizer and
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -52,6 +53,41 @@ def check_vocab_parallel_size(recipe: Recipe, world_size: int) -> None:
         )
 
 
+def check_zero_section(section: object, path: Path) -> None:
+    """`zero_optimization` against DeepSpeed's own schema (unknown keys, types, offload devices): refused before
+    launch, not in every rank's `deepspeed.initialize`."""
+    if not isinstance(section, dict):
+        raise RecipeError(f"{path}: zero_optimization: expected an object with stage 3, got {section!r}")
+    if section.get("stage") != 3:
+        raise RecipeError(
+            f"{path}: zero_optimization.stage: this recipe trains under ZeRO-3, got {section.get('stage')}"
+        )
+    import pydantic
+
+    try:
+        _zero_schema()(**section)
+    except pydantic.ValidationError as error:
+        problem = error.errors()[0]
+        key = ".".join(str(part) for part in problem["loc"])
+        raise RecipeError(f"{path}: zero_optimization.{key}: {problem['msg']}, got {problem['input']!r}") from error
+
+
+def _zero_schema():
+    """DeepSpeed's pydantic model of the section. Importing it picks an accelerator; where DeepSpeed would pick the
+    CPU (no GPU, DS_ACCELERATOR unset) it is named, so that DeepSpeed does not print a warning that it guessed."""
+    import torch
+
+    name_cpu = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
+    if name_cpu:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    finally:
+        if name_cpu:
+            del os.environ["DS_ACCELERATOR"]
+    return DeepSpeedZeroConfig
+
+
 def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     try:
         path = resolve_path(recipe.deepspeed.config)
@@ -63,9 +99,7 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     for key in RECIPE_OWNED_KEYS:
         if config.get(key, "auto") != "auto":
             raise RecipeError(f'{path}: {key}: set by the recipe; remove it from the DeepSpeed JSON or use "auto"')
-    stage = config.get("zero_optimization", {}).get("stage")
-    if stage != 3:
-        raise RecipeError(f"{path}: zero_optimization.stage: this recipe trains under ZeRO-3, got {stage}")
+    check_zero_section(config.get("zero_optimization", {}), path)
     check_vocab_parallel_size(recipe, world_size)
     gas = grad_accum_steps(recipe, world_size)
     config.update(

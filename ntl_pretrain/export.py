@@ -10,19 +10,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER, verify_before_reading
+from ntl_pretrain.config import read_yaml_file
+from ntl_pretrain.errors import InputError
 from ntl_pretrain.tokenizer import resolve_path
 from ntl_pretrain.vocab_parallel import saved_output_matrix
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
-WRAPPER_PREFIX = "lm."  # CausalLMWithLoss keeps the HF model under this attribute
+WRAPPER_PREFIX = "lm."
+GGUF_MAGIC = b"GGUF"  # CausalLMWithLoss keeps the HF model under this attribute
 
 
 def export_checkpoint(
@@ -55,12 +58,25 @@ def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Pat
     path = resolve_path(gguf).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"{gguf}: no such GGUF file ({path})")
+    with path.open("rb") as file:
+        if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise InputError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     _load_complete(model, loaded.state_dict(), str(path))
     model.to(DTYPES[dtype])
     return _save(model, tokenizer, Path(out_dir))
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """The HF folder can be written: not a file, and its parent exists or can be created (before minutes of work)."""
+    folder = Path(out_dir).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: is a file; name the folder to write the model into")
+    existing = next(path for path in (folder.absolute(), *folder.absolute().parents) if path.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{folder}: cannot be created ({existing} is not a writable folder)")
 
 
 def _load_complete(model: PreTrainedModel, state: dict[str, torch.Tensor], source: str) -> None:
@@ -80,7 +96,7 @@ def _output_layer_key(model: PreTrainedModel) -> str:
 def _resolve_dtype(dtype: str, folder: Path) -> str:
     if dtype != "auto":
         return dtype
-    recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+    recipe = read_yaml_file(folder / "recipe.yaml")
     return PRECISION_DTYPE[recipe["train"]["precision"]]
 
 

@@ -18,6 +18,8 @@ from typing import Literal
 
 import xxhash
 
+from ntl_pretrain.errors import CommandFailed
+
 MANIFEST = "manifest.json"
 VERSION = 1
 BLOCK_BYTES = 8 << 20
@@ -67,7 +69,7 @@ def write(folder: Path, entries: dict[str, dict]) -> None:
     (folder / MANIFEST).write_text(json.dumps(document, indent=1) + "\n")
 
 
-class DamagedCheckpointError(RuntimeError):
+class DamagedCheckpointError(CommandFailed):
     """A checkpoint's files are not what its manifest says; nothing was loaded."""
 
 

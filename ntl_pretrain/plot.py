@@ -22,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ntl_pretrain.errors import InputError, add_verbose, run_reporting
+
 TRAIN_PANELS = {
     "loss": "train loss (CE + λ·NTL)",
     "ce": "train CE",
@@ -46,6 +48,7 @@ SMOOTHED = {"loss", "ce", "ntl"}
 ZERO_MEANS_ABSENT = {"ntl", "val_ntl"}  # the trainer logs 0 for a run without an NTL term
 SMOOTHING = 0.9
 COLUMNS = 3
+IMAGE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")  # matplotlib picks the writer from the suffix
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -54,8 +57,25 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file() and path.with_name("metrics.jsonl.gz").is_file():
         path = path.with_name("metrics.jsonl.gz")
-    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as lines:
-        return current_records([json.loads(line) for line in lines if line.strip()])
+    if not path.is_file():
+        raise InputError(f"{run_dir}: no metrics.jsonl; name a run directory")
+    records = []
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace") if path.suffix == ".gz" else \
+            path.open(encoding="utf-8", errors="replace") as lines:  # fmt: skip
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                records.append(_record(line, path, number))
+    return current_records(records)
+
+
+def _record(line: str, path: Path, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise InputError(f"{path}: line {number}: not a JSON record ({error.msg})") from error
+    if not isinstance(record, dict):
+        raise InputError(f"{path}: line {number}: not a JSON record (a {type(record).__name__})")
+    return record
 
 
 def current_records(records: list[dict]) -> list[dict]:
@@ -136,7 +156,7 @@ def draw_figure(runs: list[list[dict]], groups: list[str], names: list[str]):
 
     panels = panel_keys(runs)
     if not panels:
-        raise ValueError(f"no plottable metrics in {names}")
+        raise InputError(f"no plottable metrics in {names}")
     rows = -(-len(panels) // COLUMNS)
     figure, axes = plt.subplots(rows, COLUMNS, figsize=(5 * COLUMNS, 3.4 * rows), squeeze=False)
     colours = {group: f"C{index % 10}" for index, group in enumerate(dict.fromkeys(groups))}
@@ -210,7 +230,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_plot(args: argparse.Namespace) -> int:
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
-        raise SystemExit(f"--labels: {len(args.labels)} labels for {len(args.run_dirs)} runs")
+        raise InputError(f"--labels: {len(args.labels)} labels for {len(args.run_dirs)} runs")
+    if args.out.is_dir():
+        raise InputError(f"-o: {args.out} is a folder; name the image to write, e.g. {args.out / 'metrics.png'}")
+    if args.out.suffix.lower().lstrip(".") not in IMAGE_FORMATS:
+        raise InputError(f"-o: {args.out}: name an image file ending in one of .{', .'.join(IMAGE_FORMATS)}")
     print(plot_runs(args.run_dirs, args.out, labels=args.labels))
     return 0
 
@@ -218,8 +242,9 @@ def run_plot(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.plot")
     register(parser.add_subparsers(dest="command", required=True))
+    add_verbose(parser)
     args = parser.parse_args(["plot", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_reporting("plot", lambda: args.func(args), getattr(args, "verbose", False))
 
 
 if __name__ == "__main__":

@@ -13,14 +13,10 @@ from pathlib import Path
 
 from ntl_pretrain import checkpoint
 from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
+from ntl_pretrain.preflight_model import check_model
 from ntl_pretrain.tokenizer import resolve_path
 
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 POSITION_KEYS = ("max_position_embeddings", "n_positions")
 
 
@@ -30,9 +26,10 @@ def check_world(recipe: Recipe, master_port: int | None) -> None:
     check_no_earlier_run(recipe)
     check_model_type(recipe.model.model_type, starts_fresh)
     check_init_from(recipe.init_from)
-    check_tokenizer(recipe, starts_fresh)
+    tokenizer = check_tokenizer(recipe, starts_fresh)
     check_config_keys(recipe)
     check_positions(recipe)
+    check_model(recipe, model_config(recipe), tokenizer)
     check_attention(recipe)
     check_device(recipe.train.device)
     check_output_dir(recipe.train.output_dir)
@@ -100,30 +97,32 @@ def check_init_from(init_from: str | None) -> None:
         raise RecipeError(f"init_from: {folder} {what}; name an HF model folder (config.json + weights)")
     if not (folder / "config.json").is_file():
         raise RecipeError(f"init_from: {folder} has no config.json; name an HF model folder")
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+    if not has_weights(folder):
         raise RecipeError(f"init_from: {folder} has no weights (none of {', '.join(WEIGHT_FILES)})")
 
 
-def check_tokenizer(recipe: Recipe, starts_fresh: bool) -> None:
-    spec = recipe.tokenizer.path
+def check_tokenizer(recipe: Recipe, starts_fresh: bool):
+    """The tokenizer the ranks will load (`tokenizer.path`, else init_from's); None when it comes from the
+    checkpoint a resume loads."""
+    key, spec = ("tokenizer.path", recipe.tokenizer.path) if recipe.tokenizer.path else ("init_from", recipe.init_from)
     if spec is None:
-        if starts_fresh and recipe.init_from is None:
+        if starts_fresh:
             raise RecipeError(
                 "tokenizer.path: required: this run starts from scratch (no init_from, no checkpoint to resume)"
             )
-        return
+        return None
     try:
         path = resolve_path(spec)
     except (FileNotFoundError, ImportError, ValueError) as error:
-        raise RecipeError(f"tokenizer.path: {error}") from error
+        raise RecipeError(f"{key}: {error}") from error
     if not path.exists():
-        raise RecipeError(f"tokenizer.path: {path} does not exist")
+        raise RecipeError(f"{key}: {path} does not exist")
     from ntl_pretrain.tokenizer import load_tokenizer
 
     try:  # every rank loads it again after launch; a file that is not a tokenizer fails here, once, in one line
-        load_tokenizer(spec, trust_remote_code=recipe.tokenizer.trust_remote_code)
+        return load_tokenizer(spec, trust_remote_code=recipe.tokenizer.trust_remote_code)
     except Exception as error:  # tokenizers, sentencepiece, tiktoken and transformers raise their own types
-        raise RecipeError(f"tokenizer.path: cannot load {spec}: {' '.join(str(error).split())[:300]}") from error
+        raise RecipeError(f"{key}: cannot load the tokenizer {spec}: {' '.join(str(error).split())[:300]}") from error
 
 
 def check_config_keys(recipe: Recipe) -> None:

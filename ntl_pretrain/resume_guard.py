@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 import xxhash
-import yaml
 
 from ntl_pretrain import checkpoint, vocab_parallel
-from ntl_pretrain.config import Recipe, RecipeError, dump_recipe
+from ntl_pretrain.config import Recipe, RecipeError, dump_recipe, read_yaml_file
 from ntl_pretrain.data.config import SourceConfig, is_remote, resolve_files
 
 DATA_FINGERPRINT = "data_sources.json"  # inside a checkpoint step folder
@@ -128,7 +127,7 @@ def check_resume(folder: Path | None, recipe: Recipe, tokenizer) -> None:
     data; reads only small files of the checkpoint."""
     if folder is None:
         return
-    saved_recipe = yaml.safe_load((folder / "recipe.yaml").read_text()) if (folder / "recipe.yaml").is_file() else {}
+    saved_recipe = read_yaml_file(folder / "recipe.yaml") if (folder / "recipe.yaml").is_file() else {}
     saved_recipe = saved_recipe or {}
     found = [
         *model_differences(folder, recipe, tokenizer),
@@ -306,7 +305,7 @@ def schedule_changes(folder: Path, recipe: Recipe) -> list[Difference]:
     path = folder / "recipe.yaml"
     if not path.is_file():
         return []
-    saved = flatten(yaml.safe_load(path.read_text()) or {})
+    saved = flatten(read_yaml_file(path) or {})
     wanted = flatten(dataclasses.asdict(recipe))
     keys = ["optimizer.lr", "train.max_steps", *sorted(key for key in wanted if key.startswith("schedule."))]
     return [Difference(key, saved[key], wanted[key]) for key in keys if key in saved and saved[key] != wanted[key]]

@@ -131,7 +131,7 @@ def test_truncation_past_the_probe_stops_the_reader_and_preview_naming_the_file(
     recipe = preview_recipe(tmp_path, {"path": str(path), "name": "late"})
     assert cli_main(["data", "preview", str(recipe), *READ_ALL, "--batches", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("ntl-pretrain: data error: source 'late'") and len(err.splitlines()) == 1, err
+    assert err.startswith("ntl-pretrain data preview: data error: source 'late'") and len(err.splitlines()) == 1, err
 
 
 def test_bom_is_stripped_and_zstd_reads_like_plain(tmp_path):

@@ -56,6 +56,9 @@ def test_targets_resolve_to_folders_or_checkpoints(tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="an HF folder without weights"):
+        resolve_target(hf)
+    (hf / "model.safetensors").write_bytes(b"")
     assert resolve_target(hf).hf_folder == hf
     step = tmp_path / "run" / "checkpoints" / "step_40"
     (step / "hf_config").mkdir(parents=True)

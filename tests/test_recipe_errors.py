@@ -6,21 +6,32 @@ launch fails the test instead of starting ranks."""
 
 from __future__ import annotations
 
+import json
+import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ntl_pretrain import cli, supervisor
-from ntl_pretrain.config import load_recipe
+from ntl_pretrain.config import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
 KEPT = "# a recipe.yaml from an earlier run\n"
 CHILD = "base: {common}\n"
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """ "Billion laughs" under an unknown key: 9 levels of 9 aliases, under 900 bytes, 9^9 strings once expanded."""
+    lines = ["  l0: &l0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"  l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "unknown:\n" + "\n".join(lines) + "\n"
+
 
 # (id, text of r.yaml ({common} = a recipe extending tiny-cpu with output_dir in tmp), overrides, options,
 #  fragments the error line must contain)
@@ -102,7 +113,60 @@ ROWS = [
         ["command-line override", "data.sources.0.weight"],
     ),
     ("max-steps-zero", CHILD, ["train.max_steps=0"], [], ["train.max_steps"]),
+    ("warmup-start-negative", CHILD, ["schedule.warmup_start_ratio=-5"], [], ["schedule.warmup_start_ratio", "[0, 1]"]),
+    ("num-workers-huge", CHILD, ["data.num_workers=1000"], [], ["data.num_workers", "[0, 64]"]),
+    (
+        "source-weights-overflow",
+        CHILD,
+        ["data.sources.0.weight=1e308", "data.sources.1.weight=1e308"],
+        [],
+        ["data.sources", "infinity"],
+    ),
+    ("betas-item-override", CHILD, ["optimizer.betas.0=1.5"], [], ["command-line override", "optimizer.betas"]),
+    # YAML bounds
+    ("alias", CHILD + "seed: &s 1\ntrain: {max_steps: *s}\n", [], [], ["r.yaml", "line 3", "alias *s", "not allowed"]),
+    ("alias-bomb", CHILD + "{bomb}", [], [], ["r.yaml", "line 4", "alias *l0", "not allowed"]),
+    ("too-large", CHILD + "# " + "x" * (1 << 20) + "\n", [], [], ["r.yaml", "over 1 MiB"]),
+    ("override-alias", CHILD, ["model.config={a: &x 1, b: *x}"], [], ["command-line override", "alias *x"]),
     # contradictions and paths
+    (
+        "kind-null-reweigh",
+        CHILD,
+        ["loss.ntl.kind=null", "loss.ntl.reweigh=true"],
+        [],
+        ["loss.ntl.reweigh", "kind null"],
+    ),
+    (
+        "validation-cadence-without-data",
+        CHILD,
+        ["data.validation=[]"],
+        [],
+        ["train.eval_every_steps", "data.validation"],
+    ),
+    (
+        "generation-cadence-without-sets",
+        CHILD,
+        ["eval.every_steps=5", "eval.qa_sets=[]"],
+        [],
+        ["eval.every_steps", "eval.qa_sets"],
+    ),
+    ("sample-by-on-jsonl", CHILD, ["data.sources.0.sample_by=line"], [], ["data.sources.0.sample_by", "txt"]),
+    ("hub-split-on-file", CHILD, ["data.sources.0.hub_split=test"], [], ["data.sources.0.hub_split", "hub"]),
+    (
+        "ds-zero-not-object",
+        CHILD,
+        ["deepspeed.config={tmp}/zero-int.json"],
+        [],
+        ["zero-int.json", "zero_optimization", "expected an object"],
+    ),
+    (
+        "ds-offload-device",
+        CHILD,
+        ["deepspeed.config={tmp}/offload-gpu-ram.json"],
+        [],
+        ["offload-gpu-ram.json", "zero_optimization.offload_param.device", "'gpu-ram'"],
+    ),
+    ("ds-unknown-zero-key", CHILD, ["deepspeed.config={tmp}/zero-typo.json"], [], ["zero_optimization.overlap_com"]),
     ("resume-missing", CHILD, ["train.resume=/no/such/checkpoint"], [], ["train.resume", "does not exist"]),
     ("init-and-resume", CHILD, ["init_from=/x", "train.resume=auto", "model.model_type=null"], [], ["init_from"]),
     ("no-tokenizer", CHILD, ["tokenizer.path=null", "train.resume=null"], [], ["tokenizer.path", "required"]),
@@ -128,6 +192,26 @@ ROWS = [
         ["model.config.hidden_sise=96"],
         [],
         ["model.config.hidden_sise", "did you mean hidden_size"],
+    ),
+    # pre-flight: the model (ntl_pretrain/preflight_model.py)
+    ("kv-heads", CHILD, ["model.config.num_key_value_heads=3"], [], ["model.config.num_key_value_heads", "divide"]),
+    ("hidden-negative", CHILD, ["model.config.hidden_size=-64"], [], ["model.config.hidden_size", ">= 1"]),
+    ("layers-zero", CHILD, ["model.config.num_hidden_layers=0"], [], ["model.config.num_hidden_layers", ">= 1"]),
+    ("vocab-below-tokenizer", CHILD, ["model.config.vocab_size=100"], [], ["model.config.vocab_size", "tokenizer of"]),
+    ("dropout-two", CHILD, ["model.config.attention_dropout=2.0"], [], ["model.config.attention_dropout", "[0, 1)"]),
+    (
+        "gpt2-heads",
+        "base: {gpt2}\n",
+        ["data.seq_len=32", "model.config.n_head=3"],
+        [],
+        ["model.config", "transformers cannot build the model"],
+    ),
+    (
+        "init-from-random-bytes",
+        CHILD,
+        ["init_from={tmp}/random-weights", "model.model_type=null", "model.config={}", "train.resume=null"],
+        [],
+        ["init_from", "model.safetensors", "unreadable safetensors"],
     ),
     ("flash-without-gpu", CHILD, ["model.attention=flash_attention_2"], [], ["model.attention", "flash_attention_2"]),
     (
@@ -222,6 +306,16 @@ def workspace(tmp_path):
     (tmp_path / "bad-config").mkdir()
     (tmp_path / "bad-config" / "config.json").write_text("{not json")
     (tmp_path / "bad-config" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "random-weights").mkdir()
+    tiny_llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048}  # fmt: skip
+    (tmp_path / "random-weights" / "config.json").write_text(json.dumps(tiny_llama))
+    (tmp_path / "random-weights" / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+    zero3 = json.loads((REPO / "configs" / "zero3_offload.json").read_text())
+    zero3["zero_optimization"]["offload_param"]["device"] = "gpu-ram"
+    (tmp_path / "offload-gpu-ram.json").write_text(json.dumps(zero3))
+    (tmp_path / "zero-int.json").write_text('{"zero_optimization": 5}')
+    (tmp_path / "zero-typo.json").write_text('{"zero_optimization": {"stage": 3, "overlap_com": true}}')
     without_data = yaml.safe_load(TINY.read_text())
     del without_data["data"]
     without_data["deepspeed"]["config"] = str(REPO / "configs" / "zero3.json")
@@ -253,7 +347,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(workspace, monkeypatch
     if isinstance(text, bytes):
         recipe.write_bytes(text)
     elif text is not None:
-        text = text.replace("{common}", str(workspace / "common.yaml"))
+        text = text.replace("{common}", str(workspace / "common.yaml")).replace("{bomb}", alias_bomb())
         for name in ("nodata", "gpt2"):
             text = text.replace(f"{{{name}}}", str(workspace / f"{name}.yaml"))
         recipe.write_text(text)
@@ -267,13 +361,23 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(workspace, monkeypatch
         assert not launches
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in err, err
-        assert lines[0].startswith("ntl-pretrain: ")
+        assert lines[0].startswith("ntl-pretrain train: recipe error: ")
         for fragment in fragments:
             assert fragment in lines[0], lines[0]
         results[bool(dry)] = lines[0]
     assert results[False] == results[True]  # --dry-run refuses exactly what train refuses
     assert sorted(p.name for p in (workspace / "out").iterdir()) == ["recipe.yaml"]
     assert (workspace / "out" / "recipe.yaml").read_text() == KEPT
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    assert bomb.stat().st_size < 900
+    start = time.perf_counter()
+    with pytest.raises(RecipeError, match=r"bomb.yaml: line 3: alias \*l0: YAML aliases are not allowed"):
+        load_recipe(bomb)
+    assert time.perf_counter() - start < 1.0
 
 
 def test_mapping_override_merges_like_a_child_file(tmp_path):

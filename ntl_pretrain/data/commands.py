@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ntl_pretrain.errors import InputError
+
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 ARITHMETIC_SIZES = {"train": 15000, "validation": 1000, "interpolation": 1000, "extrapolation": 1000}
 WORD_PROBLEM_SIZES = {"train": 5000, "validation": 500, "interpolation": 500, "extrapolation": 500}
@@ -14,6 +16,12 @@ ADDITION_SIZES = {"train": 7000, "validation": 500, "interpolation": 1000, "extr
 MULTIPLICATION_SIZES = {"train": 600, "validation": 100, "interpolation": 200, "extrapolation": 500}
 # The tiny tokenizer's training text. Fixed, so a set added later (addition) leaves the tokenizer as it is.
 TOKENIZER_SETS = ("arithmetic", "prose", "word_problems")
+MAX_SCALE = 1000  # 15M arithmetic records: beyond this a typo, not a corpus
+
+
+def check_folder_to_write(option: str, folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{option}: {folder} is a file; name a folder")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,6 +46,10 @@ def _add_make_arithmetic(commands: argparse._SubParsersAction) -> None:
 
 def run_make_arithmetic(args: argparse.Namespace) -> None:
     from ntl_pretrain.data.arithmetic import make_arithmetic
+
+    if not 0 < args.scale <= MAX_SCALE:
+        raise InputError(f"--scale: must be in (0, {MAX_SCALE}], got {args.scale}")
+    check_folder_to_write("--out", args.out)
 
     def scaled(sizes: dict[str, int]) -> dict[str, int]:
         return {split: max(1, round(size * args.scale)) for split, size in sizes.items()}
@@ -65,6 +77,9 @@ def _add_import_prose(commands: argparse._SubParsersAction) -> None:
 def run_import_prose(args: argparse.Namespace) -> None:
     from ntl_pretrain.data.prose import import_book
 
+    if args.lines_per_document < 1:
+        raise InputError(f"--lines-per-document: must be >= 1, got {args.lines_per_document}")
+    check_folder_to_write("--out", args.out)
     for path in import_book(args.book, args.out, args.lines_per_document):
         print(path)
 
@@ -93,7 +108,9 @@ def run_train_tokenizer(args: argparse.Namespace) -> None:
     files = [args.corpus / name / "train.jsonl" for name in TOKENIZER_SETS]
     missing = [str(file) for file in files if not file.is_file()]
     if missing:
-        raise SystemExit(f"train-tokenizer: missing {', '.join(missing)}")
+        raise InputError(f"--corpus: missing {', '.join(missing)} (ntl-pretrain data make-arithmetic writes them)")
+    if args.vocab_size < 1:
+        raise InputError(f"--vocab-size: must be >= 1, got {args.vocab_size}")
     out = args.out or CORPUS / tokenizer_folder(args.max_digits)
     tokenizer = train_and_save(files, out, args.vocab_size, args.max_digits)
     print(f"{out}: vocab {len(tokenizer)} trained on {', '.join(str(f) for f in files)}")
@@ -119,4 +136,8 @@ def _add_preview(commands: argparse._SubParsersAction) -> None:
 def run_preview(args: argparse.Namespace) -> None:
     from ntl_pretrain.data.preview import preview_recipe
 
+    if args.samples < 0:
+        raise InputError(f"--samples: must be >= 0, got {args.samples}")
+    if args.batches < 1:
+        raise InputError(f"--batches: must be >= 1, got {args.batches}")
     preview_recipe(args.recipe, args.overrides, args.samples, args.batches, args.split)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ LabelSet = Literal["all", "answer"]
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt", ".arrow": "arrow"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 PKG_PREFIX = "pkg:"
+MAX_WORKERS = 64  # DataLoader processes per rank: more is a typo, and each holds a tokenizer and a shuffle buffer
 
 
 @dataclass
@@ -59,12 +61,24 @@ class SourceConfig:
         if self.format != "hub" and self.hub_config is not None:
             raise ValueError("hub_config: only for format: hub")
         self._check_answer()
+        if self.format != "hub" and self.hub_split != "train":
+            raise ValueError(f"hub_split: only for format: hub, got {self.hub_split!r}")
         formats = {source_format(self, path) for path in resolve_files(self)}
         if len(formats) > 1:
             raise ValueError(f"path: {self.path!r} mixes formats {sorted(formats)}; use one source per format")
+        self._check_keys_apply(formats.pop() if formats else self.format)
         from ntl_pretrain.data.probe import probe_source  # probe reads files through sources, which imports this
 
         probe_source(self)
+
+    def _check_keys_apply(self, file_format: str) -> None:
+        """A key set for another format would be ignored silently: txt reads no records, records no paragraphs."""
+        if file_format == "txt" and (self.template is not None or self.text_field != "text"):
+            key = "template" if self.template is not None else "text_field"
+            raise ValueError(f"{key}: a txt source has no record fields (its documents are lines, paragraphs or "
+                             f"files: sample_by)")  # fmt: skip
+        if file_format != "txt" and self.sample_by != "paragraph":
+            raise ValueError(f"sample_by: only for txt sources; {self.path!r} is {file_format}")
 
     @property
     def label(self) -> str:
@@ -154,8 +168,12 @@ class DataConfig:
             raise ValueError(f"seq_len: must be >= 1, got {self.seq_len}")
         if self.shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer: must be >= 0, got {self.shuffle_buffer}")
-        if self.num_workers < 0:
-            raise ValueError(f"num_workers: must be >= 0, got {self.num_workers}")
+        if not 0 <= self.num_workers <= MAX_WORKERS:
+            raise ValueError(
+                f"num_workers: must be in [0, {MAX_WORKERS}] worker processes per rank, got {self.num_workers}"
+            )
+        if not math.isfinite(sum(source.weight for source in self.sources)):
+            raise ValueError("sources: the weights add up to infinity; they are relative, write them small (e.g. 1, 3)")
         if self.tokenize_batch < 1:
             raise ValueError(f"tokenize_batch: must be >= 1, got {self.tokenize_batch}")
         if self.shuffle_buffer_tokens < 1:

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from ntl_pretrain.data.arithmetic import write_jsonl
+from ntl_pretrain.errors import InputError
 
 START = re.compile(r"^\*\*\* ?START OF (THIS|THE) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
 END = re.compile(r"^\*\*\* ?END OF (THIS|THE) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
@@ -34,7 +35,10 @@ def chunk_lines(text: str, lines_per_document: int) -> list[str]:
 def split_book(text: str, lines_per_document: int = 20) -> dict[str, list[dict[str, str]]]:
     """Documents `{"text": ...}` of the whole book but its last chapter (train) and of the last chapter."""
     body = book_body(text)
-    last_chapter = list(CHAPTER.finditer(body))[-1].start()
+    chapters = list(CHAPTER.finditer(body))
+    if not chapters:
+        raise ValueError("no chapter heading (a line `CHAPTER <roman numeral>`) to hold out for validation")
+    last_chapter = chapters[-1].start()
     return {
         "train": [{"text": doc} for doc in chunk_lines(body[:last_chapter], lines_per_document)],
         "validation": [{"text": doc} for doc in chunk_lines(body[last_chapter:], lines_per_document)],
@@ -42,8 +46,13 @@ def split_book(text: str, lines_per_document: int = 20) -> dict[str, list[dict[s
 
 
 def import_book(book: Path, out_dir: Path, lines_per_document: int = 20) -> list[Path]:
+    """Write `<out_dir>/{train,validation}.jsonl`; a book that is not a Gutenberg text is refused naming it."""
+    try:
+        splits = split_book(book.read_text(encoding="utf-8"), lines_per_document)
+    except ValueError as error:  # also UnicodeDecodeError
+        raise InputError(f"{book}: {error}") from error
     written = []
-    for split, documents in split_book(book.read_text(encoding="utf-8"), lines_per_document).items():
+    for split, documents in splits.items():
         path = out_dir / f"{split}.jsonl"
         write_jsonl(path, documents)
         written.append(path)

@@ -25,6 +25,7 @@ from typing import IO
 
 from ntl_pretrain.data.config import COMPRESSION_SUFFIXES, SourceConfig, is_remote, resolve_files, source_format
 from ntl_pretrain.data.packing import NO_CE, NO_NTL
+from ntl_pretrain.errors import InputError
 
 UTF8_BOM = b"\xef\xbb\xbf"
 COMPRESSION_NAMES = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
@@ -36,8 +37,10 @@ class BadRecord(Exception):
     """A record that cannot become a document; `args[0]` is one of `SKIP_REASONS`."""
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A source that cannot be read; the one-line message names the source, the file and the cause."""
+
+    kind = "data error"
 
     def one_line(self) -> str:
         """The message, also when a DataLoader worker re-raised it with the worker's traceback around it."""

@@ -20,6 +20,7 @@ from ntl_pretrain.doctor.loss_checks import loss_check
 from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write_json
 from ntl_pretrain.doctor.speed import speed_check
 from ntl_pretrain.doctor.training import TINY_RECIPE, throughput_check, train_checks
+from ntl_pretrain.errors import InputError, add_verbose, run_reporting
 from ntl_pretrain.process_group import bind_local_device, default_backend
 
 # Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).
@@ -81,7 +82,18 @@ def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -
     return checks + node_checks(device, args, work_dir)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The files the checks read and write, before minutes of checks."""
+    if not args.recipe.is_file():
+        raise InputError(f"--recipe: {args.recipe} is not a recipe file")
+    if args.out is not None and args.out.is_dir():
+        raise InputError(f"--out: {args.out} is a folder; name the REPORT.json file to write")
+    if args.work_dir is not None and args.work_dir.exists() and not args.work_dir.is_dir():
+        raise InputError(f"--work-dir: {args.work_dir} is a file; name a folder")
+
+
 def run_doctor(args: argparse.Namespace) -> int:
+    check_arguments(args)
     init_process_group()
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="ntl-doctor-"))
     try:
@@ -108,4 +120,6 @@ def run_doctor(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.doctor", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run_doctor(parser.parse_args(argv))
+    add_verbose(parser)
+    args = parser.parse_args(argv)
+    return run_reporting("doctor", lambda: run_doctor(args), getattr(args, "verbose", False))

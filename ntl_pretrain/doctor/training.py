@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
+from ntl_pretrain.config import read_yaml_file
 from ntl_pretrain.doctor.report import Check
 from ntl_pretrain.plot import read_metrics
 
@@ -115,7 +115,7 @@ def export_check(first: Path, device: torch.device) -> Check:
     out = first.parent / "eval.json"
     cli(["eval", str(first), "--max-examples", "1", "--out", str(out)], first.parent / "eval.log")
     evaluated, logged = json.loads(out.read_text()), records(first, "validation")[STEPS]
-    kind = yaml.safe_load((first / "recipe.yaml").read_text())["loss"]["ntl"]["kind"]
+    kind = read_yaml_file(first / "recipe.yaml")["loss"]["ntl"]["kind"]
     differences = {"val_ce": relative_difference(evaluated["val_ce"], logged["val_ce"]),
                    "val_ntl": relative_difference(evaluated[f"val_ntl_{kind}"], logged["val_ntl"])}  # fmt: skip
     tolerance = EXPORT_TOLERANCE[precision(device)]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ntl_pretrain.checkpoint import verify_before_reading
 from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.errors import InputError, add_verbose, run_reporting
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
@@ -31,6 +32,7 @@ from ntl_pretrain.evaluation.model_folder import (
 )
 from ntl_pretrain.evaluation.validation import validation_metrics
 from ntl_pretrain.process_group import bind_local_device, default_backend
+from ntl_pretrain.tokenizer import resolve_path
 
 
 def evaluate_target(
@@ -160,16 +162,58 @@ def eval_config_from_args(args: argparse.Namespace, from_run: EvalConfig | None 
     return cfg
 
 
+# Flag -> the least it may be; None (not given) means the run's own setting.
+LEAST_VALUES = {"max_examples": 0, "max_new_tokens": 1, "batch_size": 1, "seq_len": 1, "max_validation_batches": 1}
+
+
+def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
+    """Every flag and file, before any model is loaded (an evaluation takes minutes: its output must not fail
+    after it): the target to evaluate and the evaluation settings."""
+    for name, least in LEAST_VALUES.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise InputError(f"--{name.replace('_', '-')}: must be >= {least}, got {value}")
+    for option in ("out", "answers"):
+        if getattr(args, option) is not None:
+            check_writable_file(f"--{option}", getattr(args, option))
+    if args.template is not None and not args.validation:
+        raise InputError("--template: formats the --validation records; give --validation too")
+    target = resolve_target(args.target)
+    if args.log_metrics and target.run_dir is None:
+        raise InputError(f"--log-metrics: {args.target} is an HF folder, not a run: it has no metrics.jsonl")
+    try:
+        cfg = eval_config_from_args(args, recipe_eval(target))
+    except ValueError as error:  # the flags on top of the run's eval section
+        raise InputError(f"eval settings: {error}") from error
+    for source in cfg.validation:
+        try:
+            source.check()
+        except ValueError as error:
+            raise InputError(f"--validation {source.path}: {error}") from error
+    for qa in cfg.qa_sets:  # the run's own sets may have moved since it was trained
+        if not resolve_path(qa.path).is_file():
+            raise InputError(f"--qa: no such question/answer file {qa.path}")
+    return target, cfg
+
+
+def check_writable_file(option: str, path: Path) -> None:
+    """`path` can be written as a file: not a folder, and its folder exists or can be created."""
+    if path.is_dir():
+        raise InputError(f"{option}: {path} is a folder; name the file to write")
+    existing = next(parent for parent in path.absolute().parents if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{option}: {path} cannot be written ({existing} is not a writable folder)")
+
+
 def run_eval(args: argparse.Namespace) -> int:
+    target, cfg = checked_arguments(args)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         bind_local_device()
         dist.init_process_group(default_backend())
     try:
-        target = resolve_target(args.target)
         if target.checkpoint is not None:  # every process alike, before any collective or checkpoint file is read
             verify_before_reading(target.checkpoint)
-        cfg = eval_config_from_args(args, recipe_eval(target))
         record = evaluate_target(
             args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention
         )
@@ -189,8 +233,6 @@ def _publish(record: dict, args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     if args.log_metrics:
         run_dir = resolve_target(args.target).run_dir
-        if run_dir is None:
-            raise SystemExit("--log-metrics: the target is an HF folder, not a run")
         with (run_dir / "metrics.jsonl").open("a") as metrics:
             metrics.write(text + "\n")
 
@@ -198,5 +240,6 @@ def _publish(record: dict, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.evaluation")
     register(parser.add_subparsers(dest="command", required=True))
+    add_verbose(parser)
     args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_reporting("eval", lambda: args.func(args), getattr(args, "verbose", False))

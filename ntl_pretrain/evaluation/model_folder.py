@@ -5,11 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from ntl_pretrain import checkpoint
+from ntl_pretrain.config import read_yaml_file
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,8 @@ def resolve_target(path: str | Path) -> Target:
     (its latest checkpoint)."""
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
+        if not has_weights(folder):
+            raise FileNotFoundError(f"{folder}: an HF folder without weights (none of {', '.join(WEIGHT_FILES)})")
         return Target(folder, None)
     if (folder / checkpoint.HF_CONFIG).is_dir():
         return Target(None, folder)
@@ -42,6 +50,10 @@ def resolve_target(path: str | Path) -> Target:
     if step is None:
         raise FileNotFoundError(f"{folder}: neither an HF model folder (config.json) nor a run with checkpoints")
     return Target(None, step)
+
+
+def has_weights(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in WEIGHT_FILES)
 
 
 def export_for_eval(target: Target, out_dir: Path) -> Target:
@@ -56,7 +68,7 @@ def saved_recipe(target: Target) -> dict:
     """The resolved recipe saved with the checkpoint, as plain data; {} for a bare HF folder."""
     if target.checkpoint is None:
         return {}
-    return yaml.safe_load((target.checkpoint / "recipe.yaml").read_text())
+    return read_yaml_file(target.checkpoint / "recipe.yaml")
 
 
 def recipe_eval(target: Target) -> EvalConfig | None:

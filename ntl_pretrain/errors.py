@@ -1,0 +1,96 @@
+"""How every `ntl-pretrain` command ends when it cannot do its work: one line on stderr, `ntl-pretrain <command>:
+<what is wrong>`, and exit code 2 for bad input (a missing or damaged file, an argument out of range, a recipe that
+cannot run) or 1 for a failure while running. Bad input needs no traceback; an unexpected failure's traceback goes
+to a log file the line names, or to the console with `--verbose`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import traceback
+import typing
+from collections.abc import Callable
+
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+MAX_MESSAGE_CHARS = 600  # a line a terminal shows whole; the log file keeps everything
+
+
+class InputError(ValueError):
+    """Bad input to a command; the message names the file, key, line or argument, then what is wrong."""
+
+    kind = ""
+    """Said before the message (`recipe error`), where the command alone does not say what was read."""
+
+    def one_line(self) -> str:
+        return " ".join(str(self).split())
+
+
+class CommandFailed(RuntimeError):
+    """An expected failure while running (a damaged checkpoint): one line, exit code 1, no traceback."""
+
+
+# Files that are missing or of the wrong kind are bad input as much as a wrong argument is.
+BAD_PATHS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a wrong argument is one line naming the command (not the usage block) and exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    """`--verbose` on `parser` and on every subcommand below it; SUPPRESS keeps a subcommand's default from
+    overwriting a `--verbose` given before it."""
+    parser.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="on a failure, print the traceback too")  # fmt: skip
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in dict.fromkeys(action.choices.values()):
+                add_verbose(subparser)
+
+
+def run_reporting(command: str, run: Callable[[], int | None], verbose: bool = False) -> int:
+    """`run()`'s exit code; what it raises becomes one line on stderr and exit code 2 (bad input) or 1."""
+    try:
+        return run() or 0
+    except (InputError, *BAD_PATHS) as error:
+        if verbose:
+            traceback.print_exc()
+        _say(command, describe(error))
+        return EXIT_BAD_INPUT
+    except CommandFailed as error:
+        if verbose:
+            traceback.print_exc()
+        _say(command, " ".join(str(error).split()))
+        return EXIT_FAILED
+    except Exception as error:  # an unexpected failure: the line says what and where its traceback is
+        where = "traceback above" if verbose else f"traceback in {_log_traceback(command)}; --verbose prints it"
+        if verbose:
+            traceback.print_exc()
+        _say(command, f"failed: {type(error).__name__}: {' '.join(str(error).split())}", f" ({where})")
+        return EXIT_FAILED
+
+
+def describe(error: Exception) -> str:
+    """The one-line message of bad input: an OS error as `<file>: <what>`, an InputError with its kind first."""
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    if isinstance(error, InputError):
+        return f"{error.kind}: {error.one_line()}" if error.kind else error.one_line()
+    return " ".join(str(error).split())
+
+
+def _say(command: str, message: str, suffix: str = "") -> None:
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    print(f"ntl-pretrain {command}: {message}{suffix}", file=sys.stderr, flush=True)
+
+
+def _log_traceback(command: str) -> str:
+    with tempfile.NamedTemporaryFile("w", prefix=f"ntl-pretrain-{command.replace(' ', '-')}-", suffix=".log",
+                                     delete=False) as log:  # fmt: skip
+        log.write(traceback.format_exc())
+    return log.name

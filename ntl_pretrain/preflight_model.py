@@ -1,0 +1,128 @@
+"""Pre-flight of the model: the HF config the run will build and `init_from`'s weights, checked before launch for
+what transformers or the first forward would reject on every rank (a traceback per rank, and a run folder left
+behind). Each failure is one `RecipeError` naming the key (`model.config.<key>`, or `init_from` for a key that
+comes from its config.json)."""
+
+from __future__ import annotations
+
+import json
+import numbers
+from pathlib import Path
+
+from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.model import padded_vocab_size
+
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "n_inner")  # fmt: skip
+PROBABILITY_SUFFIXES = ("dropout", "_pdrop")  # attention_dropout, hidden_dropout; GPT-2's attn_pdrop, resid_pdrop
+
+
+def check_model(recipe: Recipe, config, tokenizer) -> None:
+    """`config`: the HF config pre-flight built (None when it comes from the checkpoint a resume loads)."""
+    if config is None:
+        return
+    values = config.to_dict()
+    check_sizes(recipe, values)
+    check_heads(recipe, values)
+    check_probabilities(recipe, values)
+    if tokenizer is not None:
+        check_vocab(recipe, values, len(tokenizer))
+    expected = meta_model_shapes(recipe, config)
+    if recipe.init_from is not None:
+        check_weights(Path(recipe.init_from).expanduser(), expected, bool(values.get("tie_word_embeddings")))
+
+
+def where(recipe: Recipe, key: str) -> str:
+    """The recipe key that set `key`: an override in `model.config`, else init_from's config.json."""
+    if key in recipe.model.config or recipe.init_from is None:
+        return f"model.config.{key}"
+    return f"init_from: {Path(recipe.init_from).expanduser() / 'config.json'}: {key}"
+
+
+def check_sizes(recipe: Recipe, values: dict) -> None:
+    for key in SIZE_KEYS:
+        value = values.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise RecipeError(f"{where(recipe, key)}: must be >= 1, got {value}")
+
+
+def check_heads(recipe: Recipe, values: dict) -> None:
+    """Grouped-query attention shares each key/value head among a whole number of query heads."""
+    heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise RecipeError(f"{where(recipe, 'num_key_value_heads')}: {kv_heads} does not divide num_attention_heads "
+                          f"({heads}); each key/value head serves a whole number of query heads")  # fmt: skip
+
+
+def check_probabilities(recipe: Recipe, values: dict) -> None:
+    for key, value in values.items():
+        is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if key.endswith(PROBABILITY_SUFFIXES) and is_number and not 0 <= value < 1:
+            raise RecipeError(f"{where(recipe, key)}: a dropout probability must be in [0, 1), got {value}")
+
+
+def check_vocab(recipe: Recipe, values: dict, tokenizer_size: int) -> None:
+    """Every token id the tokenizer can produce has an embedding row."""
+    vocab_size = values.get("vocab_size")
+    if recipe.init_from is None and "vocab_size" not in recipe.model.config:
+        vocab_size = padded_vocab_size(tokenizer_size, recipe.model)  # what model.hf_config sets from scratch
+    if isinstance(vocab_size, int) and vocab_size < tokenizer_size:
+        raise RecipeError(f"{where(recipe, 'vocab_size')}: {vocab_size} rows for a tokenizer of {tokenizer_size} "
+                          f"tokens; raise it to at least {tokenizer_size} (or leave it out from scratch)")  # fmt: skip
+
+
+def meta_model_shapes(recipe: Recipe, config) -> dict[str, tuple[int, ...]]:
+    """Build the model on the meta device (no memory, no weights): the checks transformers' layers make at
+    construction run here (GPT-2's `n_embd % n_head`), and the result names every tensor the weights must hold."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # transformers and torch raise ValueError, RuntimeError, AttributeError ...
+        key = "init_from" if recipe.init_from is not None else "model.config"
+        raise RecipeError(f"{key}: transformers cannot build the model: {' '.join(str(error).split())}") from error
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def check_weights(folder: Path, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """init_from's safetensors files have readable headers holding every tensor the model needs, in its shape.
+    Names may differ by the model's base prefix (`model.`); `pytorch_model.bin` files are not read here."""
+    found = safetensors_shapes(folder)
+    if found is None:
+        return
+    for name, shape in expected.items():
+        saved = next((found[n] for n in (name, name.split(".", 1)[-1], f"model.{name}") if n in found), None)
+        if saved is None:
+            if tied and name == "lm_head.weight":
+                continue
+            raise RecipeError(f"init_from: {folder} has no tensor {name} (expected {list(shape)}); the weights do "
+                              f"not belong to the model its config.json describes")  # fmt: skip
+        if tuple(saved) != shape:
+            raise RecipeError(f"init_from: {folder}: tensor {name} is {list(saved)}, the config makes it "
+                              f"{list(shape)}")  # fmt: skip
+
+
+def safetensors_shapes(folder: Path) -> dict[str, list[int]] | None:
+    """Tensor name -> shape from the safetensors headers (no tensor is read); None without safetensors files."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise RecipeError(f"init_from: {index}: not a safetensors index ({error})") from error
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    shapes = {}
+    for name in files:
+        try:
+            with safe_open(str(folder / name), framework="pt") as weights:
+                shapes.update({key: weights.get_slice(key).get_shape() for key in weights.keys()})  # noqa: SIM118
+        except Exception as error:  # safetensors raises its own SafetensorError, and OSError for a missing shard
+            raise RecipeError(f"init_from: {folder / name}: unreadable safetensors file ({error})") from error
+    return shapes
