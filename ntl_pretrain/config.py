@@ -64,6 +64,10 @@ class TokenizerConfig:
     trust_remote_code: bool = False
     """Allow tokenizer code shipped with an HF folder to run."""
 
+    def check(self) -> None:
+        if self.path is not None and not self.path.strip():
+            raise ValueError("path: empty; name a tokenizer file or folder, or write null for init_from's")
+
 
 @dataclass
 class NtlConfig:
@@ -349,6 +353,9 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str
     raw = read_yaml_file(path)
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping, got {type(raw).__name__}")
+    if not raw:
+        raise RecipeError(f"{path}: empty recipe; start from one in recipes/ (e.g. base: tiny-cpu.yaml, then the keys "
+                          f"to change)")  # fmt: skip
     _anchor_relative_paths(raw, path.parent)
     base = raw.pop("base", None)
     merged, origins = ({}, {}) if base is None else _load_yaml_chain(_base_path(path, base), seen + (path,))

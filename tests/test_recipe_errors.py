@@ -41,6 +41,8 @@ ROWS = [
     ("binary", b"\x00\x01\x02\x03", [], [], ["r.yaml", "binary"]),
     ("bad-yaml", "train: [1, 2\n", [], [], ["r.yaml", "invalid YAML"]),
     ("top-level-list", "- train\n", [], [], ["r.yaml", "must be a mapping"]),
+    ("empty-file", "", [], [], ["r.yaml", "empty recipe", "base:"]),
+    ("comments-only", "# nothing yet\n", [], [], ["r.yaml", "empty recipe"]),
     ("missing-file", None, [], [], ["nope.yaml", "cannot read"]),
     (
         "duplicate-section",
@@ -169,6 +171,7 @@ ROWS = [
     ("ds-unknown-zero-key", CHILD, ["deepspeed.config={tmp}/zero-typo.json"], [], ["zero_optimization.overlap_com"]),
     ("resume-missing", CHILD, ["train.resume=/no/such/checkpoint"], [], ["train.resume", "does not exist"]),
     ("init-and-resume", CHILD, ["init_from=/x", "train.resume=auto", "model.model_type=null"], [], ["init_from"]),
+    ("tokenizer-empty-path", CHILD, ["tokenizer.path=''"], [], ["command-line override", "tokenizer.path", "empty"]),
     ("no-tokenizer", CHILD, ["tokenizer.path=null", "train.resume=null"], [], ["tokenizer.path", "required"]),
     ("ds-json-list", CHILD, ["deepspeed.config={tmp}/list.json"], [], ["list.json", "must be an object"]),
     (
