@@ -83,13 +83,16 @@ class MetricsLogger:
         wandb_settings: dict | None,
     ):
         self.enabled = enabled
-        self.file = open(Path(output_dir) / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.file = None  # opened by the first record: a run that dies before it leaves no empty metrics.jsonl
         self.bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True) if enabled and progress_bar else None
         self.wandb_run = _start_wandb(wandb_settings) if enabled and wandb_settings else None
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self.file is None:
+            self.file = self.path.open("a")
         self.file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
         self.file.flush()
         if self.wandb_run is not None:

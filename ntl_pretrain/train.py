@@ -152,11 +152,13 @@ class Trainer:
         self.resume()
         self._announce_start()
         self.logger = self._make_logger()
-        self._log_resume()
+        resumed_at = self.step
         batches = iter(self.loader)
         try:
             while self.step < self.recipe.train.max_steps:
                 record = self.train_step([next(batches) for _ in range(self.grad_accum)])
+                if self.step == resumed_at + 1:
+                    self._take_output_dir(resumed_at)
                 self.logger.log(record)
                 self.logger.progress(record)
                 self._stop_if_nonfinite()
@@ -444,12 +446,21 @@ class Trainer:
         (folder / "recipe.yaml").write_text(dump_recipe(self.recipe))
         resume_guard.write_data_fingerprint(folder, self.recipe)
 
-    def _log_resume(self) -> None:
+    def _take_output_dir(self, resumed_at: int) -> None:
+        """The first step has run: only now does the run change its output folder, so that a launch that dies
+        before it (a model, data or memory error) leaves the folder as it was and the same command runs again."""
+        if self.rank == 0:
+            prepare_output_dir(self.recipe)
+            checkpoint.set_aside(self.resume_point.skipped)
+        dist.barrier()  # no rank starts a save (step_<N>.tmp) while rank 0 still removes the leftover ones
+        self._log_resume(resumed_at)
+
+    def _log_resume(self, step: int) -> None:
         """One `split: resume` record: where the run continued from and the damaged checkpoints passed over."""
         point = self.resume_point
         if point.folder is not None or point.skipped:
             resumed_from = None if point.folder is None else str(point.folder)
-            record = {"step": self.step, "split": "resume", "resumed_from": resumed_from}
+            record = {"step": step, "split": "resume", "resumed_from": resumed_from}
             self.logger.log({**record, "skipped_checkpoints": point.skipped})
 
     def resume(self) -> None:
@@ -509,9 +520,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resume_guard.check_same_recipe(recipe)
         trainer = Trainer(recipe, ds_config, stop)
-        if dist.get_rank() == 0:  # only now: a refused run leaves the output folder as it was
-            prepare_output_dir(recipe)
-            checkpoint.set_aside(trainer.resume_point.skipped)
         finished = trainer.train()
     except resume_guard.RunRefused as error:
         # Every rank refuses alike; one prints. Exit at once: the launcher stops any rank still starting.
@@ -528,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare_output_dir(recipe: Recipe) -> None:
-    """Rank 0, once the run has passed every check: remove what a killed save left, and with `train.overwrite` the
-    earlier run; then write the recipe this run follows."""
+    """Rank 0, once the run has passed every check and trained its first step: remove what a killed save left,
+    and with `train.overwrite` the earlier run; then write the recipe this run follows."""
     output_dir = Path(recipe.train.output_dir)
     resume_guard.remove_leftover_saves(output_dir)
     if recipe.train.overwrite:
