@@ -55,6 +55,11 @@ class ModelConfig:
         if self.pad_vocab_to_multiple_of < 1:
             raise ValueError("pad_vocab_to_multiple_of: must be >= 1")
 
+    def padded_vocab_size(self, tokenizer_size: int) -> int:
+        """Embedding rows from scratch: the tokenizer's length rounded up to `pad_vocab_to_multiple_of`."""
+        multiple = self.pad_vocab_to_multiple_of
+        return -(-tokenizer_size // multiple) * multiple
+
 
 @dataclass
 class TokenizerConfig:

@@ -21,7 +21,7 @@ from transformers import (
 )
 from transformers.integrations import HfDeepSpeedConfig
 
-from ntl_pretrain.config import ModelConfig, Recipe
+from ntl_pretrain.config import Recipe
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
@@ -86,14 +86,9 @@ def hf_config(recipe: Recipe, tokenizer, saved_config: Path | None = None) -> Pr
         for key, value in model.config.items():
             setattr(config, key, value)
         return config
-    settings = {"vocab_size": padded_vocab_size(len(tokenizer), model), **_special_token_ids(tokenizer)}
+    settings = {"vocab_size": model.padded_vocab_size(len(tokenizer)), **_special_token_ids(tokenizer)}
     settings.update(model.config)
     return AutoConfig.for_model(model.model_type, **settings)
-
-
-def padded_vocab_size(tokenizer_size: int, model: ModelConfig) -> int:
-    multiple = model.pad_vocab_to_multiple_of
-    return -(-tokenizer_size // multiple) * multiple
 
 
 def _special_token_ids(tokenizer) -> dict[str, int]:

@@ -10,7 +10,6 @@ import numbers
 from pathlib import Path
 
 from ntl_pretrain.config import Recipe, RecipeError
-from ntl_pretrain.model import padded_vocab_size
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "n_inner")  # fmt: skip
@@ -29,7 +28,7 @@ def check_model(recipe: Recipe, config, tokenizer) -> None:
         check_vocab(recipe, values, len(tokenizer))
     expected = meta_model_shapes(recipe, config)
     if recipe.init_from is not None:
-        check_weights(Path(recipe.init_from).expanduser(), expected, bool(values.get("tie_word_embeddings")))
+        check_weights(Path(recipe.init_from).expanduser(), expected)
 
 
 def where(recipe: Recipe, key: str) -> str:
@@ -65,7 +64,7 @@ def check_vocab(recipe: Recipe, values: dict, tokenizer_size: int) -> None:
     """Every token id the tokenizer can produce has an embedding row."""
     vocab_size = values.get("vocab_size")
     if recipe.init_from is None and "vocab_size" not in recipe.model.config:
-        vocab_size = padded_vocab_size(tokenizer_size, recipe.model)  # what model.hf_config sets from scratch
+        vocab_size = recipe.model.padded_vocab_size(tokenizer_size)  # what model.hf_config sets from scratch
     if isinstance(vocab_size, int) and vocab_size < tokenizer_size:
         raise RecipeError(f"{where(recipe, 'vocab_size')}: {vocab_size} rows for a tokenizer of {tokenizer_size} "
                           f"tokens; raise it to at least {tokenizer_size} (or leave it out from scratch)")  # fmt: skip
@@ -73,7 +72,8 @@ def check_vocab(recipe: Recipe, values: dict, tokenizer_size: int) -> None:
 
 def meta_model_shapes(recipe: Recipe, config) -> dict[str, tuple[int, ...]]:
     """Build the model on the meta device (no memory, no weights): the checks transformers' layers make at
-    construction run here (GPT-2's `n_embd % n_head`), and the result names every tensor the weights must hold."""
+    construction run here (GPT-2's `n_embd % n_head`), and its parameters are the tensors the weights must hold
+    (a tied output layer shares the embedding's, and is listed once)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,10 +83,10 @@ def meta_model_shapes(recipe: Recipe, config) -> dict[str, tuple[int, ...]]:
     except Exception as error:  # transformers and torch raise ValueError, RuntimeError, AttributeError ...
         key = "init_from" if recipe.init_from is not None else "model.config"
         raise RecipeError(f"{key}: transformers cannot build the model: {' '.join(str(error).split())}") from error
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
 
 
-def check_weights(folder: Path, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
+def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
     """init_from's safetensors files have readable headers holding every tensor the model needs, in its shape.
     Names may differ by the model's base prefix (`model.`); `pytorch_model.bin` files are not read here."""
     found = safetensors_shapes(folder)
@@ -95,10 +95,9 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]], tied: bool
     for name, shape in expected.items():
         saved = next((found[n] for n in (name, name.split(".", 1)[-1], f"model.{name}") if n in found), None)
         if saved is None:
-            if tied and name == "lm_head.weight":
-                continue
             raise RecipeError(f"init_from: {folder} has no tensor {name} (expected {list(shape)}); the weights do "
-                              f"not belong to the model its config.json describes")  # fmt: skip
+                              f"not belong to the model its config.json and model.config describe (an untied output "
+                              f"layer asked of tied weights: model.config.tie_word_embeddings)")  # fmt: skip
         if tuple(saved) != shape:
             raise RecipeError(f"init_from: {folder}: tensor {name} is {list(saved)}, the config makes it "
                               f"{list(shape)}")  # fmt: skip

@@ -383,6 +383,28 @@ def test_an_alias_bomb_is_refused_at_once(tmp_path):
     assert time.perf_counter() - start < 1.0
 
 
+def test_init_from_weights_are_checked_against_the_model_by_name_and_shape(tmp_path, monkeypatch, capsys):
+    """The safetensors headers (no tensor read) must hold every parameter of the model that config.json and
+    model.config describe; a folder that does passes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ntl_pretrain.tokenizer import load_tokenizer
+
+    tiny = load_recipe(TINY)
+    config = AutoConfig.for_model("llama", vocab_size=len(load_tokenizer(tiny.tokenizer.path)), **tiny.model.config)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    argv = ["train", str(TINY), "--dry-run", "--nproc", "1", f"init_from={tmp_path / 'hf'}", "model.model_type=null",
+            f"train.output_dir={tmp_path / 'out'}", "train.resume=null"]  # fmt: skip
+    code, err, launches = run_cli([*argv, "model.config={intermediate_size: 128}"], monkeypatch, capsys)
+    assert code == 2 and not launches
+    assert "init_from" in err and "mlp.gate_proj.weight is [256, 64], the config makes it [128, 64]" in err, err
+    code, err, _ = run_cli([*argv, "model.config={tie_word_embeddings: true}"], monkeypatch, capsys)
+    assert code == 0, err  # a tied model needs no lm_head tensor
+    code, err, _ = run_cli(argv, monkeypatch, capsys)
+    assert code == 0, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_mapping_override_merges_like_a_child_file(tmp_path):
     child = tmp_path / "child.yaml"
     child.write_text(yaml.safe_dump({"base": str(TINY), "model": {"config": {"hidden_size": 32}}}))
