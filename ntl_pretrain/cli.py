@@ -10,9 +10,10 @@ import shlex
 import socket
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 from ntl_pretrain.config import RecipeError, dump_recipe
-from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_reporting
+from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, check_can_write, run_reporting
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 # Commands whose modules own them (each module has `register(subparsers)`).
@@ -91,17 +92,17 @@ def launch_environment(device: str) -> dict[str, str]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ntl_pretrain.export import check_out_dir, export_checkpoint
+    from ntl_pretrain.export import export_checkpoint
 
-    check_out_dir(args.out_dir)
+    check_can_write("out_dir", Path(args.out_dir), folder=True)
     print(export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype))
     return 0
 
 
 def run_convert_gguf(args: argparse.Namespace) -> int:
-    from ntl_pretrain.export import check_out_dir, convert_gguf
+    from ntl_pretrain.export import convert_gguf
 
-    check_out_dir(args.out_dir)
+    check_can_write("out_dir", Path(args.out_dir), folder=True)
     print(convert_gguf(args.gguf, args.out_dir, dtype=args.dtype))
     return 0
 
@@ -109,8 +110,6 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     """One line per checkpoint: intact, damaged (every bad file and what is wrong) or unverifiable (no manifest).
     Exit code 1 when one is damaged or there is none."""
-    from pathlib import Path
-
     from ntl_pretrain import checkpoint, manifest
 
     path = Path(args.path).expanduser()

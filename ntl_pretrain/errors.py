@@ -6,11 +6,13 @@ to a log file the line names, or to the console with `--verbose`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import traceback
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 MAX_MESSAGE_CHARS = 600  # a line a terminal shows whole; the log file keeps everything
@@ -50,6 +52,20 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for subparser in dict.fromkeys(action.choices.values()):
                 add_verbose(subparser)
+
+
+def check_can_write(label: str, path: Path, folder: bool = False) -> None:
+    """`path` can be written as a file (or, `folder`, as a folder) before any work starts: it is not of the other
+    kind, and it or its nearest existing parent is a writable folder."""
+    path = path.expanduser()
+    wanted, other = ("folder", "file") if folder else ("file", "folder")
+    if path.exists() and path.is_dir() != folder:
+        raise InputError(f"{label}: {path} is a {other}; name the {wanted} to write")
+    existing = next(parent for parent in (path.absolute(), *path.absolute().parents) if parent.exists())
+    if existing == path.absolute() and not folder:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{label}: {path} cannot be written ({existing} is not a writable folder)")
 
 
 def run_reporting(command: str, run: Callable[[], int | None], verbose: bool = False) -> int:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -67,16 +66,6 @@ def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Pat
     _load_complete(model, loaded.state_dict(), str(path))
     model.to(DTYPES[dtype])
     return _save(model, tokenizer, Path(out_dir))
-
-
-def check_out_dir(out_dir: str | Path) -> None:
-    """The HF folder can be written: not a file, and its parent exists or can be created (before minutes of work)."""
-    folder = Path(out_dir).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise InputError(f"{folder}: is a file; name the folder to write the model into")
-    existing = next(path for path in (folder.absolute(), *folder.absolute().parents) if path.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{folder}: cannot be created ({existing} is not a writable folder)")
 
 
 def _load_complete(model: PreTrainedModel, state: dict[str, torch.Tensor], source: str) -> None:

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ntl_pretrain.errors import InputError, add_verbose, run_reporting
+from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
 
 TRAIN_PANELS = {
     "loss": "train loss (CE + λ·NTL)",
@@ -233,6 +233,7 @@ def run_plot(args: argparse.Namespace) -> int:
         raise InputError(f"--labels: {len(args.labels)} labels for {len(args.run_dirs)} runs")
     if args.out.is_dir():
         raise InputError(f"-o: {args.out} is a folder; name the image to write, e.g. {args.out / 'metrics.png'}")
+    check_can_write("-o", args.out)
     if args.out.suffix.lower().lstrip(".") not in IMAGE_FORMATS:
         raise InputError(f"-o: {args.out}: name an image file ending in one of .{', .'.join(IMAGE_FORMATS)}")
     print(plot_runs(args.run_dirs, args.out, labels=args.labels))

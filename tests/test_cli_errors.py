@@ -75,6 +75,7 @@ ROWS = [
     ("plot-no-metrics", ["plot", "{tmp}/empty", "-o", "{tmp}/p.png"], 2, ["empty", "no metrics.jsonl"]),
     ("plot-nothing-to-plot", ["plot", "{tmp}/bare-run", "-o", "{tmp}/p.png"], 2, ["no plottable metrics"]),
     ("plot-out-folder", ["plot", "{tmp}/bad-run", "-o", "{tmp}/empty"], 2, ["-o", "is a folder", "metrics.png"]),
+    ("plot-out-unwritable", ["plot", "{tmp}/bad-run", "-o", "{tmp}/file.txt/p.png"], 2, ["-o", "cannot be written"]),
     ("plot-out-suffix", ["plot", "{tmp}/bad-run", "-o", "{tmp}/p.txt"], 2, ["-o", "p.txt", ".png"]),
     (
         "plot-labels",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ntl_pretrain.errors import InputError
+from ntl_pretrain.errors import InputError, check_can_write
 
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 ARITHMETIC_SIZES = {"train": 15000, "validation": 1000, "interpolation": 1000, "extrapolation": 1000}
@@ -17,11 +17,6 @@ MULTIPLICATION_SIZES = {"train": 600, "validation": 100, "interpolation": 200, "
 # The tiny tokenizer's training text. Fixed, so a set added later (addition) leaves the tokenizer as it is.
 TOKENIZER_SETS = ("arithmetic", "prose", "word_problems")
 MAX_SCALE = 1000  # 15M arithmetic records: beyond this a typo, not a corpus
-
-
-def check_folder_to_write(option: str, folder: Path) -> None:
-    if folder.exists() and not folder.is_dir():
-        raise InputError(f"{option}: {folder} is a file; name a folder")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +44,7 @@ def run_make_arithmetic(args: argparse.Namespace) -> None:
 
     if not 0 < args.scale <= MAX_SCALE:
         raise InputError(f"--scale: must be in (0, {MAX_SCALE}], got {args.scale}")
-    check_folder_to_write("--out", args.out)
+    check_can_write("--out", args.out, folder=True)
 
     def scaled(sizes: dict[str, int]) -> dict[str, int]:
         return {split: max(1, round(size * args.scale)) for split, size in sizes.items()}
@@ -79,7 +74,7 @@ def run_import_prose(args: argparse.Namespace) -> None:
 
     if args.lines_per_document < 1:
         raise InputError(f"--lines-per-document: must be >= 1, got {args.lines_per_document}")
-    check_folder_to_write("--out", args.out)
+    check_can_write("--out", args.out, folder=True)
     for path in import_book(args.book, args.out, args.lines_per_document):
         print(path)
 
@@ -112,6 +107,7 @@ def run_train_tokenizer(args: argparse.Namespace) -> None:
     if args.vocab_size < 1:
         raise InputError(f"--vocab-size: must be >= 1, got {args.vocab_size}")
     out = args.out or CORPUS / tokenizer_folder(args.max_digits)
+    check_can_write("--out", out, folder=True)
     tokenizer = train_and_save(files, out, args.vocab_size, args.max_digits)
     print(f"{out}: vocab {len(tokenizer)} trained on {', '.join(str(f) for f in files)}")
 

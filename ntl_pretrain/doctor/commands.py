@@ -20,7 +20,7 @@ from ntl_pretrain.doctor.loss_checks import loss_check
 from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write_json
 from ntl_pretrain.doctor.speed import speed_check
 from ntl_pretrain.doctor.training import TINY_RECIPE, throughput_check, train_checks
-from ntl_pretrain.errors import InputError, add_verbose, run_reporting
+from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
 from ntl_pretrain.process_group import bind_local_device, default_backend
 
 # Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).
@@ -86,10 +86,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     """The files the checks read and write, before minutes of checks."""
     if not args.recipe.is_file():
         raise InputError(f"--recipe: {args.recipe} is not a recipe file")
-    if args.out is not None and args.out.is_dir():
-        raise InputError(f"--out: {args.out} is a folder; name the REPORT.json file to write")
-    if args.work_dir is not None and args.work_dir.exists() and not args.work_dir.is_dir():
-        raise InputError(f"--work-dir: {args.work_dir} is a file; name a folder")
+    if args.out is not None:
+        check_can_write("--out", args.out)
+    if args.work_dir is not None:
+        check_can_write("--work-dir", args.work_dir, folder=True)
 
 
 def run_doctor(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ntl_pretrain.checkpoint import verify_before_reading
 from ntl_pretrain.data.config import DataConfig, SourceConfig
-from ntl_pretrain.errors import InputError, add_verbose, run_reporting
+from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
@@ -175,12 +175,14 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
             raise InputError(f"--{name.replace('_', '-')}: must be >= {least}, got {value}")
     for option in ("out", "answers"):
         if getattr(args, option) is not None:
-            check_writable_file(f"--{option}", getattr(args, option))
+            check_can_write(f"--{option}", getattr(args, option))
     if args.template is not None and not args.validation:
         raise InputError("--template: formats the --validation records; give --validation too")
     target = resolve_target(args.target)
     if args.log_metrics and target.run_dir is None:
         raise InputError(f"--log-metrics: {args.target} is an HF folder, not a run: it has no metrics.jsonl")
+    if target.checkpoint is not None:  # every process alike, before any file of the checkpoint is read
+        verify_before_reading(target.checkpoint)
     try:
         cfg = eval_config_from_args(args, recipe_eval(target))
     except ValueError as error:  # the flags on top of the run's eval section
@@ -196,15 +198,6 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
     return target, cfg
 
 
-def check_writable_file(option: str, path: Path) -> None:
-    """`path` can be written as a file: not a folder, and its folder exists or can be created."""
-    if path.is_dir():
-        raise InputError(f"{option}: {path} is a folder; name the file to write")
-    existing = next(parent for parent in path.absolute().parents if parent.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{option}: {path} cannot be written ({existing} is not a writable folder)")
-
-
 def run_eval(args: argparse.Namespace) -> int:
     target, cfg = checked_arguments(args)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -212,8 +205,6 @@ def run_eval(args: argparse.Namespace) -> int:
         bind_local_device()
         dist.init_process_group(default_backend())
     try:
-        if target.checkpoint is not None:  # every process alike, before any collective or checkpoint file is read
-            verify_before_reading(target.checkpoint)
         record = evaluate_target(
             args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention
         )
