@@ -60,8 +60,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise InputError(f"{run_dir}: no metrics.jsonl; name a run directory")
     records = []
-    with gzip.open(path, "rt", encoding="utf-8", errors="replace") if path.suffix == ".gz" else \
-            path.open(encoding="utf-8", errors="replace") as lines:  # fmt: skip
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, start=1):
             if line.strip():
                 records.append(_record(line, path, number))
