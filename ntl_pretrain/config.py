@@ -152,7 +152,7 @@ class ScheduleConfig:
     warmup_steps: int = 0
     """Linear warmup from `warmup_start_ratio * lr` to lr (re-warms a pretrained model)."""
     warmup_start_ratio: float = 0.0
-    """Warmup starts from this fraction of the peak; update k (0-based) of the warmup uses
+    """Warmup starts from this fraction of the peak, in [0, 1]; update k (0-based) of the warmup uses
     `start + (1 - start) * (k + 1) / warmup_steps`, so no update is spent at the start value."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine and wsd)."""

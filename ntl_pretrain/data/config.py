@@ -142,7 +142,7 @@ class DataConfig:
     also keeps attention inside each document with sdpa/eager (no cache, no mask: the trainer's forward), and
     with flash-attention 2 only for micro-batches of one row (docs/data.md)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0 = read in the training process)."""
+    """DataLoader worker processes per rank, at most 64 (0 = read in the training process)."""
     tokenize_batch: int = 64
     """Documents tokenised per call of the fast tokenizer, at most."""
     tokenize_batch_chars: int = 1 << 16
