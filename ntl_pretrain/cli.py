@@ -9,10 +9,11 @@ import os
 import shlex
 import socket
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ntl_pretrain.config import RecipeError, dump_recipe
+from ntl_pretrain.config import Recipe, RecipeError, dump_recipe
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, check_can_write, run_reporting
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
@@ -75,7 +76,26 @@ def run_train(args: argparse.Namespace) -> int:
     from ntl_pretrain.supervisor import supervise
 
     # A margin past the ranks' own grace: they exit by themselves first, this only catches a hung process.
-    return supervise(command, env, grace_seconds=recipe.train.stop_grace_seconds + 30)
+    started = time.time()
+    code = supervise(command, env, grace_seconds=recipe.train.stop_grace_seconds + 30)
+    report_end(recipe, code, started)
+    return code
+
+
+def report_end(recipe: Recipe, code: int, started: float) -> None:
+    """A run stopped by a signal, or failed inside, ends with one line of its own after the launcher's lines."""
+    from pathlib import Path
+
+    from ntl_pretrain.console import last_failure_line, stop_line
+    from ntl_pretrain.stopping import EXIT_STOPPED
+
+    output_dir = Path(recipe.train.output_dir)
+    if code == EXIT_STOPPED:
+        line = stop_line(output_dir, recipe.train.max_steps)
+    else:
+        line = last_failure_line(output_dir, started) if code else None
+    if line is not None:
+        print(f"ntl-pretrain: {line} (exit code {code})", file=sys.stderr, flush=True)
 
 
 def launch_environment(device: str) -> dict[str, str]:
@@ -92,18 +112,24 @@ def launch_environment(device: str) -> dict[str, str]:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from ntl_pretrain.console import stdout_to_stderr
     from ntl_pretrain.export import export_checkpoint
 
     check_can_write("out_dir", Path(args.out_dir), folder=True)
-    print(export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype))
+    with stdout_to_stderr():  # stdout carries the folder only
+        folder = export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype)
+    print(folder)
     return 0
 
 
 def run_convert_gguf(args: argparse.Namespace) -> int:
+    from ntl_pretrain.console import stdout_to_stderr
     from ntl_pretrain.export import convert_gguf
 
     check_can_write("out_dir", Path(args.out_dir), folder=True)
-    print(convert_gguf(args.gguf, args.out_dir, dtype=args.dtype))
+    with stdout_to_stderr():  # stdout carries the folder only
+        folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype)
+    print(folder)
     return 0
 
 

@@ -253,7 +253,11 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     progress_bar: bool = True
-    """Rank-0 tqdm bar with loss, CE, NTL, tokens/s and peak memory."""
+    """On a terminal, a rank-0 tqdm bar with loss, CE, NTL, learning rate, tokens/s and peak memory; off a terminal
+    (Slurm logs, nohup, a pipe) plain lines instead (`console_every_steps`)."""
+    console_every_steps: int = 10
+    """Off a terminal, or with `progress_bar: false`: one line with the bar's fields every this many steps, plus the
+    run's first and last step (every step is in metrics.jsonl); 0 = those two only."""
     verbose: bool = False
     """Console: false shows the progress bar, rank 0's lines and warnings, and errors from every rank; true also
     shows the launcher's INFO lines, the other ranks' warnings and DeepSpeed's use of deprecated torch collectives."""
@@ -268,6 +272,8 @@ class LoggingConfig:
     bf16 run on a GPU it lists, else no MFU (null: CPU, unknown GPUs, fp32)."""
 
     def check(self) -> None:
+        if self.console_every_steps < 0:
+            raise ValueError(f"console_every_steps: must be >= 0, got {self.console_every_steps}")
         if self.peak_flops_per_device is not None and self.peak_flops_per_device <= 0:
             raise ValueError(f"peak_flops_per_device: must be > 0 or null, got {self.peak_flops_per_device}")
 

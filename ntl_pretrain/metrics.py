@@ -1,4 +1,4 @@
-"""Run metrics: `metrics.jsonl` records, the rank-0 progress bar, optional W&B, and the MFU estimate.
+"""Run metrics: `metrics.jsonl` records, optional W&B, and the MFU estimate (what the console shows: console.py).
 
 MFU (model FLOPs utilisation, as in PaLM appendix B and nanoGPT):
     flops_per_token = 6 * N + 12 * L * H * T
@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 BF16_PEAK_FLOPS = (  # (fragment of torch.cuda.get_device_name, dense bf16 FLOP/s); the first match wins
     ("H100 PCIe", 756e12),
@@ -72,20 +71,10 @@ def mfu(flops_per_token_: float, tokens_per_s: float, peak_flops_per_device: flo
 class MetricsLogger:
     """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
 
-    def __init__(
-        self,
-        output_dir: str,
-        *,
-        enabled: bool,
-        total_steps: int,
-        first_step: int,
-        progress_bar: bool,
-        wandb_settings: dict | None,
-    ):
+    def __init__(self, output_dir: str, *, enabled: bool, wandb_settings: dict | None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.file = None  # opened by the first record: a run that dies before it leaves no empty metrics.jsonl
-        self.bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True) if enabled and progress_bar else None
         self.wandb_run = _start_wandb(wandb_settings) if enabled and wandb_settings else None
 
     def log(self, record: dict) -> None:
@@ -99,21 +88,7 @@ class MetricsLogger:
             step = record.get("step")
             self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
 
-    def progress(self, record: dict) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(1)
-        self.bar.set_postfix(
-            loss=f"{record['loss']:.4f}",
-            ce=f"{record['ce']:.4f}",
-            ntl=f"{record['ntl']:.4f}",
-            tok_s=f"{record['tokens_per_s']:.0f}",
-            mem=f"{record['peak_mem_mib']:.0f}MiB",
-        )
-
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
         if self.file is not None:
             self.file.close()
         if self.wandb_run is not None:

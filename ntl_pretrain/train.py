@@ -28,13 +28,14 @@ import torch.distributed as dist
 
 from ntl_pretrain import checkpoint, reshard, resume_guard
 from ntl_pretrain.config import Recipe, TrainConfig, dump_recipe
+from ntl_pretrain.console import RunConsole, failure_line, first_line, startup_line
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
-from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
+from ntl_pretrain.model import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
 from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
 from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising
 from ntl_pretrain.schedule import lr_multiplier
@@ -44,6 +45,8 @@ from ntl_pretrain.tokenizer import load_tokenizer
 IGNORE_INDEX = -100
 # DeepSpeed's ZeRO-3 calls collectives that torch deprecated (all_gather_into_tensor and reduce_scatter_tensor in
 # torch 2.13): a warning for DeepSpeed's maintainers, printed by every rank.
+# gloo's and NCCL's words for a peer process that died: a consequence on this rank, not a cause.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited or there was a network")
 DEPRECATED_COLLECTIVE = r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead"
 
 
@@ -150,6 +153,7 @@ class Trainer:
     def train(self) -> bool:
         """Train to `train.max_steps`; False when a stop signal ended the run early (after saving)."""
         self.resume()
+        self.console = self._make_console()
         self._announce_start()
         self.logger = self._make_logger()
         resumed_at = self.step
@@ -160,21 +164,21 @@ class Trainer:
                 if self.step == resumed_at + 1:
                     self._take_output_dir(resumed_at)
                 self.logger.log(record)
-                self.logger.progress(record)
+                self.console.step(record)
                 self._stop_if_nonfinite()
-                self._evaluate_and_save_when_due()
+                self._save_and_evaluate_when_due()
                 if self._stop_agreed():
                     self._stop_early()
                     return False
             self._finish()
         finally:
+            self.console.close_bar()
             self.logger.close()
         return True
 
     def _announce_start(self) -> None:
-        """The run's first line says where it starts from: the same command starts and continues a run."""
-        if self.rank != 0:
-            return
+        """The run's first line says where it starts from (the same command starts and continues a run), the
+        second its shape."""
         if self.resume_from is not None:
             where = f"resuming from {self.resume_from} (step {self.step})"
             if self.recipe.init_from is not None:
@@ -183,8 +187,11 @@ class Trainer:
             where = f"starting from the weights of init_from {self.recipe.init_from}"
         else:
             where = "starting from scratch"
-        print(f"ntl-pretrain: {self.output_dir}: {where}; attention {self.built.attention}; AdamW "
-              f"{self.optimizer_kind}", file=sys.stderr, flush=True)  # fmt: skip
+        self.console.say(f"{self.output_dir}: {where}; attention {self.built.attention}; AdamW {self.optimizer_kind}")
+        train = self.recipe.train
+        self.console.say(startup_line(count_parameters(self.built.module.lm), self.world_size, train.micro_batch_size,
+                                      train.global_batch_size, self.grad_accum, self.recipe.data.seq_len,
+                                      train.precision))  # fmt: skip
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got a stop signal (one small all-reduce per step, so all ranks stop at the same step)."""
@@ -197,41 +204,50 @@ class Trainer:
         if self.last_saved_step != self.step:
             self.save()
         self.logger.log({"step": self.step, "split": "stop", "signal": self.stop.signal_name})
-        if self.rank == 0:
-            message = f"stopped at step {self.step} of {self.recipe.train.max_steps} with a checkpoint; run the same " \
-                f"command to continue (exit code {EXIT_STOPPED})"  # fmt: skip
-            print(f"ntl-pretrain: {message}", file=sys.stderr, flush=True)
+        self.console.close_bar()
+        self.console.say(f"saved step {self.step}; stopping (exit code {EXIT_STOPPED})")
 
-    def _make_logger(self) -> MetricsLogger:
-        return MetricsLogger(
-            str(self.output_dir),
+    def _make_console(self) -> RunConsole:
+        logging = self.recipe.logging
+        return RunConsole(
             enabled=self.rank == 0,
             total_steps=self.recipe.train.max_steps,
             first_step=self.step,
-            progress_bar=self.recipe.logging.progress_bar,
-            wandb_settings=self._wandb_settings(),
+            first_tokens=self.tokens_seen,
+            progress_bar=logging.progress_bar,
+            every_steps=logging.console_every_steps,
         )
 
-    def _evaluate_and_save_when_due(self) -> None:
+    def _make_logger(self) -> MetricsLogger:
+        return MetricsLogger(str(self.output_dir), enabled=self.rank == 0, wandb_settings=self._wandb_settings())
+
+    def _log_evaluation(self, record: dict) -> None:
+        self.logger.log(record)
+        self.console.evaluated(record)
+
+    def _save_and_evaluate_when_due(self) -> None:
+        """The step's checkpoint first: an evaluation that fails must not cost it."""
         eval_every, save_every = self.recipe.train.eval_every_steps, self.recipe.checkpoint.every_steps
-        if eval_every and self.step % eval_every == 0:
-            self.logger.log(self.evaluate())
-        generate_every = self.recipe.eval.every_steps
-        if generate_every and self.step % generate_every == 0:
-            self.logger.log(self.generation_eval())
         if save_every and self.step % save_every == 0:
             self.save()
+        if eval_every and self.step % eval_every == 0:
+            self._log_evaluation(self.evaluate())
+        generate_every = self.recipe.eval.every_steps
+        if generate_every and self.step % generate_every == 0:
+            self._log_evaluation(self.generation_eval())
 
     def _finish(self) -> None:
-        """The last step is always checkpointed and, when evaluation is on, evaluated."""
+        """The last step is always checkpointed and, when evaluation is on, evaluated; then the summary."""
         if self.last_saved_step != self.step:
             self.save()
         eval_every = self.recipe.train.eval_every_steps
         if eval_every and self.step % eval_every:
-            self.logger.log(self.evaluate())
+            self._log_evaluation(self.evaluate())
         generate_every = self.recipe.eval.every_steps
         if generate_every and self.step % generate_every:
-            self.logger.log(self.generation_eval())
+            self._log_evaluation(self.generation_eval())
+        self.console.summary(checkpoint.checkpoints_root(self.output_dir) / f"step_{self.last_saved_step}",
+                             self.output_dir)  # fmt: skip
 
     def _wandb_settings(self) -> dict | None:
         logging = self.recipe.logging
@@ -520,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resume_guard.check_same_recipe(recipe)
         trainer = Trainer(recipe, ds_config, stop)
-        finished = trainer.train()
+        finished = train_reporting_failures(trainer)
     except resume_guard.RunRefused as error:
         # Every rank refuses alike; one prints. Exit at once: the launcher stops any rank still starting.
         if dist.get_rank() == 0:
@@ -533,6 +549,24 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0 if finished else EXIT_STOPPED
+
+
+def train_reporting_failures(trainer: Trainer) -> bool:
+    """`trainer.train()`; a failure inside it (an evaluation, a tracker, a non-finite loss, a full disk) ends this
+    rank with one line naming it and the log file that holds its traceback. The checkpoints saved so far and
+    metrics.jsonl are left as they are (a save is published whole or not at all; the logger is closed)."""
+    try:
+        return trainer.train()
+    except (resume_guard.RunRefused, DataError):
+        raise
+    except Exception as error:
+        where = f"rank {trainer.rank}: after step {trainer.step}"
+        if any(sign in str(error) for sign in PEER_LOST):  # the cause is another rank's, which says so itself
+            line = f"{where}: stopped, another rank is gone ({first_line(error)})"
+        else:
+            line = failure_line(where, error, trainer.output_dir, trainer.rank, trainer.last_saved_step)
+        print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
+        os._exit(1)  # at once: the launcher stops the other ranks, which would wait in a collective
 
 
 def prepare_output_dir(recipe: Recipe) -> None:

@@ -1,5 +1,5 @@
-"""DeepSpeed launches of the tiny recipe shared by the multi-node and world-size resume tests, and helpers that
-every test of a tiny-recipe run uses (the partition-everything ZeRO-3 config, metrics.jsonl records).
+"""DeepSpeed launches of the tiny recipe shared by the multi-node, world-size resume, console and eval tests, and
+helpers that every test of a tiny-recipe run uses (the partition-everything ZeRO-3 config, metrics.jsonl records).
 
 The 2-"node" run (two `--no_ssh` launchers on this machine, one rank each) is both what `test_multinode.py` checks
 and the uninterrupted 2-rank run that `test_resume_world_size.py` resumes from; it is cached for the session so
@@ -89,6 +89,14 @@ def environment() -> dict[str, str]:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
+def as_a_user_runs_it() -> dict[str, str]:
+    """A single-process command's environment without DS_ACCELERATOR, so that DeepSpeed prints what it prints to a
+    user on a machine without a GPU."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("DS_ACCELERATOR", None)
+    return env
+
+
 def start(launcher_args: list[str], output_dir: Path, ds_config: Path, log: Path) -> subprocess.Popen:
     command = [*RUNNER, *launcher_args, "--module", "ntl_pretrain.train", str(TINY),
                *recipe_overrides(output_dir, ds_config)]  # fmt: skip
@@ -141,6 +149,31 @@ def short_validation_sources(folder: Path) -> list[dict]:
         path.write_text("".join(lines))
         sources.append({"name": name, "path": str(path), "template": "{question} {answer}"})
     return sources
+
+
+def unattended_run(tmp_path_factory) -> tuple[Path, str]:
+    """Session-cached 4-step run on one CPU rank through `ntl-pretrain train`, its stderr a pipe (not a terminal, as in
+    a Slurm log): gradient accumulation 2, validation every 2 steps, a console line every 3. Returns the run
+    directory and its console (stdout and stderr together, as a log file holds them)."""
+    if "unattended" not in _session_runs:
+        output_dir = tmp_path_factory.mktemp("unattended") / "run"
+        console = train_one_rank(output_dir, "train.global_batch_size=4", "train.eval_every_steps=2",
+                                 "train.eval_max_batches=2", "logging.console_every_steps=3", steps=4)  # fmt: skip
+        _session_runs["unattended"] = (output_dir, console)
+    return _session_runs["unattended"]
+
+
+def train_one_rank(output_dir: Path, *extra: str, steps: int = 2) -> str:
+    """A few tiny steps on one CPU rank through `ntl-pretrain train`; its console (stdout and stderr together)."""
+    command = [sys.executable, "-m", "ntl_pretrain.cli", "train", str(TINY), "--nproc", "1",
+               f"train.output_dir={output_dir}", f"train.max_steps={steps}", "data.seq_len=32",
+               "train.micro_batch_size=2", "train.global_batch_size=2", "train.eval_every_steps=null",
+               *extra]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert sorted(records(output_dir)) == list(range(1, steps + 1))
+    return done.stdout
 
 
 def two_node_commands(hostfile: Path, port: int) -> list[list[str]]:

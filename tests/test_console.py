@@ -1,19 +1,23 @@
-"""The console of a run: by default the progress bar, rank 0's lines and errors; `logging.verbose: true` brings back
-DeepSpeed's launcher INFO lines and the deprecation warnings its collectives raise in torch."""
+"""The console of a run: rank 0's lines (start-up, progress, evaluations, summary) and errors; a progress bar on a
+terminal, plain lines off one (issue 31); `logging.verbose: true` brings back DeepSpeed's launcher INFO lines and the
+deprecation warnings its collectives raise in torch."""
 
 from __future__ import annotations
 
+import io
 import logging
-import os
+import re
+import shlex
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from launches import records
+from launches import as_a_user_runs_it, records, train_one_rank, unattended_run
 from transformers.utils import logging as transformers_logging
 
+from ntl_pretrain.console import RunConsole, stop_line
 from ntl_pretrain.train import quiet_console
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,29 +27,126 @@ DEPRECATION = (
 )
 
 
-def train_two_steps(output_dir: Path, *extra: str) -> str:
-    """One CPU rank, two tiny steps through `ntl-pretrain train`; stdout and stderr together, as a terminal shows."""
-    command = [sys.executable, "-m", "ntl_pretrain.cli", "train", str(TINY), "--nproc", "1",
-               f"train.output_dir={output_dir}", "train.max_steps=2", "data.seq_len=32", "train.micro_batch_size=2",
-               "train.global_batch_size=2", "train.eval_every_steps=null", *extra]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:]
-    assert sorted(records(output_dir)) == [1, 2]
-    return done.stdout
+@pytest.fixture(scope="module")
+def unattended(tmp_path_factory) -> tuple[Path, str]:
+    return unattended_run(tmp_path_factory)
+
+
+def ours(console: str) -> list[str]:
+    return [line.removeprefix("ntl-pretrain: ") for line in console.splitlines() if line.startswith("ntl-pretrain: ")]
 
 
 @pytest.mark.slow
-def test_default_console_is_quiet_and_verbose_shows_everything(tmp_path):
-    quiet = train_two_steps(tmp_path / "quiet")
-    assert f"ntl-pretrain: {tmp_path / 'quiet'}: starting from scratch" in quiet
-    assert "2/2" in quiet  # the progress bar
-    assert "[INFO]" not in quiet and "FutureWarning" not in quiet and "[WARNING]" not in quiet, quiet
+def test_unattended_console_starts_with_the_runs_shape(unattended):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    verbose = train_two_steps(tmp_path / "verbose", "logging.verbose=true")
+    output_dir, console = unattended
+    config = AutoConfig.from_pretrained(output_dir / "checkpoints" / "step_4" / "hf_config")
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert ours(console)[:2] == [
+        f"{output_dir}: starting from scratch; attention sdpa; AdamW default",
+        f"{parameters:,} parameters; world size 1; micro-batch 2, global batch 4 sequences (gradient accumulation 2); "
+        "128 tokens per step (32 per sequence); precision fp32",
+    ]
+    assert "[INFO]" not in console and "FutureWarning" not in console and "[WARNING]" not in console, console
+
+
+@pytest.mark.slow
+def test_unattended_console_prints_plain_steps_and_evaluations_as_they_come(unattended):
+    output_dir, console = unattended
+    steps, validation = records(output_dir), records(output_dir, "validation")
+    assert "\r" not in console  # no progress bar redrawn into the log
+    printed = [line for line in ours(console)[2:] if line.startswith("step ")]
+
+    def step_line(step: int) -> str:
+        r = steps[step]
+        return (f"step {step}/4 loss {r['loss']:.4f} ce {r['ce']:.4f} ntl {r['ntl']:.4f} lr {r['lr']:.3g} "
+                f"{r['tokens_per_s']:,.0f} tok/s mem {r['peak_mem_mib']:,.0f} MiB")  # fmt: skip
+
+    def validation_line(step: int) -> str:
+        r = validation[step]
+        return (f"step {step} validation: loss {r['val_loss']:.4f}, ce {r['val_ce']:.4f}, ntl {r['val_ntl']:.4f}, "
+                f"number_ce {r['val_number_ce']:.4f}, over {r['val_tokens']:,} tokens")  # fmt: skip
+
+    # the first step, every 3rd, the last; each validation right after its step
+    assert printed == [step_line(1), validation_line(2), step_line(3), step_line(4), validation_line(4)]
+
+
+@pytest.mark.slow
+def test_unattended_console_ends_with_a_summary_whose_export_command_works(unattended, tmp_path):
+    output_dir, console = unattended
+    last, validation = records(output_dir)[4], records(output_dir, "validation")[4]
+    done, throughput, where, export = ours(console)[-4:]
+    assert done == (f"done: step 4 of 4; train loss {last['loss']:.4f} (ce {last['ce']:.4f}, ntl {last['ntl']:.4f}), "
+                    f"validation loss {validation['val_loss']:.4f} (ce {validation['val_ce']:.4f}, ntl "
+                    f"{validation['val_ntl']:.4f})")  # fmt: skip
+    peak = max(record["peak_mem_mib"] for record in records(output_dir).values())
+    assert re.fullmatch(rf"{last['tokens']:,} tokens in 0m\d\ds \([\d,]+ tokens/s\); peak memory {peak:,.0f} MiB",
+                        throughput), throughput  # fmt: skip
+    checkpoint = output_dir / "checkpoints" / "step_4"
+    assert where == f"checkpoint {checkpoint}; metrics {output_dir / 'metrics.jsonl'}"
+    command = shlex.split(export.removeprefix("export to a Hugging Face folder: "))
+    assert command[:2] == ["ntl-pretrain", "export"] and command[2] == str(checkpoint)
+    exported = subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", *command[1:3], str(tmp_path / "hf")],
+                              cwd=REPO, env=as_a_user_runs_it(), check=True, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    assert exported.stdout == f"{tmp_path / 'hf'}\n"  # the folder only: DeepSpeed's lines went to stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_verbose_console_shows_the_launcher_and_deprecations(tmp_path):
+    verbose = train_one_rank(tmp_path / "verbose", "logging.verbose=true")
     assert "[INFO] [launch.py" in verbose and "[WARNING] [runner.py" in verbose
     assert f"FutureWarning: {DEPRECATION}" in verbose
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+STEP = {"loss": 2.0, "ce": 1.5, "ntl": 1.0, "lr": 1e-3, "tokens_per_s": 1000.0, "peak_mem_mib": 10.0, "tokens": 64}
+
+
+def test_a_terminal_gets_the_bar_and_lines_above_it():
+    terminal = Terminal()
+    console = RunConsole(enabled=True, total_steps=2, first_step=0, first_tokens=0, progress_bar=True, every_steps=1,
+                         stream=terminal)  # fmt: skip
+    console.step({**STEP, "step": 1})
+    console.say("between steps")
+    console.close_bar()
+    shown = terminal.getvalue()
+    assert "1/2" in shown and "\r" in shown and "ntl-pretrain: between steps\n" in shown
+    assert "ntl-pretrain: step 1/2" not in shown  # the bar carries the step's fields instead
+
+
+def test_plain_lines_when_the_bar_is_off_and_nothing_on_other_ranks():
+    terminal = Terminal()
+    console = RunConsole(enabled=True, total_steps=5, first_step=2, first_tokens=0, progress_bar=False, every_steps=0,
+                         stream=terminal)  # fmt: skip
+    for step in (3, 4, 5):
+        console.step({**STEP, "step": step})
+    assert [line.split(" loss")[0] for line in terminal.getvalue().splitlines()] == [
+        "ntl-pretrain: step 3/5",  # the first step of a resumed run
+        "ntl-pretrain: step 5/5",
+    ]
+    silent = io.StringIO()
+    other_rank = RunConsole(enabled=False, total_steps=1, first_step=0, first_tokens=0, progress_bar=True,
+                            every_steps=1, stream=silent)  # fmt: skip
+    other_rank.step({**STEP, "step": 1})
+    other_rank.say("rank 0 only")
+    other_rank.summary(Path("c"), Path("o"))
+    assert silent.getvalue() == ""
+
+
+def test_stop_line_names_the_saved_step_only_after_a_save(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    assert stop_line(tmp_path, 10) is None
+    metrics.write_text('{"step": 3, "loss": 1.0}\n{"step": 3, "split": "stop", "signal": "SIGINT"}\n')
+    assert stop_line(tmp_path, 10) == "stopped at step 3 of 10 with a checkpoint; run the same command to continue"
+    metrics.write_text('{"step": 3, "loss": 1.0}\n')  # stopped before its save was done
+    assert stop_line(tmp_path, 10) is None
 
 
 @pytest.fixture

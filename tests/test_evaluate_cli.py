@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from launches import REPO, as_a_user_runs_it, unattended_run
 from test_evaluate_generation import TINY_TOKENIZER, greedy_one_by_one, tiny_model
 
 from ntl_pretrain.data.config import SourceConfig
@@ -50,6 +53,25 @@ def test_eval_command_on_an_hf_folder(tmp_path: Path) -> None:
     assert [a["generated"] for a in answers] == unbatched
     assert sum(a["exact"] for a in answers) / 6 == record["eval/arithmetic_interpolation/exact_match"]
     assert sum(a["parsed"] is None for a in answers) / 6 == record["eval/arithmetic_interpolation/unparseable"]
+
+
+@pytest.mark.slow
+def test_eval_stdout_is_the_json_record_only_for_every_target_kind(tmp_path_factory) -> None:
+    """`ntl-pretrain eval TARGET | python -m json.tool` works: DeepSpeed's accelerator warning and its checkpoint
+    reader's lines go to stderr, for a run directory (its checkpoint exported first) as for an HF folder."""
+    run_dir, _ = unattended_run(tmp_path_factory)
+    step_folder, hf = run_dir / "checkpoints" / "step_4", tmp_path_factory.mktemp("eval_stdout") / "hf"
+    subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "export", str(step_folder), str(hf)], cwd=REPO,
+                   env=as_a_user_runs_it(), check=True, capture_output=True)  # fmt: skip
+    flags = ["--max-examples", "2", "--max-new-tokens", "2", "--max-validation-batches", "1"]
+    for target, validated in ((run_dir, True), (step_folder, True), (hf, False)):
+        done = subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "eval", str(target), *flags], cwd=REPO,
+                              env=as_a_user_runs_it(), capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert done.stdout.count("\n") == 1, done.stdout
+        record = json.loads(done.stdout)
+        assert record["model"] == str(target) and ("val_ce" in record) == validated
+        assert ("Processing zero checkpoint" in done.stderr) == validated  # said, on stderr
 
 
 def test_targets_resolve_to_folders_or_checkpoints(tmp_path: Path) -> None:

@@ -155,6 +155,9 @@ def test_sigterm_saves_stops_with_code_75_and_the_same_command_continues(uninter
     root = output_dir / "checkpoints"
     assert (root / "latest").read_text() == f"step_{stopped_at}" and (root / f"step_{stopped_at}").is_dir()
     assert records(output_dir, "stop")[stopped_at]["signal"] == "SIGTERM"
+    last_line = f"ntl-pretrain: stopped at step {stopped_at} of {STEPS} with a checkpoint; run the same command to " \
+        f"continue (exit code {EXIT_STOPPED})"  # fmt: skip
+    assert log.read_text().splitlines()[-1] == last_line  # after the launcher's own lines
 
     run_to_end(argv, log)
     assert_same_losses(output_dir, uninterrupted, range(stopped_at + 1, STEPS + 1))

@@ -119,8 +119,7 @@ def test_wandb_is_imported_only_when_asked_and_gets_numeric_records(tmp_path, mo
             calls.append(("finish",))
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: calls.append(kw) or FakeRun()))
-    logger = MetricsLogger(str(tmp_path), enabled=True, total_steps=2, first_step=0, progress_bar=False,
-                           wandb_settings={"project": "p", "mode": "offline"})  # fmt: skip
+    logger = MetricsLogger(str(tmp_path), enabled=True, wandb_settings={"project": "p", "mode": "offline"})
     logger.log({"step": 1, "loss": 2.5, "mfu": None, "split": "validation", "grad_norm": float("nan")})
     logger.close()
     assert calls[0] == {"project": "p", "mode": "offline"} and calls[-1] == ("finish",)
@@ -133,10 +132,8 @@ def test_wandb_is_imported_only_when_asked_and_gets_numeric_records(tmp_path, mo
 def test_wandb_missing_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(RuntimeError, match=r"ntl_pretrain\[wandb\]"):
-        MetricsLogger(str(tmp_path), enabled=True, total_steps=1, first_step=0, progress_bar=False,
-                      wandb_settings={"project": "p"})  # fmt: skip
-    disabled = MetricsLogger(str(tmp_path / "none"), enabled=False, total_steps=1, first_step=0, progress_bar=True,
-                             wandb_settings={"project": "p"})  # fmt: skip
+        MetricsLogger(str(tmp_path), enabled=True, wandb_settings={"project": "p"})
+    disabled = MetricsLogger(str(tmp_path / "none"), enabled=False, wandb_settings={"project": "p"})
     disabled.log({"step": 1})  # other ranks: nothing written, nothing imported
     assert not (tmp_path / "none").exists()
 

@@ -2,7 +2,8 @@
 
 Single process, or one process per device under `torchrun` / `deepspeed` (each rank holds the whole model and
 answers its share; sums are all-reduced). Prints one JSON record; `--log-metrics` also appends it to the run's
-metrics.jsonl so that `ntl-pretrain plot` shows it beside the training curves.
+metrics.jsonl so that `ntl-pretrain plot` shows it beside the training curves. stdout carries that record only
+(`ntl-pretrain eval RUN | python -m json.tool` works); progress and library messages go to stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.checkpoint import verify_before_reading
+from ntl_pretrain.console import stdout_to_stderr
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
@@ -205,9 +207,10 @@ def run_eval(args: argparse.Namespace) -> int:
         bind_local_device()
         dist.init_process_group(default_backend())
     try:
-        record = evaluate_target(
-            args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention
-        )
+        with stdout_to_stderr():  # stdout carries the record only
+            record = evaluate_target(
+                args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention
+            )
         if not distributed or dist.get_rank() == 0:
             _publish(record, args)
     finally:

@@ -1,0 +1,181 @@
+"""What rank 0 of a training run prints: a start-up line, progress, evaluation records as they are computed, and an
+end-of-run summary. Everything goes to stderr, each line starting `ntl-pretrain: `; stdout stays free for data.
+
+Progress: on a terminal with `logging.progress_bar: true`, a tqdm bar. Anywhere else (Slurm logs, `nohup`, a pipe),
+or with the bar off, a plain line every `logging.console_every_steps` steps, plus the first and last step: a bar
+redrawn into a file becomes one line of tens of thousands of characters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
+
+PREFIX = "ntl-pretrain: "
+VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce")
+
+
+def startup_line(parameters: int, world_size: int, micro_batch: int, global_batch: int, grad_accum: int,
+                 seq_len: int, precision: str) -> str:  # fmt: skip
+    """The run's shape: what a reader of the log needs to judge its speed and memory figures."""
+    return (f"{parameters:,} parameters; world size {world_size}; micro-batch {micro_batch}, global batch "
+            f"{global_batch} sequences (gradient accumulation {grad_accum}); {global_batch * seq_len:,} tokens per "
+            f"step ({seq_len} per sequence); precision {precision}")  # fmt: skip
+
+
+def step_fields(record: dict) -> str:
+    """The fields of a training step, shared by the bar and the plain lines."""
+    return (f"loss {record['loss']:.4f} ce {record['ce']:.4f} ntl {record['ntl']:.4f} lr {record['lr']:.3g} "
+            f"{record['tokens_per_s']:,.0f} tok/s mem {record['peak_mem_mib']:,.0f} MiB")  # fmt: skip
+
+
+def evaluation_line(record: dict) -> str:
+    """A validation record (loss, CE, NTL, number CE) or a generation-eval record (every metric of every set)."""
+    if record["split"] == "validation":
+        fields = [f"{key.removeprefix('val_')} {record[key]:.4f}" for key in VALIDATION_FIELDS if key in record]
+        fields.append(f"over {record['val_tokens']:,} tokens")
+    else:
+        fields = [f"{key.removeprefix('eval/')} {value:.4g}" for key, value in record.items()
+                  if key.startswith("eval/") and isinstance(value, (int, float))]  # fmt: skip
+    return f"step {record['step']} {record['split']}: " + ", ".join(fields)
+
+
+def stop_line(output_dir: Path, total_steps: int) -> str | None:
+    """What the supervising process prints last after the ranks stopped on a signal (after the launcher's own lines):
+    the step they saved, from the `stop` record rank 0 wrote last; None when they stopped without saving."""
+    metrics = output_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    last = json.loads(lines[-1]) if lines else {}
+    if last.get("split") != "stop":
+        return None
+    return f"stopped at step {last['step']} of {total_steps} with a checkpoint; run the same command to continue"
+
+
+def failure_log(output_dir: Path, rank: int) -> Path:
+    return output_dir / "logs" / f"failure-rank{rank}.log"
+
+
+def failure_line(where: str, error: BaseException, output_dir: Path, rank: int, saved_step: int | None) -> str:
+    """One line naming what failed inside a run and where its traceback is; the line heads the log file, so that
+    `ntl-pretrain train` can repeat it after the launcher's own lines (`last_failure_line`)."""
+    log = failure_log(output_dir, rank)
+    saved = "none saved yet" if saved_step is None else f"step_{saved_step}"
+    line = f"{where}: {type(error).__name__}: {first_line(error)}; traceback in {log}; checkpoints ({saved}) and " \
+        "metrics.jsonl are intact"  # fmt: skip
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(line + "\n\n" + "".join(traceback.format_exception(error)))
+    return line
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def last_failure_line(output_dir: Path, since: float) -> str | None:
+    """The line of the rank that failed first, among the failure logs written since `since` (a time.time())."""
+    logs = [log for log in (output_dir / "logs").glob("failure-rank*.log") if log.stat().st_mtime >= since]
+    if not logs:
+        return None
+    return min(logs, key=lambda log: log.stat().st_mtime).read_text().splitlines()[0]
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """For commands whose stdout is data (`eval`'s JSON, `export`'s folder): whatever is written to stdout inside goes
+    to stderr. At the file-descriptor level, because DeepSpeed's logger keeps the stdout stream it found at import
+    and its checkpoint reader prints."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+class RunConsole:
+    """Rank 0 prints; on other ranks every method does nothing, so call sites need no rank checks."""
+
+    def __init__(self, *, enabled: bool, total_steps: int, first_step: int, first_tokens: int, progress_bar: bool,
+                 every_steps: int, stream: TextIO | None = None):  # fmt: skip
+        self.enabled, self.total_steps, self.every_steps = enabled, total_steps, every_steps
+        self.stream = stream or sys.stderr
+        # The summary's throughput counts this session only (a resumed run started at `first_step`).
+        self.first_step, self.first_tokens, self.started = first_step, first_tokens, time.monotonic()
+        self.last_train: dict | None = None
+        self.last_validation: dict | None = None
+        self.peak_mem_mib = 0.0
+        use_bar = enabled and progress_bar and self.stream.isatty()
+        bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, file=self.stream) if use_bar else None
+        self.bar = bar
+
+    def say(self, message: str) -> None:
+        """One line of its own, above the bar when there is one."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(PREFIX + message, file=self.stream)
+        else:
+            print(PREFIX + message, file=self.stream, flush=True)
+
+    def step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.last_train = record
+        self.peak_mem_mib = max(self.peak_mem_mib, record["peak_mem_mib"])
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(step_fields(record), refresh=False)
+            return
+        step = record["step"]
+        due = self.every_steps and step % self.every_steps == 0
+        if due or step in (self.first_step + 1, self.total_steps):
+            self.say(f"step {step}/{self.total_steps} {step_fields(record)}")
+
+    def evaluated(self, record: dict) -> None:
+        if record["split"] == "validation":
+            self.last_validation = record
+        self.say(evaluation_line(record))
+
+    def summary(self, checkpoint: Path, output_dir: Path) -> None:
+        """After the last step: final losses, throughput, memory, where the results are, and how to export."""
+        if not self.enabled or self.last_train is None:
+            return
+        self.close_bar()
+        train, seconds = self.last_train, time.monotonic() - self.started
+        tokens = train["tokens"] - self.first_tokens
+        losses = f"train loss {train['loss']:.4f} (ce {train['ce']:.4f}, ntl {train['ntl']:.4f})"
+        if self.last_validation is not None:
+            validation = self.last_validation
+            losses += f", validation loss {validation['val_loss']:.4f} (ce {validation['val_ce']:.4f}, ntl " \
+                f"{validation['val_ntl']:.4f})"  # fmt: skip
+        export = shlex.join(["ntl-pretrain", "export", str(checkpoint), str(output_dir / "export")])
+        self.say(f"done: step {train['step']} of {self.total_steps}; {losses}")
+        self.say(f"{tokens:,} tokens in {duration(seconds)} ({tokens / max(seconds, 1e-9):,.0f} tokens/s); peak "
+                 f"memory {self.peak_mem_mib:,.0f} MiB")  # fmt: skip
+        self.say(f"checkpoint {checkpoint}; metrics {output_dir / 'metrics.jsonl'}")
+        self.say(f"export to a Hugging Face folder: {export}")
+
+    def close_bar(self) -> None:
+        """End the bar's line, so that what follows starts on a line of its own."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
