@@ -31,6 +31,7 @@ def check_world(recipe: Recipe, master_port: int | None) -> None:
     check_positions(recipe)
     check_model(recipe, model_config(recipe), tokenizer)
     check_attention(recipe)
+    check_optional_packages(recipe)
     check_device(recipe.train.device)
     check_output_dir(recipe.train.output_dir)
     check_master_port(master_port)
@@ -179,6 +180,19 @@ def check_attention(recipe: Recipe) -> None:
     if not torch.cuda.is_available():
         raise RecipeError("model.attention: flash_attention_2 runs on CUDA GPUs and this machine has none visible; "
                           "use auto or sdpa")  # fmt: skip
+
+
+def check_optional_packages(recipe: Recipe) -> None:
+    """The extras a recipe asks for, found before launch: without wandb every rank failed at its first log, minutes
+    in. (flash-attn: `check_attention`; zstandard and datasets, for `.zst` and parquet/arrow/hub sources, are
+    dependencies of the package itself.)"""
+    if recipe.logging.wandb and not installed("wandb"):
+        raise RecipeError("logging.wandb: true needs the wandb package, which is not installed: pip install "
+                          "'ntl_pretrain[wandb]' (or set logging.wandb=false)")  # fmt: skip
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 def check_device(device: str) -> None:

@@ -2,15 +2,20 @@
 
 A model's continuation may carry a sign, a decimal point, thousands separators and trailing words
 ("-1,234.50 apples."). The answer is the first number in the text; everything after it is ignored.
+A Q/A file's reference answers are read by the same rules, but must be one number and nothing else ("62,417",
+"-3.5", "+7"); anything else ("1e3", "about 5", "") is refused, naming the file, line and value, before any run
+or evaluation starts (`check_qa_file`).
 Values are kept as `Decimal` so that exact match is exact ("12.50" equals "12.5", 0.1 + 0.2 is not a problem).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
 # Sign (ASCII or Unicode minus), then either digits grouped by commas in threes or a plain run of digits,
 # then an optional fraction; a bare fraction (".5") is a number too. A comma not followed by exactly three
@@ -28,16 +33,56 @@ MINUS_SIGNS = ("-", "\u2212")
 def parse_answer(text: str) -> Decimal | None:
     """The first number in `text`, or None when there is none."""
     for match in NUMBER.finditer(text):
-        integer, fraction = match.group("integer"), match.group("fraction")
-        if integer is None and fraction is None:
-            continue
-        digits = (integer or "0").replace(",", "") + ("." + fraction if fraction else "")
-        try:
-            value = Decimal(digits)
-        except InvalidOperation:
-            continue
-        return -value if match.group("sign") in MINUS_SIGNS else value
+        value = _value(match)
+        if value is not None:
+            return value
     return None
+
+
+def parse_reference(text: str) -> Decimal:
+    """A reference answer: exactly one number, read as `parse_answer` reads one; ValueError otherwise."""
+    match = NUMBER.fullmatch(text.strip())
+    value = None if match is None else _value(match)
+    if value is None:
+        raise ValueError(f"answer {text!r} is not a number (digits, optionally a sign, thousands commas and a "
+                         f"decimal point, as in -1,234.5)")  # fmt: skip
+    return value
+
+
+def _value(match: re.Match) -> Decimal | None:
+    integer, fraction = match.group("integer"), match.group("fraction")
+    if integer is None and fraction is None:
+        return None
+    digits = (integer or "0").replace(",", "") + ("." + fraction if fraction else "")
+    try:
+        value = Decimal(digits)
+    except InvalidOperation:
+        return None
+    return -value if match.group("sign") in MINUS_SIGNS else value
+
+
+def read_qa_file(path: Path, max_examples: int | None = None) -> list[tuple[str, str]]:
+    """The first `max_examples` (question, answer) records of a jsonl Q/A file, in file order; a record that is not
+    `{"question": ..., "answer": <one number>}` raises ValueError naming the file, line and value."""
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if max_examples is not None and len(records) == max_examples:
+                break
+            if line.strip():
+                records.append(_qa_record(line, f"{path} line {number}"))
+    return records
+
+
+def _qa_record(line: str, where: str) -> tuple[str, str]:
+    try:
+        record = json.loads(line)
+        question, answer = str(record["question"]), str(record["answer"])
+        parse_reference(answer)
+    except (ValueError, TypeError, KeyError) as error:
+        reason = f"no {error} field" if isinstance(error, KeyError) else str(error)
+        raise ValueError(f"{where}: {reason}") from None
+    return question, answer
 
 
 def place_digits(value: Decimal) -> dict[int, str]:
@@ -76,7 +121,7 @@ def error_profile(records: list[dict]) -> dict[str, float]:
             continue
         if record["parsed"] is None:
             continue
-        got, want = Decimal(record["parsed"]), Decimal(record["answer"])
+        got, want = Decimal(record["parsed"]), parse_reference(record["answer"])
         if got != got.to_integral_value() or want != want.to_integral_value():
             continue
         got_last, want_last = place_digits(got)[0], place_digits(want)[0]

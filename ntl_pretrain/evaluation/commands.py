@@ -157,6 +157,8 @@ def eval_config_from_args(args: argparse.Namespace, from_run: EvalConfig | None 
     )
     if args.qa:
         cfg = replace(cfg, qa_sets=[QaSetConfig(path=path) for path in args.qa])
+        for qa in cfg.qa_sets:
+            qa.check()  # every reference answer reads as a number, before the model is loaded
     if args.validation:
         sources = [SourceConfig(path=path, template=args.template) for path in args.validation]
         cfg = replace(cfg, validation=sources)

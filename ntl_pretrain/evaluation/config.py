@@ -13,17 +13,24 @@ CORPUS = "pkg:ntl_pretrain/corpus"
 @dataclass
 class QaSetConfig:
     path: str = ""
-    """jsonl of `{"question": str, "answer": str}` records (`pkg:` paths allowed)."""
+    """jsonl of `{"question": str, "answer": str}` records (`pkg:` paths allowed); each answer one number (signs,
+    thousands commas and decimals allowed), checked when the recipe is loaded."""
     name: str | None = None
     """Metric prefix; null = `<folder>_<file stem>`, e.g. `arithmetic_interpolation`."""
 
     def check(self) -> None:
         if not self.path:
             raise ValueError("path: required")
+        from ntl_pretrain.evaluation.answers import read_qa_file
         from ntl_pretrain.tokenizer import resolve_path
 
-        if not resolve_path(self.path).is_file():
+        path = resolve_path(self.path)
+        if not path.is_file():
             raise ValueError(f"path: no such file {self.path!r}")
+        try:
+            read_qa_file(path)  # a bad reference would otherwise fail the first generation eval, deep into a run
+        except ValueError as error:
+            raise ValueError(f"path: {error}") from None
 
     @property
     def label(self) -> str:

@@ -17,7 +17,6 @@ Shapes: B prompts in a batch, P padded prompt length, N = P + generated tokens.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from decimal import Decimal
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ntl_pretrain.evaluation.answers import digit_matches, parse_answer
+from ntl_pretrain.evaluation.answers import digit_matches, parse_answer, parse_reference, read_qa_file
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.tokenizer import resolve_path
 
@@ -52,7 +51,7 @@ class QaExample:
 
     @property
     def answer_value(self) -> Decimal:
-        return Decimal(self.answer)
+        return parse_reference(self.answer)
 
 
 @dataclass(frozen=True)
@@ -64,15 +63,7 @@ class Answered:
 
 def load_qa_set(qa: QaSetConfig, max_examples: int | None) -> list[QaExample]:
     """The first `max_examples` records of a jsonl Q/A file, in file order."""
-    examples = []
-    with resolve_path(qa.path).open(encoding="utf-8") as lines:
-        for line in lines:
-            if max_examples is not None and len(examples) == max_examples:
-                break
-            if line.strip():
-                record = json.loads(line)
-                examples.append(QaExample(str(record["question"]), str(record["answer"])))
-    return examples
+    return [QaExample(question, answer) for question, answer in read_qa_file(resolve_path(qa.path), max_examples)]
 
 
 def score(answered: list[Answered]) -> torch.Tensor:
@@ -249,7 +240,7 @@ def answer_records(answered: dict[str, list[Answered]]) -> list[dict]:
             "answer": item.example.answer,
             "generated": item.generated,
             "parsed": None if item.parsed is None else str(item.parsed),
-            "exact": item.parsed is not None and item.parsed == Decimal(item.example.answer),
+            "exact": item.parsed is not None and item.parsed == item.example.answer_value,
         }
         for label, answers in answered.items()
         for item in answers
