@@ -16,7 +16,7 @@ from launches import REPO, RUNNER, environment
 
 from ntl_pretrain.doctor import loss_checks
 from ntl_pretrain.doctor.collectives import collectives_check
-from ntl_pretrain.doctor.report import merge_ranks
+from ntl_pretrain.doctor.report import Check, merge_ranks, table
 
 pytestmark = pytest.mark.slow
 ROWS = ["environment", "all-reduce cpu", "all-reduce bandwidth", "loss fused float32", "loss fused bfloat16",
@@ -94,3 +94,11 @@ def planted_faults() -> None:
 def test_a_planted_fault_fails_its_check_and_names_the_rank():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_distributed(planted_faults, 2)
+
+
+def test_the_summary_counts_skipped_checks_apart_and_says_why():
+    checks = [Check("a", True, "1 s"), Check("b", None, "no GPU"), Check("c", True, "2 s"), Check("d", None, "quick")]
+    assert table(checks).splitlines()[-1] == "2 passed, 2 skipped (b: no GPU; d: quick) of 4 checks"
+    checks.append(Check("e", False, "wrong sum"))
+    assert table(checks).splitlines()[-1] == "1 failed, 2 passed, 2 skipped (b: no GPU; d: quick) of 5 checks"
+    assert table(checks[:1]).splitlines()[-1] == "1 passed of 1 checks"

@@ -51,9 +51,19 @@ def table(checks: list[Check]) -> str:
     width = max(len(check.name) for check in checks)
     lines = [f"{'check':<{width}}  {'':4}  figure", f"{'-' * width}  ----  ------"]
     lines += [f"{check.name:<{width}}  {check.status:<4}  {check.figure}" for check in checks]
-    failed = sum(check.ok is False for check in checks)
-    lines.append(f"{failed} of {len(checks)} checks failed" if failed else f"all {len(checks)} checks passed")
+    lines.append(summary_line(checks))
     return "\n".join(lines)
+
+
+def summary_line(checks: list[Check]) -> str:
+    """`11 passed, 3 skipped (name: why; ...)`, failures first: "all passed" would hide what was not checked."""
+    counts = {status: sum(check.status == status for check in checks) for status in ("FAIL", "ok", "skip")}
+    parts = [f"{counts['FAIL']} failed"] if counts["FAIL"] else []
+    parts.append(f"{counts['ok']} passed")
+    skipped = [f"{check.name}: {check.figure}" for check in checks if check.status == "skip"]
+    if skipped:
+        parts.append(f"{len(skipped)} skipped ({'; '.join(skipped)})")
+    return f"{', '.join(parts)} of {len(checks)} checks"
 
 
 def write_json(checks: list[Check], path: Path, world_size: int) -> None:
