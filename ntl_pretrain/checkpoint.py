@@ -10,7 +10,8 @@ falls back to the newest checkpoint that verifies, an explicit path that fails s
 
 Each published folder also holds what export needs without the recipe: `hf_config/` (config.json),
 `tokenizer/` and `recipe.yaml`; every rank's data-loader and RNG state (`rank_state/rank_<r>.pt`); with a
-vocabulary-parallel output layer, every rank's slice (`vocab_parallel/`).
+vocabulary-parallel output layer, every rank's slice (`vocab_parallel/`). Beside them, `zero_to_fp32.py` (and
+`zero_to_torch.py`) convert a checkpoint to an HF folder with DeepSpeed's command line.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def save(
     if rank == 0:
         _publish(root, temp.name, tag)
         _prune(root, root / tag, keep_last)
+        _replace_recovery_scripts(root)
     dist.barrier()
     return root / tag
 
@@ -206,6 +208,15 @@ def _previous(root: Path) -> str:
     if previous is None:
         return "there is no earlier checkpoint"
     return f"the previous checkpoint {previous.name} is untouched and `latest` still names it"
+
+
+def _replace_recovery_scripts(root: Path) -> None:
+    """DeepSpeed's `zero_to_fp32.py` / `zero_to_torch.py` beside the checkpoints would write the trainer module's
+    state dict; ours write an HF folder from the same command lines (`ntl_pretrain/zero_to_fp32.py`)."""
+    script = Path(__file__).with_name("zero_to_fp32.py")
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        shutil.copyfile(script, root / name)
+        (root / name).chmod(0o755)
 
 
 def _publish(root: Path, temp_tag: str, tag: str) -> None:

