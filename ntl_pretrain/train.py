@@ -74,6 +74,7 @@ def quiet_console(rank: int) -> None:
     warnings.simplefilter("ignore")
     set_log_level_from_string("error", deepspeed_logger)
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()  # rank 0's "Loading weights" bar is the one shown
 
 
 def init_distributed(timeout_s: int = TrainConfig.dist_timeout_seconds) -> None:

@@ -159,6 +159,7 @@ def restored_console():
     for logger_or_handler in (deepspeed_logger, *deepspeed_logger.handlers):  # DeepSpeed sets both alike
         logger_or_handler.setLevel(deepspeed_level)
     transformers_logging.set_verbosity(transformers_level)
+    transformers_logging.enable_progress_bar()
 
 
 def test_rank_0_hides_only_the_deprecated_collectives(restored_console):
@@ -178,3 +179,4 @@ def test_other_ranks_show_errors_only(restored_console):
     assert shown == []
     assert restored_console.getEffectiveLevel() == logging.ERROR
     assert transformers_logging.get_verbosity() == logging.ERROR
+    assert not transformers_logging.is_progress_bar_enabled()  # no loading bar beside rank 0's
