@@ -55,19 +55,32 @@ def evaluate_target(
     target = resolve_target(path)
     with tempfile.TemporaryDirectory(prefix="ntl-eval-") as scratch:
         if target.hf_folder is None:
+            _say(f"exporting {target.checkpoint} to a temporary HF folder")
             target = _export_on_rank0(target, Path(scratch))
         model, tokenizer = _load(target.hf_folder)
         record: dict = {"step": target.step, "split": "eval", "model": str(path)}
         data = _validation_data(target, cfg, seq_len, per_document_attention)
         if data is not None:
+            _say(f"validating on {', '.join(source.label for source in data.validation)}")
             record.update(validation_metrics(model, tokenizer, data.validation, seq_len=data.seq_len,
                                              max_batches=cfg.max_validation_batches, ntl_kind=ntl_kind,
                                              per_document_attention=data.per_document_attention))  # fmt: skip
-        answered = answer_sets(model, tokenizer, cfg)
+        _say(f"answering {', '.join(qa.label for qa in cfg.qa_sets)} (greedy, batches of {cfg.batch_size})")
+        answered = answer_sets(model, tokenizer, cfg, progress=_is_rank0())
         record.update(summarise_sets(answered))
         if answers_out is not None:
             _write_answers(gather_answers(answered), answers_out)
     return record
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _say(message: str) -> None:
+    """Progress on stderr, rank 0 only: stdout carries the record."""
+    if _is_rank0():
+        print(f"ntl-pretrain: eval: {message}", file=sys.stderr, flush=True)
 
 
 def _write_answers(answered: dict, path: Path) -> None:

@@ -18,11 +18,13 @@ Shapes: B prompts in a batch, P padded prompt length, N = P + generated tokens.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from decimal import Decimal
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ntl_pretrain.evaluation.answers import digit_matches, parse_answer, parse_reference, read_qa_file
@@ -164,16 +166,21 @@ def _until_eos(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def answer_rank_share(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[QaExample], cfg: EvalConfig
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[QaExample],
+    cfg: EvalConfig,
+    progress: str | None = None,
 ) -> list[Answered]:
-    """This rank's examples (every world-th), answered in equally many batches on every rank."""
+    """This rank's examples (every world-th), answered in equally many batches on every rank; `progress`: show a
+    bar on stderr with this label."""
     rank, world = _rank_and_world()
     mine = examples[rank::world]
     per_rank = -(-len(examples) // world)
     filler = [examples[0]] * (per_rank - len(mine)) if examples else []  # answered for lockstep, then dropped
     padded = mine + filler
     generated = []
-    for start in range(0, per_rank, cfg.batch_size):
+    for start in tqdm(range(0, per_rank, cfg.batch_size), desc=progress, disable=progress is None, file=sys.stderr):
         batch = padded[start : start + cfg.batch_size]
         prompts = [cfg.prompt_template.format(question=example.question) for example in batch]
         generated += generate_batch(model, tokenizer, prompts, cfg, synced=world > 1)
@@ -191,15 +198,18 @@ def generation_metrics(
 
 
 def answer_sets(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig, progress: bool = False
 ) -> dict[str, list[Answered]]:
-    """This rank's answers (every world-th question) to every Q/A set of `cfg`, by set label; call on every rank."""
+    """This rank's answers (every world-th question) to every Q/A set of `cfg`, by set label; call on every rank.
+    `progress`: a bar per set on stderr (`ntl-pretrain eval`'s rank 0; the trainer prints its own lines)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             return {
-                qa.label: answer_rank_share(model, tokenizer, load_qa_set(qa, cfg.max_examples), cfg)
+                qa.label: answer_rank_share(
+                    model, tokenizer, load_qa_set(qa, cfg.max_examples), cfg, qa.label if progress else None
+                )
                 for qa in cfg.qa_sets
             }
     finally:
