@@ -43,6 +43,9 @@ def test_one_process_passes_on_cpu(tmp_path):
     assert "1 rank(s), fp32, attention sdpa, AdamW default" in checks["train"]["figure"]
     assert checks["train resume"]["detail"]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
     assert max(checks["export"]["detail"].values()) < 1e-5
+    progress = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("ntl-pretrain")]
+    assert progress[:5] == [f"ntl-pretrain doctor: running the {name} checks"
+                            for name in ("environment", "collectives", "loss", "speed", "train")]  # fmt: skip
 
 
 def test_two_ranks_pass_on_cpu_and_check_the_vocabulary_parallel_loss(tmp_path):

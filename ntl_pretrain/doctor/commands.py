@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,18 +66,26 @@ def node_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) 
     """The training checks, run by each node's first rank; the node's other ranks report them as run there."""
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return [Check(name, None, "run by the node's local rank 0") for name in (*TRAIN_ROWS, "throughput")]
-    checks = guarded("train", lambda: train_checks(device, work_dir, args.recipe))
+    checks = announced("train", lambda: train_checks(device, work_dir, args.recipe))
     checks += [Check(name, False, "not run: training failed") for name in TRAIN_ROWS[len(checks) :]]
     if args.quick:
         return [*checks, Check("throughput", None, "--quick")]
-    return [*checks, *guarded("throughput", lambda: [throughput_check(device, work_dir, args.recipe)])]
+    return [*checks, *announced("throughput", lambda: [throughput_check(device, work_dir, args.recipe)])]
+
+
+def announced(name: str, run: Callable[[], list[Check]]) -> list[Check]:
+    """`guarded`, after a line on stderr saying which checks start (rank 0): together they take minutes, and the
+    table comes only at the end."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"ntl-pretrain doctor: running the {name} checks", file=sys.stderr, flush=True)
+    return guarded(name, run)
 
 
 def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -> list[Check]:
-    checks = guarded("environment", lambda: environment_check(device))
-    checks += guarded("collectives", lambda: collectives_check(device, args.quick))
-    checks += guarded("loss", lambda: loss_check(device))
-    checks += guarded("speed", lambda: speed_check(device))
+    checks = announced("environment", lambda: environment_check(device))
+    checks += announced("collectives", lambda: collectives_check(device, args.quick))
+    checks += announced("loss", lambda: loss_check(device))
+    checks += announced("speed", lambda: speed_check(device))
     if device.type == "cuda":  # hand the cached blocks back: the training checks' processes share this GPU
         torch.cuda.empty_cache()
     return checks + node_checks(device, args, work_dir)
