@@ -22,7 +22,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 PREFIX = "ntl-pretrain: "
-VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce")
+VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce", "val_answer_ce", "val_answer_ntl")
 
 
 def startup_line(parameters: int, world_size: int, micro_batch: int, global_batch: int, grad_accum: int,

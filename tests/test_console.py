@@ -17,7 +17,7 @@ import pytest
 from launches import as_a_user_runs_it, records, train_one_rank, unattended_run
 from transformers.utils import logging as transformers_logging
 
-from ntl_pretrain.console import RunConsole, stop_line
+from ntl_pretrain.console import RunConsole, evaluation_line, stop_line
 from ntl_pretrain.train import quiet_console
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,3 +180,12 @@ def test_other_ranks_show_errors_only(restored_console):
     assert restored_console.getEffectiveLevel() == logging.ERROR
     assert transformers_logging.get_verbosity() == logging.ERROR
     assert not transformers_logging.is_progress_bar_enabled()  # no loading bar beside rank 0's
+
+
+def test_a_validation_line_carries_the_answer_label_figures_when_there_are_some():
+    record = {"step": 5, "split": "validation", "val_loss": 2.0, "val_ce": 1.5, "val_ntl": 1.0, "val_tokens": 1024,
+              "val_number_tokens": 64, "val_number_ce": 3.0, "val_answer_ce": 0.5, "val_answer_ntl": 0.25}  # fmt: skip
+    assert evaluation_line(record) == ("step 5 validation: loss 2.0000, ce 1.5000, ntl 1.0000, number_ce 3.0000, "
+                                       "answer_ce 0.5000, answer_ntl 0.2500, over 1,024 tokens")  # fmt: skip
+    generation = {"step": 5, "split": "eval", "eval/sums/exact_match": 0.25, "eval/sums/mae": 12.5}
+    assert evaluation_line(generation) == "step 5 eval: sums/exact_match 0.25, sums/mae 12.5"
