@@ -4,6 +4,10 @@ end-of-run summary. Everything goes to stderr, each line starting `ntl-pretrain:
 Progress: on a terminal with `logging.progress_bar: true`, a tqdm bar. Anywhere else (Slurm logs, `nohup`, a pipe),
 or with the bar off, a plain line every `logging.console_every_steps` steps, plus the first and last step: a bar
 redrawn into a file becomes one line of tens of thousands of characters.
+
+A run that ends early ends with one line of its own, after the launcher's lines: `ntl-pretrain train` repeats the
+stop line (`stop_line`) or the failing rank's line (`failure_line`, whose traceback goes to a log file). Commands
+whose stdout is data keep everything else off it (`stdout_to_stderr`).
 """
 
 from __future__ import annotations
@@ -61,14 +65,10 @@ def stop_line(output_dir: Path, total_steps: int) -> str | None:
     return f"stopped at step {last['step']} of {total_steps} with a checkpoint; run the same command to continue"
 
 
-def failure_log(output_dir: Path, rank: int) -> Path:
-    return output_dir / "logs" / f"failure-rank{rank}.log"
-
-
 def failure_line(where: str, error: BaseException, output_dir: Path, rank: int, saved_step: int | None) -> str:
     """One line naming what failed inside a run and where its traceback is; the line heads the log file, so that
     `ntl-pretrain train` can repeat it after the launcher's own lines (`last_failure_line`)."""
-    log = failure_log(output_dir, rank)
+    log = output_dir / "logs" / f"failure-rank{rank}.log"
     saved = "none saved yet" if saved_step is None else f"step_{saved_step}"
     line = f"{where}: {type(error).__name__}: {first_line(error)}; traceback in {log}; checkpoints ({saved}) and " \
         "metrics.jsonl are intact"  # fmt: skip
@@ -123,9 +123,9 @@ class RunConsole:
         self.last_train: dict | None = None
         self.last_validation: dict | None = None
         self.peak_mem_mib = 0.0
-        use_bar = enabled and progress_bar and self.stream.isatty()
-        bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, file=self.stream) if use_bar else None
-        self.bar = bar
+        self.bar = None
+        if enabled and progress_bar and self.stream.isatty():
+            self.bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, file=self.stream)
 
     def say(self, message: str) -> None:
         """One line of its own, above the bar when there is one."""

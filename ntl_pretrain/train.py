@@ -45,9 +45,9 @@ from ntl_pretrain.tokenizer import load_tokenizer
 IGNORE_INDEX = -100
 # DeepSpeed's ZeRO-3 calls collectives that torch deprecated (all_gather_into_tensor and reduce_scatter_tensor in
 # torch 2.13): a warning for DeepSpeed's maintainers, printed by every rank.
+DEPRECATED_COLLECTIVE = r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead"
 # gloo's and NCCL's words for a peer process that died: a consequence on this rank, not a cause.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited or there was a network")
-DEPRECATED_COLLECTIVE = r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead"
 
 
 class NonFiniteLossError(RuntimeError):
