@@ -63,10 +63,11 @@ def test_unattended_console_prints_plain_steps_and_evaluations_as_they_come(unat
         return (f"step {step}/4 loss {r['loss']:.4f} ce {r['ce']:.4f} ntl {r['ntl']:.4f} lr {r['lr']:.3g} "
                 f"{r['tokens_per_s']:,.0f} tok/s mem {r['peak_mem_mib']:,.0f} MiB")  # fmt: skip
 
-    def validation_line(step: int) -> str:
+    def validation_line(step: int) -> str:  # the tiny recipe's validation sources are Q/A: answer labels too
         r = validation[step]
         return (f"step {step} validation: loss {r['val_loss']:.4f}, ce {r['val_ce']:.4f}, ntl {r['val_ntl']:.4f}, "
-                f"number_ce {r['val_number_ce']:.4f}, over {r['val_tokens']:,} tokens")  # fmt: skip
+                f"number_ce {r['val_number_ce']:.4f}, answer_ce {r['val_answer_ce']:.4f}, answer_ntl "
+                f"{r['val_answer_ntl']:.4f}, over {r['val_tokens']:,} tokens")  # fmt: skip
 
     # the first step, every 3rd, the last; each validation right after its step
     assert printed == [step_line(1), validation_line(2), step_line(3), step_line(4), validation_line(4)]
