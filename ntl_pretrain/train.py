@@ -31,6 +31,7 @@ from ntl_pretrain.config import Recipe, TrainConfig, dump_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
+from ntl_pretrain.document_attention import needs_varlen_arguments, varlen_arguments
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
@@ -106,6 +107,7 @@ class Trainer:
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
         self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
         self.head = self.built.module.head
+        self.varlen_attention = needs_varlen_arguments(self.built.attention, recipe.data.per_document_attention)
         groups = parameter_groups(self.built.module, recipe.optimizer.weight_decay)
         # The launcher hid the GPUs from ranks that run on CPU (cli.launch_environment).
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -302,12 +304,15 @@ class Trainer:
         return counts
 
     def _to_device(self, batch: dict) -> dict:
-        """The model's inputs of a micro-batch on the rank's device; on CUDA through pinned memory, so the copy does
-        not block."""
-        cuda = self.engine.device.type == "cuda"
+        """The model's inputs of a micro-batch on the rank's device, with flash-attention 2's document boundaries when
+        it needs them; on CUDA through pinned memory, so the copy does not block."""
         keys = [key for key in ("input_ids", "labels", "position_ids", "ntl_labels") if key in batch]
-        return {key: (batch[key].pin_memory() if cuda else batch[key]).to(self.engine.device, non_blocking=cuda)
-                for key in keys}  # fmt: skip
+        inputs = {key: batch[key] for key in keys}
+        if self.varlen_attention:
+            inputs.update(varlen_arguments(batch["position_ids"]))
+        cuda = self.engine.device.type == "cuda"
+        return {key: (value.pin_memory() if cuda else value).to(self.engine.device, non_blocking=cuda)
+                if torch.is_tensor(value) else value for key, value in inputs.items()}  # fmt: skip
 
     def _count_nonfinite(self, loss: float) -> None:
         """DeepSpeed skips the update when the gradient norm is not finite; count those steps."""
