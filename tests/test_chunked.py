@@ -286,3 +286,50 @@ def test_bf16_weight_gradient_is_as_accurate_as_the_dense_bf16_path():
     chunked, dense = (relative_errors(grads[name], grads["float64"]) for name in ("chunked", "dense"))
     assert chunked.max() <= 2**-8, float(chunked.max())
     assert chunked.max() <= dense.max(), (float(chunked.max()), float(dense.max()))
+
+
+@pytest.fixture
+def mixed_addmm(monkeypatch):
+    """Install an `addmm(..., out_dtype, out=)` overload made of torch ops (one that accumulates in out's dtype, or
+    one that rounds the product to the operands' dtype first), count its calls, and probe afresh."""
+    from ntl_pretrain.loss import chunked
+
+    plain = torch.addmm
+
+    def install(rounds_to_low: bool) -> Counter:
+        calls = Counter()
+
+        def addmm(total, a, b, out_dtype=None, *, out=None):
+            if out_dtype is None:
+                return plain(total, a, b, out=out)
+            calls["out_dtype"] += 1
+            product = a @ b if rounds_to_low else a.to(out_dtype) @ b.to(out_dtype)
+            return out.copy_(total.to(out_dtype) + product.to(out_dtype))
+
+        monkeypatch.setattr(torch, "addmm", addmm)
+        chunked.mixed_addmm_works.cache_clear()
+        return calls
+
+    yield install
+    chunked.mixed_addmm_works.cache_clear()
+
+
+def test_mixed_precision_addmm_is_probed_and_used_only_where_it_accumulates_in_fp32(mixed_addmm):
+    from ntl_pretrain.loss.chunked import mixed_addmm_works
+
+    cpu = torch.device("cpu")
+    assert not mixed_addmm_works(cpu, torch.bfloat16, torch.float32)  # torch has no CPU kernel for the overload
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=3, shape=(4, 6))
+    expected = []
+    for rounds_to_low in (None, False, True):  # the real CPU torch, a working overload, a rounding one
+        calls = Counter() if rounds_to_low is None else mixed_addmm(rounds_to_low)
+        h, w = leaves(hidden, 0.1 * weight, dtype=torch.bfloat16)
+        linear_ce_ntl_loss(h, w, labels, nv, ntl_weight=NTL_WEIGHT, chunk_size=5).loss.backward()
+        expected.append(w.grad)
+        assert mixed_addmm_works(cpu, torch.bfloat16, torch.float32) is (rounds_to_low is False)
+        # the probe's call, then (working overload) one per chunk of 5 positions of 24
+        assert calls["out_dtype"] == {None: 0, False: 1 + 5, True: 1}[rounds_to_low]
+    torch.testing.assert_close(expected[2], expected[0], rtol=0, atol=0)  # refused: the upcast path ran
+    # the working overload multiplies the bf16-rounded logit gradient: one bf16 rounding of the operand apart
+    torch.testing.assert_close(expected[1], expected[0], rtol=2**-7, atol=2**-8 * float(expected[0].abs().max()))
