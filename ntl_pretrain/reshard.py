@@ -6,8 +6,10 @@ load. DeepSpeed's `ds_to_universal` merges the shards into one file per paramete
 `checkpoint.load_universal: true` then cuts its own partitions from them, on any number of ranks. The data stream
 is re-partitioned by `ntl_pretrain.data` (`PackedLoader.load_world_state`).
 
-The conversion runs once, on global rank 0, into the step folder itself (so pruning old checkpoints removes it);
-every rank reads it, so checkpoints must live on a filesystem all nodes share, as ZeRO-3 resumes already require.
+The conversion runs once, on global rank 0, into the step folder itself (so pruning old checkpoints removes it),
+while the other ranks wait in the slow-work group (`process_group.slow_work_group`: it takes longer than the
+training group's `train.dist_timeout_seconds` allows at 8B); every rank reads it, so checkpoints must live on a
+filesystem all nodes share, as ZeRO-3 resumes already require.
 For very large models convert ahead of the relaunch: `python -m ntl_pretrain.reshard <output_dir>/checkpoints/step_N`.
 Either way the checkpoint is verified against its manifest first (the trainer does so on all ranks before
 `prepare_resume`), so a damaged shard stops the resume instead of being merged into the universal copy.
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain import checkpoint
+from ntl_pretrain.process_group import slow_work_group
 
 UNIVERSAL = "universal"
 # One optimizer-state file per data-parallel rank; bf16 runs prefix it with "bf16_".
@@ -69,7 +72,9 @@ def prepare_resume(folder: Path | None, ds_config: dict, world_size: int) -> dic
             convert_to_universal(folder)
         except (OSError, RuntimeError) as error:
             failure = [f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(failure, src=0)  # every rank fails alike instead of waiting forever
+    # Every rank fails alike instead of waiting forever; the others wait in the slow-work group, whose timeout fits
+    # the conversion (`train.dist_timeout_seconds` bounds the training group's collectives).
+    dist.broadcast_object_list(failure, src=0, group=slow_work_group())
     if failure[0] is not None:
         raise RuntimeError(f"train.resume: cannot re-partition {folder} for {world_size} ranks: {failure[0]}")
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}

@@ -37,7 +37,7 @@ from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, model_flops_per_token, parameter_groups
 from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
-from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising
+from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising, slow_work_group
 from ntl_pretrain.schedule import lr_multiplier
 from ntl_pretrain.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
@@ -155,10 +155,10 @@ class Trainer:
         self._announce_start()
         self.logger = self._make_logger()
         resumed_at = self.step
-        batches = iter(self.loader)
+        steps = self._step_batches()
         try:
             while self.step < self.recipe.train.max_steps:
-                record = self.train_step([next(batches) for _ in range(self.grad_accum)])
+                record = self.train_step(next(steps))
                 if self.step == resumed_at + 1:
                     self._take_output_dir(resumed_at)
                 self.logger.log(record)
@@ -172,6 +172,17 @@ class Trainer:
         finally:
             self.logger.close()
         return True
+
+    def _step_batches(self) -> Iterator[list[dict]]:
+        """Each step's micro-batches. The first step's are read before any rank enters the step's collectives, and
+        the ranks wait for each other in the slow-work group: a hub stream's first batch (resolving files, opening
+        connections, filling the shuffle buffer) can take one rank longer than `train.dist_timeout_seconds`."""
+        batches = iter(self.loader)
+        first = [next(batches) for _ in range(self.grad_accum)]
+        dist.barrier(group=slow_work_group())
+        yield first
+        while True:
+            yield [next(batches) for _ in range(self.grad_accum)]
 
     def _announce_start(self) -> None:
         """The run's first line says where it starts from: the same command starts and continues a run."""
@@ -537,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
+    checkpoint.old_checkpoints_pruned()  # rank 0 exits only when the last save's rotation is done
     return 0 if finished else EXIT_STOPPED
 
 
