@@ -44,8 +44,8 @@ class CausalLMWithLoss(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         position_ids: torch.Tensor,
-        num_tokens: float | None = None,
-        num_number_tokens: float | None = None,
+        num_tokens: torch.Tensor | None = None,
+        num_number_tokens: torch.Tensor | None = None,
         ntl_labels: torch.Tensor | None = None,
         **attention_kwargs,
     ) -> HeadOutput:

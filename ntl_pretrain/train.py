@@ -267,13 +267,13 @@ class Trainer:
         ranks' shares, so the update equals the single-process gradient of the global-batch loss.
         """
         started = time.perf_counter()
-        num_tokens, num_number_tokens, num_inputs = self._global_counts(batches).tolist()
+        counts = self._global_counts(batches)
+        num_tokens, num_number_tokens, num_inputs = counts.tolist()
+        normalisers = head_normalisers(counts, self.engine.device)
         lr = self.optimizer.param_groups[0]["lr"]
         sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)  # read once per step: no host sync
         for index, batch in enumerate(batches, start=1):
-            out = self.engine(
-                **self._to_device(batch), num_tokens=max(num_tokens, 1), num_number_tokens=max(num_number_tokens, 1)
-            )
+            out = self.engine(**self._to_device(batch), num_tokens=normalisers[0], num_number_tokens=normalisers[1])
             self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
             if index == len(batches):
                 self.head.before_engine_step()
@@ -510,6 +510,13 @@ def answer_labels_only(batch: dict) -> dict:
     """`batch` with every label outside a Q/A record's answer ignored (`answer_mask`, packing.make_batch)."""
     answer_BT = batch["answer_mask"]
     return {**batch, "labels": torch.where(answer_BT, batch["labels"], IGNORE_INDEX)}
+
+
+def head_normalisers(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[label tokens, NTL terms] of the global batch (at least 1 each), fp32 on the device: one copy per step.
+    Python numbers would cost the heads a host-to-device copy each per micro-batch (`torch.as_tensor`), and such
+    a copy from pageable memory waits for the device to catch up."""
+    return counts[:2].clamp_min(1).to(device, torch.float32)
 
 
 def _float_or_none(value) -> float | None:

@@ -333,3 +333,37 @@ def test_mixed_precision_addmm_is_probed_and_used_only_where_it_accumulates_in_f
     torch.testing.assert_close(expected[2], expected[0], rtol=0, atol=0)  # refused: the upcast path ran
     # the working overload multiplies the bf16-rounded logit gradient: one bf16 rounding of the operand apart
     torch.testing.assert_close(expected[1], expected[0], rtol=2**-7, atol=2**-8 * float(expected[0].abs().max()))
+
+
+def test_a_micro_batch_of_the_chunked_head_needs_no_host_sync(monkeypatch):
+    """On the meta device every data-dependent host read (`.item()`, `int()`, `nonzero`) raises, and here so does
+    every tensor made from Python numbers on a device (a host-to-device copy, which waits for the device): the
+    trainer's global counts (`train.head_normalisers`, one device tensor per step) go through forward and backward
+    of every kind without either. The Python numbers the trainer used to pass cost two copies per micro-batch."""
+    from ntl_pretrain.config import NtlConfig
+    from ntl_pretrain.heads import ChunkedHead
+    from ntl_pretrain.train import head_normalisers
+
+    def host_to_device_refused(make):
+        def strict(data, *args, device=None, **kwargs):
+            if device is not None and torch.device(device).type != "cpu" and not torch.is_tensor(data):
+                raise AssertionError(f"host-to-device copy of {data!r}")
+            return make(data, *args, device=device, **kwargs)
+
+        return strict
+
+    nv = synthetic_vocab()
+    output_layer = torch.nn.Linear(HIDDEN, nv.vocab_size, bias=False, device="meta")
+    counts = torch.tensor([37.0, 11.0, 64.0], dtype=torch.float64)  # as Trainer._global_counts returns them
+    normalisers = head_normalisers(counts, torch.device("meta"))
+    monkeypatch.setattr(torch, "as_tensor", host_to_device_refused(torch.as_tensor))
+    monkeypatch.setattr(torch, "tensor", host_to_device_refused(torch.tensor))
+    for kind in ("was", "number", None):
+        head = ChunkedHead(output_layer, nv, NtlConfig(kind=kind), chunk_size=3)
+        hidden = torch.randn(2, 5, HIDDEN, device="meta", requires_grad=True)
+        labels = torch.zeros(2, 5, dtype=torch.long, device="meta")
+        head(hidden, labels, normalisers[0], normalisers[1]).loss.backward()
+        assert hidden.grad.shape == hidden.shape and output_layer.weight.grad.shape == output_layer.weight.shape
+        output_layer.weight.grad = None
+    with pytest.raises(AssertionError, match="host-to-device copy of 37.0"):
+        head(hidden, labels, 37.0, 11.0)

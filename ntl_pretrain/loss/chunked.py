@@ -184,12 +184,17 @@ def _chunk_rows(chunk_size: int | None, num_columns: int, group, device) -> int:
     """Positions per chunk; with a group every rank must use the same (each chunk's all-reduces pair up)."""
     if chunk_size is not None:
         return chunk_size
-    rows = max(1, CHUNK_ELEMENTS // num_columns)
+    rows = default_chunk_rows(num_columns)
     if group is None:
         return rows
     rows_1 = torch.tensor([rows], device=device)
     dist.all_reduce(rows_1, op=dist.ReduceOp.MIN, group=group)
     return int(rows_1)
+
+
+def default_chunk_rows(num_columns: int) -> int:
+    """Positions per chunk when none is given: logits of about `CHUNK_ELEMENTS` elements."""
+    return max(1, CHUNK_ELEMENTS // num_columns)
 
 
 def _check_linear_arguments(hidden, weight, labels, reduction, chunk_size) -> None:
