@@ -160,4 +160,5 @@ def model_flops_per_token(lm: PreTrainedModel, seq_len: int) -> float:
     if isinstance(output, VocabParallelOutputLayer):  # the sharded matrix is no parameter of `lm`
         matmul_params += output.head.vocab_size * output.head.weight.shape[1]
     config = lm.config
-    return flops_per_token(matmul_params, config.num_hidden_layers, config.hidden_size, seq_len)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return flops_per_token(matmul_params, config.num_hidden_layers, config.num_attention_heads * head_dim, seq_len)

@@ -158,7 +158,9 @@ class Trainer:
         steps = self._step_batches()
         try:
             while self.step < self.recipe.train.max_steps:
-                record = self.train_step(next(steps))
+                waited = time.perf_counter()
+                batches = next(steps)
+                record = self.train_step(batches, data_seconds=time.perf_counter() - waited)
                 if self.step == resumed_at + 1:
                     self._take_output_dir(resumed_at)
                 self.logger.log(record)
@@ -259,8 +261,9 @@ class Trainer:
 
     # ---- step ----------------------------------------------------------------------------------------------
 
-    def train_step(self, batches: list[dict]) -> dict:
+    def train_step(self, batches: list[dict], data_seconds: float = 0.0) -> dict:
         """One optimizer update from `grad_accum` micro-batches, normalised by the global batch's counts.
+        `data_seconds`: how long the step waited for its batches, counted in its tokens/s (and so in MFU).
 
         Each micro-batch's loss is this rank's share of the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`. DeepSpeed
         averages gradients over data-parallel ranks; the world-size factor turns that mean back into the sum of the
@@ -286,7 +289,7 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(num_inputs)
         self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started + data_seconds
         record = self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
         return {**record, "peak_mem_mib": self._peak_memory_mib()}
 
