@@ -32,9 +32,9 @@ NETWORK = re.compile(r"Using network (\w+)")
 
 
 def request_nccl_log() -> None:
-    """Before the process group exists: NCCL's INFO lines about its transport into a file of this process's own,
-    unless the user already chose how NCCL logs."""
-    if "NCCL_DEBUG" not in os.environ:
+    """Before the process group exists, on GPUs: NCCL's INFO lines about its transport into a file of this process's
+    own, unless the user already chose how NCCL logs."""
+    if torch.cuda.is_available() and "NCCL_DEBUG" not in os.environ:
         folder = tempfile.mkdtemp(prefix="ntl-doctor-nccl-")
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=f"{folder}/{NCCL_LOG}")
 
