@@ -11,7 +11,6 @@ inside one call rather than one call per case.
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 from collections import Counter
@@ -33,21 +32,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_distributed(fn: Callable[..., None], world_size: int, *args, timeout_s: float | None = None) -> None:
-    """Call `fn(*args)` on every rank of a fresh `world_size`-process gloo group (collectives time out after
-    `timeout_s`, torch's default if None); raise if any rank raises."""
-    mp.spawn(_rank_main, args=(world_size, free_port(), fn, args, timeout_s), nprocs=world_size, join=True)
+def run_distributed(fn: Callable[..., None], world_size: int, *args) -> None:
+    """Call `fn(*args)` on every rank of a fresh `world_size`-process gloo group; raise if any rank raises."""
+    mp.spawn(_rank_main, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple, timeout_s) -> None:
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
     torch.set_num_threads(THREADS_PER_RANK)
     # What a launcher would set: DeepSpeed reads these even when the process group already exists.
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timeout)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         fn(*args)
     finally:

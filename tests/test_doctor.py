@@ -29,7 +29,7 @@ ROWS = ["environment", "all-reduce cpu", "all-reduce bandwidth", "network", "los
 def report_of(command: list[str], out, log) -> dict:
     with log.open("w") as output:
         done = subprocess.run(command, cwd=REPO, env=environment(), stdout=output, stderr=subprocess.STDOUT,
-                              timeout=600, check=False)  # fmt: skip
+                              timeout=1200, check=False)  # fmt: skip
     assert done.returncode == 0, log.read_text()[-4000:]
     report = json.loads(out.read_text())
     assert [check["name"] for check in report["checks"]] == ROWS

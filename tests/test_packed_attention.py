@@ -144,7 +144,7 @@ def test_the_trainers_module_hands_the_varlen_arguments_to_the_trunk(flash_atten
 
 
 class HiddenStates(torch.nn.Module):
-    def forward(self, hidden_BTH, labels_BT, num_tokens=None, num_number_tokens=None):
+    def forward(self, hidden_BTH, labels_BT, num_tokens=None, num_number_tokens=None, ntl_labels_BT=None):
         return hidden_BTH
 
 
