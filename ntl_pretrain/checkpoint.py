@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain import manifest
+from ntl_pretrain.process_group import slow_work_group
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -122,20 +124,25 @@ def save(
     """Save on all ranks, publish on rank 0; `write_extras(folder)` adds the export files (rank 0),
     `write_rank_files(folder)` state the engine does not hold (every rank), both before the folder is published.
 
-    A write that fails on any rank (a full disk) fails the save on every rank with `CheckpointWriteError`."""
+    A write that fails on any rank (a full disk) fails the save on every rank with `CheckpointWriteError`. Old
+    checkpoints are pruned in the background after the publish (`old_checkpoints_pruned`): deleting a 100 GB folder
+    takes minutes, longer than the other ranks may wait in a collective."""
     tag, temp = f"step_{step}", root / f"step_{step}.tmp"
     rank = dist.get_rank()
     if rank == 0:
+        old_checkpoints_pruned()
         shutil.rmtree(temp, ignore_errors=True)
     dist.barrier()
-    failure = _engine_save(engine, root, temp.name, client_state)
+    hashed: dict[str, dict] = {}
+    failure = _engine_save(engine, root, temp.name, client_state, hashed)
     writes = [write_rank_files, write_extras if rank == 0 else None]
     for write in writes:
         if failure is None and write is not None:
             failure = _attempt(lambda write=write: write(temp))
     entries = {}
     if failure is None:
-        failure = _attempt(lambda: entries.update(manifest.describe(temp, manifest.files_written_by(temp, rank))))
+        written = manifest.files_written_by(temp, rank)
+        failure = _attempt(lambda: entries.update(manifest.describe(temp, written, hashed)))
     failure = _write_manifest(temp, failure, entries)
     if failure is not None:
         if rank == 0:
@@ -143,22 +150,65 @@ def save(
         raise CheckpointWriteError(f"checkpoint {tag} was not saved: {failure}; {_previous(root)}")
     if rank == 0:
         _publish(root, temp.name, tag)
-        _prune(root, root / tag, keep_last)
+        _pruning.start(lambda: _prune(root, root / tag, keep_last))
         _replace_recovery_scripts(root)
     dist.barrier()
     return root / tag
 
 
-def _engine_save(engine, root: Path, tag: str, client_state: dict) -> str | None:
+class _BackgroundPruning:
+    """Rank 0's deletion of old checkpoints, on a thread of its own while training goes on."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, prune: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                prune()
+            except BaseException as error:  # noqa: BLE001 - raised where the pruning is waited for
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name="checkpoint-pruning", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            thread.join()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+_pruning = _BackgroundPruning()
+
+
+def old_checkpoints_pruned() -> None:
+    """Wait for the pruning the last save started (rank 0): before the next save, and before the rank exits."""
+    _pruning.join()
+
+
+def _engine_save(engine, root: Path, tag: str, client_state: dict, hashed: dict[str, dict]) -> str | None:
     """`engine.save_checkpoint`, with a failed file write recorded instead of raised: DeepSpeed's save has
     collectives after its writes (ZeRO-3 re-gathers persistent parameters, then a barrier) that the other ranks
-    wait in, so the failing rank must go through them too before the ranks agree on the outcome."""
+    wait in, so the failing rank must go through them too before the ranks agree on the outcome.
+
+    DeepSpeed's torch writer is handed a file that checksums the bytes on their way to disk, and `hashed` gets
+    each file's manifest entry (keyed by its path inside `root / tag`): the shards are not read back to checksum."""
     failures: list[str | None] = []
     write = engine.checkpoint_engine.save
+    hashes_while_writing = type(engine.checkpoint_engine).__name__ == "TorchCheckpointEngine"
+
+    def write_hashed(state_dict, path) -> None:
+        with manifest.HashingWriter(Path(path)) as file:
+            write(state_dict, file)  # torch.save takes a file object where DeepSpeed passes a path
+        hashed[Path(path).relative_to(root / tag).as_posix()] = file.entry()
 
     def write_unless_failed(state_dict, path) -> None:
         if not any(failures):  # after one failed write the others are skipped: the save is lost anyway
-            failures.append(_attempt(lambda: write(state_dict, path)))
+            failures.append(_attempt(lambda: (write_hashed if hashes_while_writing else write)(state_dict, path)))
 
     engine.checkpoint_engine.save = write_unless_failed
     try:
@@ -337,7 +387,9 @@ def newest_first(root: Path) -> list[Path]:
 
 def agree_on_problems(folder: Path, mode: manifest.VerifyMode) -> list[str]:
     """Every rank checks its share of the checkpoint's files (`manifest.share`) and one all-gather gives every rank
-    all findings, so all ranks decide alike and none waits for a peer that stopped. [] without a manifest."""
+    all findings, so all ranks decide alike and none waits for a peer that stopped. [] without a manifest. The
+    all-gather waits in the slow-work group: reading a share of a large checkpoint takes minutes, and some ranks'
+    shares (rank 0's shared files, a slower disk) take longer than others'."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         entries = manifest.read(folder)
@@ -346,7 +398,7 @@ def agree_on_problems(folder: Path, mode: manifest.VerifyMode) -> list[str]:
     except manifest.ManifestError as error:
         mine = [str(error)]
     gathered = [None] * world_size
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=slow_work_group())  # hashing a share can take minutes
     return sorted({problem for found in gathered for problem in found})
 
 

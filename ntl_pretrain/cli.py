@@ -39,14 +39,32 @@ def default_nproc() -> int:
     return torch.cuda.device_count() or 1
 
 
-def train_command(args: argparse.Namespace, verbose: bool = False) -> list[str]:
-    """The deepspeed launcher command for a validated recipe on this machine. Unless the recipe asks for
-    `logging.verbose`, the launcher logs errors only, not its INFO lines (world info, each spawned command and exit)."""
+def train_command(args: argparse.Namespace, env: dict[str, str], verbose: bool = False) -> list[str]:
+    """The deepspeed launcher command for a validated recipe on this machine, for ranks with environment `env`.
+    Unless the recipe asks for `logging.verbose`, the launcher logs errors only, not its INFO lines (world info,
+    each spawned command and exit)."""
     port = args.master_port or free_port()
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]  # the deepspeed of this interpreter's env
     log_level = [] if verbose else ["--log_level", "error"]
-    return [*launcher, "--num_gpus", str(args.nproc), "--master_port", str(port), *log_level,
+    return [*launcher, *device_selection(args.nproc, env), "--master_port", str(port), *log_level,
             "--module", "ntl_pretrain.train", args.recipe, *args.overrides]  # fmt: skip
+
+
+def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
+    """`--include localhost:<the first nproc GPUs of CUDA_VISIBLE_DEVICES>` when the ranks run on GPUs and the
+    variable narrows them, else `--num_gpus nproc`. DeepSpeed's runner puts `--num_gpus n` on GPUs 0..n-1 of the
+    whole node, ignoring the variable: on a shared node, another job's GPUs."""
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
+    if not visible or env.get("DS_ACCELERATOR") == "cpu":
+        return ["--num_gpus", str(nproc)]
+    devices = [device.strip() for device in visible.split(",")]
+    if not all(device.isdigit() for device in devices):
+        raise RecipeError(f"CUDA_VISIBLE_DEVICES={visible}: the deepspeed launcher selects GPUs by index; list "
+                          f"indices (e.g. 4,5), not UUIDs")  # fmt: skip
+    if nproc > len(devices):
+        raise RecipeError(f"--nproc: {nproc} processes, but CUDA_VISIBLE_DEVICES={visible} makes {len(devices)} GPUs "
+                          "visible")  # fmt: skip
+    return ["--include", "localhost:" + ",".join(devices[:nproc])]
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -64,8 +82,8 @@ def run_train(args: argparse.Namespace) -> int:
     done = preflight.finished_step(recipe)
     finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
         "nothing to train (raise train.max_steps to continue)"  # fmt: skip
-    command = train_command(args, recipe.logging.verbose)
     env = launch_environment(recipe.train.device)
+    command = train_command(args, env, recipe.logging.verbose)
     if args.dry_run:
         print(dump_recipe(recipe), end="")
         print("# " + (finished if done is not None else shlex.join(command)))

@@ -1,12 +1,16 @@
 """Run metrics: `metrics.jsonl` records, optional W&B, and the MFU estimate (what the console shows: console.py).
 
-MFU (model FLOPs utilisation, as in PaLM appendix B and nanoGPT):
-    flops_per_token = 6 * N + 12 * L * H * T
+MFU (model FLOPs utilisation, as in PaLM appendix B and nanoGPT, with causal attention counted as half):
+    flops_per_token = 6 * N + 6 * L * A * T
 where N counts the parameters that take part in matrix multiplies (all parameters minus the input embedding
-table, a lookup; a tied output projection is counted once, through N), L layers, H hidden size, T sequence
-length. 6N is forward (2N) plus backward (4N); 12·L·H·T is the attention scores and weighted sum (QKᵀ and AV,
-2·2·T·H per layer forward, times 3 with backward). Activation recomputation is not counted (it is not useful
-work). MFU = flops_per_token * tokens_per_s / (peak_flops_per_device * world_size), with the device's dense bf16
+table, a lookup; a tied output projection is counted once, through N), L layers, A = attention heads x head
+dimension (the width of QKᵀ and AV, which differs from the hidden size in Gemma, Qwen3 and others), T sequence
+length. 6N is forward (2N) plus backward (4N); the attention scores and weighted sum (QKᵀ and AV) are 2·2·T·A
+per layer and token forward, times 3 with backward, halved because a causal query attends only to the keys before
+it (what flash-attention computes; PaLM's 12·L·H·T counts the masked half too). Activation recomputation is not
+counted (it is not useful work). tokens_per_s includes the wait for the step's batches, so a data loader that
+cannot keep up lowers MFU. MFU = flops_per_token * tokens_per_s / (peak_flops_per_device * world_size), with the
+device's dense bf16
 peak from `BF16_PEAK_FLOPS` (vendor datasheets, without sparsity) or `logging.peak_flops_per_device`; null on CPU,
 on a GPU the table does not know, and for fp32 runs (no tensor-core peak applies to them) unless that key is set.
 
@@ -58,8 +62,9 @@ def peak_memory_mib(device: torch.device | str) -> float:
     return max_rss / 2**20 if sys.platform == "darwin" else max_rss / 2**10  # bytes on macOS, KiB on Linux
 
 
-def flops_per_token(num_matmul_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    return 6.0 * num_matmul_params + 12.0 * num_layers * hidden_size * seq_len
+def flops_per_token(num_matmul_params: int, num_layers: int, attention_width: int, seq_len: int) -> float:
+    """`attention_width`: attention heads x head dimension."""
+    return 6.0 * num_matmul_params + 6.0 * num_layers * attention_width * seq_len
 
 
 def mfu(flops_per_token_: float, tokens_per_s: float, peak_flops_per_device: float | None, world_size: int):

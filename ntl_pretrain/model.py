@@ -22,6 +22,7 @@ from transformers import (
 from transformers.integrations import HfDeepSpeedConfig
 
 from ntl_pretrain.config import Recipe
+from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
@@ -43,11 +44,14 @@ class CausalLMWithLoss(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         position_ids: torch.Tensor,
-        num_tokens: float | None = None,
-        num_number_tokens: float | None = None,
+        num_tokens: torch.Tensor | None = None,
+        num_number_tokens: torch.Tensor | None = None,
         ntl_labels: torch.Tensor | None = None,
+        **attention_kwargs,
     ) -> HeadOutput:
-        hidden_BTH = self.lm.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        """`attention_kwargs`: flash-attention 2's document boundaries (`document_attention.varlen_arguments`)."""
+        lm_out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, **attention_kwargs)
+        hidden_BTH = lm_out.last_hidden_state
         return self.head(hidden_BTH, labels, num_tokens, num_number_tokens, ntl_labels)
 
 
@@ -61,14 +65,18 @@ class BuiltModel:
     """The attention implementation the model runs (`model.attention`, `auto` resolved)."""
 
 
-def attention_backend(requested: str, config: PretrainedConfig, dtype: torch.dtype) -> str:
+def attention_backend(
+    requested: str, config: PretrainedConfig, dtype: torch.dtype, per_document_attention: bool = False
+) -> str:
     """`auto`: flash-attention-2 where it can run (the flash_attn package, CUDA, bf16/fp16, an architecture that
-    supports it), else PyTorch SDPA, else eager for architectures without SDPA (Gemma-2 in transformers 5)."""
+    supports it, and for per-document attention a transformers that takes the varlen arguments), else PyTorch SDPA,
+    else eager for architectures without SDPA (Gemma-2 in transformers 5)."""
     if requested != "auto":
         return requested
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     supports = lambda feature: model_class is None or bool(getattr(model_class, feature, False))  # noqa: E731
     flash_runs = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    flash_runs = flash_runs and (not per_document_attention or transformers_takes_varlen_arguments())
     if flash_runs and dtype in (torch.bfloat16, torch.float16) and supports("_supports_flash_attn"):
         return "flash_attention_2"
     return "sdpa" if supports("_supports_sdpa") else "eager"
@@ -110,7 +118,7 @@ def build_model(
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size={config.vocab_size} < tokenizer length {len(tokenizer)}")
     dtype = DTYPES[recipe.train.precision]
-    attention = attention_backend(recipe.model.attention, config, dtype)
+    attention = attention_backend(recipe.model.attention, config, dtype, recipe.data.per_document_attention)
     kwargs = {"attn_implementation": attention, "dtype": dtype}
     if recipe.init_from is None or saved_config is not None:  # a resumed run loads its own weights
         lm = AutoModelForCausalLM.from_config(config, **kwargs)
@@ -152,4 +160,5 @@ def model_flops_per_token(lm: PreTrainedModel, seq_len: int) -> float:
     if isinstance(output, VocabParallelOutputLayer):  # the sharded matrix is no parameter of `lm`
         matmul_params += output.head.vocab_size * output.head.weight.shape[1]
     config = lm.config
-    return flops_per_token(matmul_params, config.num_hidden_layers, config.hidden_size, seq_len)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return flops_per_token(matmul_params, config.num_hidden_layers, config.num_attention_heads * head_dim, seq_len)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ntl_pretrain import checkpoint
 from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
 from ntl_pretrain.preflight_model import check_model
 from ntl_pretrain.tokenizer import resolve_path
@@ -159,8 +160,9 @@ def _changes_other_keys(config_class, key: str, value, defaults: dict) -> bool:
 
 
 def check_attention(recipe: Recipe) -> None:
-    """flash-attention-2 needs the flash_attn package and a GPU on the machine that launches (its ranks run there);
-    sdpa needs an architecture that transformers runs with it."""
+    """flash-attention-2 needs the flash_attn package and a GPU on the machine that launches (its ranks run there),
+    and for per-document attention a transformers that takes the varlen arguments (document_attention.py); sdpa
+    needs an architecture that transformers runs with it."""
     attention = recipe.model.attention
     if attention == "sdpa":
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -180,6 +182,12 @@ def check_attention(recipe: Recipe) -> None:
     if not torch.cuda.is_available():
         raise RecipeError("model.attention: flash_attention_2 runs on CUDA GPUs and this machine has none visible; "
                           "use auto or sdpa")  # fmt: skip
+    if recipe.data.per_document_attention and not transformers_takes_varlen_arguments():
+        import transformers
+
+        raise RecipeError(f"data.per_document_attention: flash_attention_2 keeps attention inside documents only "
+                          f"through the varlen arguments, which transformers {transformers.__version__} does not "
+                          f"take; use model.attention: sdpa, or a newer transformers")  # fmt: skip
 
 
 def check_optional_packages(recipe: Recipe) -> None:

@@ -1,23 +1,43 @@
-"""Which torch.distributed backend a job's default process group uses.
+"""Which torch.distributed backend a job's default process group uses, and the group that waits for slow work.
 
 NCCL moves CUDA tensors only: a CPU tensor in a collective fails with "No backend type associated with device
 type cpu". Our own collectives are small CPU tensors by design (per-step metric sums and token counts, the data
 loaders' states, lockstep flags, evaluation sums), so a GPU job gets gloo for CPU tensors beside NCCL for CUDA
 ones; torch routes each collective by its tensor's device. CPU jobs use gloo.
+
+`train.dist_timeout_seconds` bounds every collective of the default group, so that a lost peer stops the run in
+minutes. A few waits are for work that legitimately takes longer on some ranks than on others: rank 0 converting a
+checkpoint to a universal one (hundreds of GB of I/O), verifying a checkpoint's files before the ranks compare
+findings, a hub stream's first batch. Those wait in `slow_work_group()`, gloo with `SLOW_WORK_TIMEOUT`; a peer that
+dies there still ends the wait at once (the launcher stops the job; gloo reports the closed connection).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 GPU_BACKENDS = "cpu:gloo,cuda:nccl"
 
 
+SLOW_WORK_TIMEOUT = datetime.timedelta(hours=2)
+_slow_work_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+
+
 def default_backend() -> str:
     return GPU_BACKENDS if torch.cuda.is_available() else "gloo"
+
+
+def slow_work_group() -> dist.ProcessGroup:
+    """All ranks, gloo, `SLOW_WORK_TIMEOUT`; made by every rank's first call (a collective: the same call site)."""
+    world = dist.group.WORLD
+    if world not in _slow_work_groups:
+        _slow_work_groups[world] = dist.new_group(backend="gloo", timeout=SLOW_WORK_TIMEOUT)
+    return _slow_work_groups[world]
 
 
 def bind_local_device() -> None:

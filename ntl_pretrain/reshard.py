@@ -6,8 +6,10 @@ load. DeepSpeed's `ds_to_universal` merges the shards into one file per paramete
 `checkpoint.load_universal: true` then cuts its own partitions from them, on any number of ranks. The data stream
 is re-partitioned by `ntl_pretrain.data` (`PackedLoader.load_world_state`).
 
-The conversion runs once, on global rank 0, into the step folder itself (so pruning old checkpoints removes it);
-every rank reads it, so checkpoints must live on a filesystem all nodes share, as ZeRO-3 resumes already require.
+The conversion runs once, on global rank 0, into the step folder itself (so pruning old checkpoints removes it),
+while the other ranks wait in the slow-work group (`process_group.slow_work_group`: it takes longer than the
+training group's `train.dist_timeout_seconds` allows at 8B); every rank reads it, so checkpoints must live on a
+filesystem all nodes share, as ZeRO-3 resumes already require.
 For very large models convert ahead of the relaunch: `python -m ntl_pretrain.reshard <output_dir>/checkpoints/step_N`.
 Either way the checkpoint is verified against its manifest first (the trainer does so on all ranks before
 `prepare_resume`), so a damaged shard stops the resume instead of being merged into the universal copy.
@@ -16,16 +18,19 @@ Either way the checkpoint is verified against its manifest first (the trainer do
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ntl_pretrain import checkpoint
+from ntl_pretrain.process_group import slow_work_group
 
 UNIVERSAL = "universal"
 # One optimizer-state file per data-parallel rank; bf16 runs prefix it with "bf16_".
@@ -69,7 +74,9 @@ def prepare_resume(folder: Path | None, ds_config: dict, world_size: int) -> dic
             convert_to_universal(folder)
         except (OSError, RuntimeError) as error:
             failure = [f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(failure, src=0)  # every rank fails alike instead of waiting forever
+    # Every rank fails alike instead of waiting forever; the others wait in the slow-work group, whose timeout fits
+    # the conversion (`train.dist_timeout_seconds` bounds the training group's collectives).
+    dist.broadcast_object_list(failure, src=0, group=slow_work_group())
     if failure[0] is not None:
         raise RuntimeError(f"train.resume: cannot re-partition {folder} for {world_size} ranks: {failure[0]}")
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
@@ -79,9 +86,29 @@ def load(engine, folder: Path) -> dict:
     """`checkpoint.load`, from the universal copy when the engine was built for it; returns the client state."""
     if not engine.load_universal_checkpoint():
         return checkpoint.load(engine, folder)
-    state = checkpoint.load(engine, folder / UNIVERSAL)
+    with universal_files_mapped(folder / UNIVERSAL):
+        state = checkpoint.load(engine, folder / UNIVERSAL)
     repair_universal_load(engine.optimizer, folder / UNIVERSAL)
     return state
+
+
+@contextlib.contextmanager
+def universal_files_mapped(universal: Path) -> Iterator[None]:
+    """While it runs, `torch.load` memory-maps the universal copy's files. DeepSpeed's ZeRO-3 universal load reads
+    each parameter's whole fp32 and Adam files on every rank to keep its 1/W partition: W times the checkpoint from
+    shared storage (at 8B on 64 ranks, ~25 TB). Mapped, a rank reads only the pages of its partition."""
+    plain_load, zero = torch.load, (universal / "zero").resolve()
+
+    def load(source, *args, **kwargs):
+        if isinstance(source, (str, os.PathLike)) and zero in Path(source).resolve().parents:
+            kwargs.setdefault("mmap", True)
+        return plain_load(source, *args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = plain_load
 
 
 def repair_universal_load(optimizer, universal: Path) -> None:

@@ -32,12 +32,13 @@ from ntl_pretrain.console import RunConsole, failure_line, first_line, startup_l
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
+from ntl_pretrain.document_attention import needs_varlen_arguments, varlen_arguments
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
 from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
-from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising
+from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising, slow_work_group
 from ntl_pretrain.schedule import lr_multiplier
 from ntl_pretrain.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
@@ -110,6 +111,7 @@ class Trainer:
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
         self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
         self.head = self.built.module.head
+        self.varlen_attention = needs_varlen_arguments(self.built.attention, recipe.data.per_document_attention)
         groups = parameter_groups(self.built.module, recipe.optimizer.weight_decay)
         # The launcher hid the GPUs from ranks that run on CPU (cli.launch_environment).
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,10 +160,12 @@ class Trainer:
         self._announce_start()
         self.logger = self._make_logger()
         resumed_at = self.step
-        batches = iter(self.loader)
+        steps = self._step_batches()
         try:
             while self.step < self.recipe.train.max_steps:
-                record = self.train_step([next(batches) for _ in range(self.grad_accum)])
+                waited = time.perf_counter()
+                batches = next(steps)
+                record = self.train_step(batches, data_seconds=time.perf_counter() - waited)
                 if self.step == resumed_at + 1:
                     self._take_output_dir(resumed_at)
                 self.logger.log(record)
@@ -176,6 +180,17 @@ class Trainer:
             self.console.close_bar()
             self.logger.close()
         return True
+
+    def _step_batches(self) -> Iterator[list[dict]]:
+        """Each step's micro-batches. The first step's are read before any rank enters the step's collectives, and
+        the ranks wait for each other in the slow-work group: a hub stream's first batch (resolving files, opening
+        connections, filling the shuffle buffer) can take one rank longer than `train.dist_timeout_seconds`."""
+        batches = iter(self.loader)
+        first = [next(batches) for _ in range(self.grad_accum)]
+        dist.barrier(group=slow_work_group())
+        yield first
+        while True:
+            yield [next(batches) for _ in range(self.grad_accum)]
 
     def _announce_start(self) -> None:
         """The run's first line says where it starts from (the same command starts and continues a run), the
@@ -263,21 +278,22 @@ class Trainer:
 
     # ---- step ----------------------------------------------------------------------------------------------
 
-    def train_step(self, batches: list[dict]) -> dict:
+    def train_step(self, batches: list[dict], data_seconds: float = 0.0) -> dict:
         """One optimizer update from `grad_accum` micro-batches, normalised by the global batch's counts.
+        `data_seconds`: how long the step waited for its batches, counted in its tokens/s (and so in MFU).
 
         Each micro-batch's loss is this rank's share of the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`. DeepSpeed
         averages gradients over data-parallel ranks; the world-size factor turns that mean back into the sum of the
         ranks' shares, so the update equals the single-process gradient of the global-batch loss.
         """
         started = time.perf_counter()
-        num_tokens, num_number_tokens, num_inputs = self._global_counts(batches).tolist()
+        counts = self._global_counts(batches)
+        num_tokens, num_number_tokens, num_inputs = counts.tolist()
+        normalisers = head_normalisers(counts, self.engine.device)
         lr = self.optimizer.param_groups[0]["lr"]
         sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)  # read once per step: no host sync
         for index, batch in enumerate(batches, start=1):
-            out = self.engine(
-                **self._to_device(batch), num_tokens=max(num_tokens, 1), num_number_tokens=max(num_number_tokens, 1)
-            )
+            out = self.engine(**self._to_device(batch), num_tokens=normalisers[0], num_number_tokens=normalisers[1])
             self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
             if index == len(batches):
                 self.head.before_engine_step()
@@ -290,7 +306,7 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(num_inputs)
         self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started + data_seconds
         record = self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
         return {**record, "peak_mem_mib": self._peak_memory_mib()}
 
@@ -319,12 +335,15 @@ class Trainer:
         return counts
 
     def _to_device(self, batch: dict) -> dict:
-        """The model's inputs of a micro-batch on the rank's device; on CUDA through pinned memory, so the copy does
-        not block."""
-        cuda = self.engine.device.type == "cuda"
+        """The model's inputs of a micro-batch on the rank's device, with flash-attention 2's document boundaries when
+        it needs them; on CUDA through pinned memory, so the copy does not block."""
         keys = [key for key in ("input_ids", "labels", "position_ids", "ntl_labels") if key in batch]
-        return {key: (batch[key].pin_memory() if cuda else batch[key]).to(self.engine.device, non_blocking=cuda)
-                for key in keys}  # fmt: skip
+        inputs = {key: batch[key] for key in keys}
+        if self.varlen_attention:
+            inputs.update(varlen_arguments(batch["position_ids"]))
+        cuda = self.engine.device.type == "cuda"
+        return {key: (value.pin_memory() if cuda else value).to(self.engine.device, non_blocking=cuda)
+                if torch.is_tensor(value) else value for key, value in inputs.items()}  # fmt: skip
 
     def _count_nonfinite(self, loss: float) -> None:
         """DeepSpeed skips the update when the gradient norm is not finite; count those steps."""
@@ -513,6 +532,13 @@ def answer_labels_only(batch: dict) -> dict:
     return {**batch, "labels": torch.where(answer_BT, batch["labels"], IGNORE_INDEX)}
 
 
+def head_normalisers(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[label tokens, NTL terms] of the global batch (at least 1 each), fp32 on the device: one copy per step.
+    Python numbers would cost the heads a host-to-device copy each per micro-batch (`torch.as_tensor`), and such
+    a copy from pageable memory waits for the device to catch up."""
+    return counts[:2].clamp_min(1).to(device, torch.float32)
+
+
 def _float_or_none(value) -> float | None:
     return None if value is None else float(value)
 
@@ -549,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
+    checkpoint.old_checkpoints_pruned()  # rank 0 exits only when the last save's rotation is done
     return 0 if finished else EXIT_STOPPED
 
 

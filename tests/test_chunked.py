@@ -286,3 +286,84 @@ def test_bf16_weight_gradient_is_as_accurate_as_the_dense_bf16_path():
     chunked, dense = (relative_errors(grads[name], grads["float64"]) for name in ("chunked", "dense"))
     assert chunked.max() <= 2**-8, float(chunked.max())
     assert chunked.max() <= dense.max(), (float(chunked.max()), float(dense.max()))
+
+
+@pytest.fixture
+def mixed_addmm(monkeypatch):
+    """Install an `addmm(..., out_dtype, out=)` overload made of torch ops (one that accumulates in out's dtype, or
+    one that rounds the product to the operands' dtype first), count its calls, and probe afresh."""
+    from ntl_pretrain.loss import chunked
+
+    plain = torch.addmm
+
+    def install(rounds_to_low: bool) -> Counter:
+        calls = Counter()
+
+        def addmm(total, a, b, out_dtype=None, *, out=None):
+            if out_dtype is None:
+                return plain(total, a, b, out=out)
+            calls["out_dtype"] += 1
+            product = a @ b if rounds_to_low else a.to(out_dtype) @ b.to(out_dtype)
+            return out.copy_(total.to(out_dtype) + product.to(out_dtype))
+
+        monkeypatch.setattr(torch, "addmm", addmm)
+        chunked.mixed_addmm_works.cache_clear()
+        return calls
+
+    yield install
+    chunked.mixed_addmm_works.cache_clear()
+
+
+def test_mixed_precision_addmm_is_probed_and_used_only_where_it_accumulates_in_fp32(mixed_addmm):
+    from ntl_pretrain.loss.chunked import mixed_addmm_works
+
+    cpu = torch.device("cpu")
+    assert not mixed_addmm_works(cpu, torch.bfloat16, torch.float32)  # torch has no CPU kernel for the overload
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=3, shape=(4, 6))
+    expected = []
+    for rounds_to_low in (None, False, True):  # the real CPU torch, a working overload, a rounding one
+        calls = Counter() if rounds_to_low is None else mixed_addmm(rounds_to_low)
+        h, w = leaves(hidden, 0.1 * weight, dtype=torch.bfloat16)
+        linear_ce_ntl_loss(h, w, labels, nv, ntl_weight=NTL_WEIGHT, chunk_size=5).loss.backward()
+        expected.append(w.grad)
+        assert mixed_addmm_works(cpu, torch.bfloat16, torch.float32) is (rounds_to_low is False)
+        # the probe's call, then (working overload) one per chunk of 5 positions of 24
+        assert calls["out_dtype"] == {None: 0, False: 1 + 5, True: 1}[rounds_to_low]
+    torch.testing.assert_close(expected[2], expected[0], rtol=0, atol=0)  # refused: the upcast path ran
+    # the working overload multiplies the bf16-rounded logit gradient: one bf16 rounding of the operand apart
+    torch.testing.assert_close(expected[1], expected[0], rtol=2**-7, atol=2**-8 * float(expected[0].abs().max()))
+
+
+def test_a_micro_batch_of_the_chunked_head_needs_no_host_sync(monkeypatch):
+    """On the meta device every data-dependent host read (`.item()`, `int()`, `nonzero`) raises, and here so does
+    every tensor made from Python numbers on a device (a host-to-device copy, which waits for the device): the
+    trainer's global counts (`train.head_normalisers`, one device tensor per step) go through forward and backward
+    of every kind without either. The Python numbers the trainer used to pass cost two copies per micro-batch."""
+    from ntl_pretrain.config import NtlConfig
+    from ntl_pretrain.heads import ChunkedHead
+    from ntl_pretrain.train import head_normalisers
+
+    def host_to_device_refused(make):
+        def strict(data, *args, device=None, **kwargs):
+            if device is not None and torch.device(device).type != "cpu" and not torch.is_tensor(data):
+                raise AssertionError(f"host-to-device copy of {data!r}")
+            return make(data, *args, device=device, **kwargs)
+
+        return strict
+
+    nv = synthetic_vocab()
+    output_layer = torch.nn.Linear(HIDDEN, nv.vocab_size, bias=False, device="meta")
+    counts = torch.tensor([37.0, 11.0, 64.0], dtype=torch.float64)  # as Trainer._global_counts returns them
+    normalisers = head_normalisers(counts, torch.device("meta"))
+    monkeypatch.setattr(torch, "as_tensor", host_to_device_refused(torch.as_tensor))
+    monkeypatch.setattr(torch, "tensor", host_to_device_refused(torch.tensor))
+    for kind in ("was", "number", None):
+        head = ChunkedHead(output_layer, nv, NtlConfig(kind=kind), chunk_size=3)
+        hidden = torch.randn(2, 5, HIDDEN, device="meta", requires_grad=True)
+        labels = torch.zeros(2, 5, dtype=torch.long, device="meta")
+        head(hidden, labels, normalisers[0], normalisers[1]).loss.backward()
+        assert hidden.grad.shape == hidden.shape and output_layer.weight.grad.shape == output_layer.weight.shape
+        output_layer.weight.grad = None
+    with pytest.raises(AssertionError, match="host-to-device copy of 37.0"):
+        head(hidden, labels, 37.0, 11.0)

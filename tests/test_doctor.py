@@ -19,15 +19,17 @@ from ntl_pretrain.doctor.collectives import collectives_check
 from ntl_pretrain.doctor.report import Check, merge_ranks, table
 
 pytestmark = pytest.mark.slow
-ROWS = ["environment", "all-reduce cpu", "all-reduce bandwidth", "loss fused float32", "loss fused bfloat16",
-        "loss chunked float32", "loss chunked bfloat16", "loss vocab-parallel fp32", "speed loss",
-        "speed output layer", "train", "train resume", "export", "throughput"]  # fmt: skip
+ROWS = ["environment", "all-reduce cpu", "all-reduce bandwidth", "network", "loss fused float32",
+        "loss fused bfloat16", "loss chunked float32", "loss chunked bfloat16", "loss vocab-parallel fp32",
+        "bf16 gradient accumulation", "reduce-scatter fp32 / bf16", "chunked head fp32 accumulation",
+        "flash-attention documents", "speed loss", "speed output layer", "train", "train resume", "export",
+        "throughput"]  # fmt: skip
 
 
 def report_of(command: list[str], out, log) -> dict:
     with log.open("w") as output:
         done = subprocess.run(command, cwd=REPO, env=environment(), stdout=output, stderr=subprocess.STDOUT,
-                              timeout=600, check=False)  # fmt: skip
+                              timeout=1200, check=False)  # fmt: skip
     assert done.returncode == 0, log.read_text()[-4000:]
     report = json.loads(out.read_text())
     assert [check["name"] for check in report["checks"]] == ROWS
@@ -39,7 +41,10 @@ def test_one_process_passes_on_cpu(tmp_path):
     command = [sys.executable, "-m", "ntl_pretrain.cli", "doctor", "--quick", "--out", str(out)]
     checks = report_of(command, out, tmp_path / "log.txt")
     skipped = {name for name, check in checks.items() if check["status"] == "skip"}
-    assert skipped == {"all-reduce bandwidth", "loss vocab-parallel fp32", "throughput"}
+    assert skipped == {"all-reduce bandwidth", "network", "loss vocab-parallel fp32", "reduce-scatter fp32 / bf16",
+                       "flash-attention documents", "throughput"}  # fmt: skip
+    assert "16.937500, exact 16.937500" in checks["bf16 gradient accumulation"]["figure"]
+    assert "upcast path" in checks["chunked head fp32 accumulation"]["figure"]  # no CPU kernel for out_dtype
     assert "1 rank(s), fp32, attention sdpa, AdamW default" in checks["train"]["figure"]
     assert checks["train resume"]["detail"]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
     assert max(checks["export"]["detail"].values()) < 1e-5
@@ -53,7 +58,9 @@ def test_two_ranks_pass_on_cpu_and_check_the_vocabulary_parallel_loss(tmp_path):
     command = [*RUNNER, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ntl_pretrain.doctor",
                "--quick", "--out", str(out)]  # fmt: skip
     checks = report_of(command, out, tmp_path / "log.txt")
-    assert {name for name, check in checks.items() if check["status"] == "skip"} == {"throughput"}
+    skipped = {name for name, check in checks.items() if check["status"] == "skip"}
+    assert skipped == {"network", "flash-attention documents", "throughput"}
+    assert checks["reduce-scatter fp32 / bf16"]["detail"]["rank0"]["ratio"] > 0
     assert checks["loss vocab-parallel fp32"]["figure"].startswith("2 ranks, 20 cases")
     assert "2 rank(s), fp32" in checks["train"]["figure"]
     assert checks["all-reduce bandwidth"]["detail"]["rank1"]["busbw_GBps"] > 0
@@ -92,10 +99,18 @@ def planted_faults() -> None:
         assert merged[name].ok is False, merged[name].figure
         assert "worst loss 1.0e-03" in merged[name].figure
     assert merged["loss chunked float32"].ok  # linear_ce_ntl_loss was not touched
+    from ntl_pretrain import deepspeed_config
+    from ntl_pretrain.doctor.gpu_paths import gradient_accumulation_check
+
+    assert gradient_accumulation_check(torch.device("cpu")).ok
+    deepspeed_config.set_bf16_gradient_dtypes = lambda config: None  # DeepSpeed's default: bf16 sums
+    rounded = gradient_accumulation_check(torch.device("cpu"))
+    assert rounded.ok is False and "bfloat16 accumulator" in rounded.figure, rounded.figure
 
 
-def test_a_planted_fault_fails_its_check_and_names_the_rank():
+def test_a_planted_fault_fails_its_check_and_names_the_rank(monkeypatch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     run_distributed(planted_faults, 2)
 
 
@@ -105,3 +120,21 @@ def test_the_summary_counts_skipped_checks_apart_and_says_why():
     checks.append(Check("e", False, "wrong sum"))
     assert table(checks).splitlines()[-1] == "1 failed, 2 passed, 2 skipped (b: no GPU; d: quick) of 5 checks"
     assert table(checks[:1]).splitlines()[-1] == "1 passed of 1 checks"
+
+
+def test_bandwidth_and_network_rows_can_fail(tmp_path, monkeypatch):
+    from ntl_pretrain.doctor import collectives
+
+    measured = {"megabytes": 256, "seconds": 0.01, "algbw_GBps": 100.0, "busbw_GBps": 175.0}
+    assert collectives.bandwidth_verdict(measured, None).ok  # nothing to compare with: measured only
+    assert collectives.bandwidth_verdict(measured, 360.0).ok is False  # below half of an H100 node's NVLink
+    assert collectives.bandwidth_verdict({**measured, "busbw_GBps": 181.0}, 360.0).ok
+    monkeypatch.setenv("NCCL_DEBUG_FILE", str(tmp_path / collectives.NCCL_LOG))
+    log = tmp_path / f"nccl.gpu07.{os.getpid()}.log"
+    cuda = torch.device("cuda")
+    for network, ok in (("Socket", False), ("IB", True)):
+        log.write_text(
+            f"gpu07:123:123 [0] NCCL INFO NET/Plugin: ...\ngpu07:123:123 [0] NCCL INFO Using network {network}\n"
+        )
+        assert collectives.network_check(cuda, nodes=2).ok is ok
+    assert collectives.network_check(cuda, nodes=1).ok is None  # one node: no network between GPUs

@@ -192,3 +192,37 @@ def test_training_resumes_on_another_number_of_ranks(tmp_path_factory, tmp_path,
     differences = {step: continued[step]["loss"] - reference[step]["loss"] for step in continued}
     print(f"2 -> {ranks} ranks, loss difference from the uninterrupted 2-rank run by step: {differences}")
     assert all(abs(difference) < 1e-5 for difference in differences.values()), differences
+
+
+def bytes_read(action) -> int:
+    """Bytes this process read through read() calls while `action` ran (/proc/self/io `rchar`; a memory-mapped
+    file's pages are not among them)."""
+
+    def rchar() -> int:
+        return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+    before = rchar()
+    action()
+    return rchar() - before
+
+
+def test_a_rank_reads_only_its_partition_of_a_universal_file(tmp_path):
+    """DeepSpeed's ZeRO-3 universal load `torch.load`s a parameter's whole file and keeps 1/W of it: inside
+    `universal_files_mapped` the file is memory-mapped, so one rank of 8 reads about its eighth, not all 32 MiB."""
+    from ntl_pretrain.reshard import universal_files_mapped
+
+    universal = tmp_path / "step_3" / "universal"
+    path = universal / "zero" / "model.embed_tokens.weight" / "fp32.pt"
+    path.parent.mkdir(parents=True)
+    full = torch.arange(8 << 20, dtype=torch.float32)
+    torch.save({"param": full}, path)
+    partition = []
+
+    def load_partition_of_rank_5() -> None:
+        loaded = torch.load(str(path), weights_only=False)["param"].view(-1)  # DeepSpeed's call
+        partition.append(loaded.narrow(0, 5 * (1 << 20), 1 << 20).clone())
+
+    assert bytes_read(load_partition_of_rank_5) >= full.numel() * 4
+    with universal_files_mapped(universal):
+        assert bytes_read(load_partition_of_rank_5) < full.numel() * 4 / 8
+    assert torch.equal(partition[0], full[5 << 20 : 6 << 20]) and torch.equal(partition[1], partition[0])

@@ -140,7 +140,7 @@ class DataConfig:
     per_document_attention: bool = False
     """Reset position ids at document starts and drop the cross-document label after each EOS; transformers then
     also keeps attention inside each document with sdpa/eager (no cache, no mask: the trainer's forward), and
-    with flash-attention 2 only for micro-batches of one row (docs/data.md)."""
+    with flash-attention 2 from the document boundaries the trainer passes (docs/data.md)."""
     num_workers: int = 0
     """DataLoader worker processes per rank, at most 64 (0 = read in the training process)."""
     tokenize_batch: int = 64

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.doctor.collectives import collectives_check
+from ntl_pretrain.doctor.collectives import collectives_check, request_nccl_log
 from ntl_pretrain.doctor.environment import environment_check
+from ntl_pretrain.doctor.gpu_paths import GPU_PATH_CHECKS
 from ntl_pretrain.doctor.loss_checks import loss_check
 from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write_json
 from ntl_pretrain.doctor.speed import speed_check
-from ntl_pretrain.doctor.training import TINY_RECIPE, throughput_check, train_checks
+from ntl_pretrain.doctor.training import TINY_RECIPE, local_ranks, throughput_check, train_checks
 from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
 from ntl_pretrain.process_group import bind_local_device, default_backend
 
@@ -35,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work_dir_help = "where the training checks run (default: a temporary folder, removed if they pass)"
     parser.add_argument("--work-dir", type=Path, default=None, help=work_dir_help)
     parser.add_argument("--recipe", type=Path, default=TINY_RECIPE, help="the tiny recipe (default: %(default)s)")
+    parser.add_argument("--expected-busbw", type=float, default=None, metavar="GB/s",
+                        help="all-reduce bus bandwidth the links should deliver (default: NVLink GPUs on one node "
+                        "from a table; across nodes none)")  # fmt: skip
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
 
 
@@ -53,6 +57,7 @@ def init_process_group() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))  # fmt: skip
     bind_local_device()
+    request_nccl_log()
     dist.init_process_group(default_backend(), timeout=WAIT_FOR_TRAINING)
 
 
@@ -83,8 +88,11 @@ def announced(name: str, run: Callable[[], list[Check]]) -> list[Check]:
 
 def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -> list[Check]:
     checks = announced("environment", lambda: environment_check(device))
-    checks += announced("collectives", lambda: collectives_check(device, args.quick))
+    nodes = max(1, dist.get_world_size() // local_ranks())
+    checks += announced("collectives", lambda: collectives_check(device, args.quick, nodes, args.expected_busbw))
     checks += announced("loss", lambda: loss_check(device))
+    for name, check in GPU_PATH_CHECKS.items():
+        checks += announced(name, lambda check=check: [check(device)])
     checks += announced("speed", lambda: speed_check(device))
     if device.type == "cuda":  # hand the cached blocks back: the training checks' processes share this GPU
         torch.cuda.empty_cache()

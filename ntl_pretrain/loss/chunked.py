@@ -22,6 +22,7 @@ accumulates over chunks in fp32 and is rounded to the weight's dtype once, as on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -183,12 +184,17 @@ def _chunk_rows(chunk_size: int | None, num_columns: int, group, device) -> int:
     """Positions per chunk; with a group every rank must use the same (each chunk's all-reduces pair up)."""
     if chunk_size is not None:
         return chunk_size
-    rows = max(1, CHUNK_ELEMENTS // num_columns)
+    rows = default_chunk_rows(num_columns)
     if group is None:
         return rows
     rows_1 = torch.tensor([rows], device=device)
     dist.all_reduce(rows_1, op=dist.ReduceOp.MIN, group=group)
     return int(rows_1)
+
+
+def default_chunk_rows(num_columns: int) -> int:
+    """Positions per chunk when none is given: logits of about `CHUNK_ELEMENTS` elements."""
+    return max(1, CHUNK_ELEMENTS // num_columns)
 
 
 def _check_linear_arguments(hidden, weight, labels, reduction, chunk_size) -> None:
@@ -295,15 +301,31 @@ def _raw_logits_grad(z_RV, t_R, stats_R, g_ce_R, g_ntl_R, number_grad_RK, shard,
 
 def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, low_a_VR: torch.Tensor, b_RH: torch.Tensor):
     """total += a @ b without rounding: total (fp32 for bf16/fp16 weights) is rounded once, after the last chunk.
-    `a` is in total's dtype, `low_a` the same values in b's. On CUDA the tensor cores multiply the low-precision
-    operands with fp32 accumulation into total, as one unchunked bf16 matmul does; elsewhere the fp32 gradient
-    meets the chunk of b upcast (an [R, H] copy)."""
+    `a` is in total's dtype, `low_a` the same values in b's. Where torch multiplies low-precision operands with
+    fp32 accumulation into total (`addmm` with `out_dtype`, CUDA builds of torch >= 2.8), the tensor cores do, as
+    one unchunked bf16 matmul does; elsewhere the fp32 gradient meets the chunk of b upcast (an [R, H] copy)."""
     if b_RH.dtype == total_VH.dtype:
         total_VH.addmm_(a_VR, b_RH)
-    elif b_RH.is_cuda:
+    elif mixed_addmm_works(b_RH.device, b_RH.dtype, total_VH.dtype):
         torch.addmm(total_VH, low_a_VR, b_RH, total_VH.dtype, out=total_VH)
     else:
         total_VH.addmm_(a_VR, b_RH.to(total_VH.dtype))
+
+
+@functools.cache
+def mixed_addmm_works(device: torch.device, low: torch.dtype, high: torch.dtype) -> bool:
+    """Whether `torch.addmm(high_out, low_a, low_b, high, out=high_out)` runs on `device` and accumulates in
+    `high`, probed once per process: the overload is absent before torch 2.8, on CPU, and in some CUDA builds,
+    which raise or (a kernel that rounds to `low` first) return a sum that lost what `low` cannot hold."""
+    quarter_step = torch.finfo(low).eps / 4  # 1 + quarter_step rounds to 1 in `low`, is exact in `high`
+    a = torch.ones(1, 2, dtype=low, device=device)
+    b = torch.tensor([[1.0], [quarter_step]], dtype=low, device=device)
+    out = torch.ones(1, 1, dtype=high, device=device)
+    try:
+        torch.addmm(out, a, b, high, out=out)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return out.dtype == high and out.item() == 2 + quarter_step
 
 
 def _concat(parts: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ntl_pretrain.loss.ce_ntl import LossOutput
-from ntl_pretrain.loss.chunked import linear_ce_ntl_rows
+from ntl_pretrain.loss.chunked import default_chunk_rows, linear_ce_ntl_rows
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.numbers import NumberVocab
 
@@ -87,7 +87,11 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(weight_slice)
         self.vocab_size, self.group = vocab_size, group
         self.number_vocab, self.kind, self.ntl_weight, self.reweigh = number_vocab, kind, ntl_weight, reweigh
-        self.ignore_index, self.chunk_size, self.transform = ignore_index, chunk_size, transform
+        # Without a chunk size every rank takes the default for the widest shard: the same on all ranks, known
+        # here, where `linear_ce_ntl_loss` would agree on it with an all-reduce and a host sync on every call.
+        widest = max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
+        self.chunk_size = default_chunk_rows(widest) if chunk_size is None else chunk_size
+        self.ignore_index, self.transform = ignore_index, transform
         self.float_level = float_level
 
     @classmethod
