@@ -30,6 +30,9 @@ class ScriptedTrainer(Trainer):
     def _announce_start(self) -> None:
         pass
 
+    def _make_console(self):
+        return types.SimpleNamespace(step=lambda record: None, close_bar=lambda: None)
+
     def _make_logger(self):
         return types.SimpleNamespace(log=lambda record: None, progress=lambda record: None, close=lambda: None)
 
@@ -43,7 +46,7 @@ class ScriptedTrainer(Trainer):
     def _stop_if_nonfinite(self) -> None:
         pass
 
-    def _evaluate_and_save_when_due(self) -> None:
+    def _save_and_evaluate_when_due(self) -> None:
         pass
 
     def _stop_agreed(self) -> bool:
