@@ -1,8 +1,10 @@
 """Crash-safe DeepSpeed checkpoints under `<output_dir>/checkpoints/step_<N>/`.
 
 A save writes to `step_<N>.tmp`, then rank 0 renames it to `step_<N>` (atomic on one filesystem) and only then
-rewrites the `latest` pointer (temp file + `os.replace`). A kill at any moment therefore leaves `latest`
-naming a complete checkpoint. Old checkpoints beyond `keep_last` are deleted after the pointer moves.
+rewrites the `latest` pointer (fsynced temp file + `os.replace`). A kill at any moment therefore leaves `latest`
+naming a complete checkpoint; resume still trusts the folders, not the pointer: one that is empty, dangling or
+names a folder that is not a checkpoint (`is_checkpoint`) gives way to the newest checkpoint folder. Old
+checkpoints beyond `keep_last` are deleted after the pointer moves.
 
 The last file written before the rename is `manifest.json` (`ntl_pretrain.manifest`): every file's size and
 checksum. A resume verifies the checkpoint on all ranks before anything loads (`resolve_verified_resume`): `auto`
@@ -25,6 +27,7 @@ import shutil
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +45,7 @@ HF_CONFIG = "hf_config"
 CLIENT_STATE_KEY = "ntl_pretrain"
 TOKENIZER = "tokenizer"
 RANK_STATE = "rank_state"
+LOW_SPACE_BYTES = 64 << 20  # a checkpoint write that fails with less free than this is blamed on the full disk
 logger = logging.getLogger(__name__)
 
 
@@ -138,11 +142,11 @@ def save(
     writes = [write_rank_files, write_extras if rank == 0 else None]
     for write in writes:
         if failure is None and write is not None:
-            failure = _attempt(lambda write=write: write(temp))
+            failure = _attempt(lambda write=write: write(temp), root)
     entries = {}
     if failure is None:
         written = manifest.files_written_by(temp, rank)
-        failure = _attempt(lambda: entries.update(manifest.describe(temp, written, hashed)))
+        failure = _attempt(lambda: entries.update(manifest.describe(temp, written, hashed)), root)
     failure = _write_manifest(temp, failure, entries)
     if failure is not None:
         if rank == 0:
@@ -208,31 +212,38 @@ def _engine_save(engine, root: Path, tag: str, client_state: dict, hashed: dict[
 
     def write_unless_failed(state_dict, path) -> None:
         if not any(failures):  # after one failed write the others are skipped: the save is lost anyway
-            failures.append(_attempt(lambda: (write_hashed if hashes_while_writing else write)(state_dict, path)))
+            failures.append(_attempt(lambda: (write_hashed if hashes_while_writing else write)(state_dict, path), root))
 
     engine.checkpoint_engine.save = write_unless_failed
     try:
         client = {CLIENT_STATE_KEY: client_state}
-        failures.append(_attempt(lambda: engine.save_checkpoint(str(root), tag=tag, client_state=client,
-                                                                save_latest=False)))  # fmt: skip
+        save = partial(engine.save_checkpoint, str(root), tag=tag, client_state=client, save_latest=False)
+        failures.append(_attempt(save, root))
     finally:
         del engine.checkpoint_engine.save  # the class's method again
     return next((failure for failure in failures if failure is not None), None)
 
 
-def _attempt(write: Callable[[], object]) -> str | None:
-    """None when `write` succeeds, else what went wrong on this rank, in words."""
+def _attempt(write: Callable[[], object], folder: Path) -> str | None:
+    """None when `write` (into `folder`) succeeds, else what went wrong on this rank, in words."""
     try:
         write()
     except (OSError, RuntimeError) as error:  # torch.save's zip writer reports a failed write as a RuntimeError
-        return f"rank {dist.get_rank()}: {_describe_write_error(error)}"
+        return f"rank {dist.get_rank()}: {_describe_write_error(error, folder)}"
     return None
 
 
-def _describe_write_error(error: Exception) -> str:
+def _describe_write_error(error: Exception, folder: Path) -> str:
+    """The error, called a full disk when it is one: ENOSPC, or any failed write with less than `LOW_SPACE_BYTES`
+    left (torch's zip writer then says only "unexpected pos 128 vs 0")."""
     full = isinstance(error, OSError) and error.errno == errno.ENOSPC
-    if full or "No space left on device" in str(error):
-        return f"the disk is full ({type(error).__name__}: {error})"
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    if full or "No space left on device" in str(error) or (free is not None and free < LOW_SPACE_BYTES):
+        left = "" if free is None else f", {free:,} bytes free"
+        return f"the disk is full ({folder}{left}; {type(error).__name__}: {error})"
     return f"{type(error).__name__}: {error}"
 
 
@@ -247,7 +258,8 @@ def _write_manifest(temp: Path, failure: str | None, entries: dict) -> str | Non
         failures = [found for found, _ in gathered if found is not None]
         if not failures:
             merged = {relative: entry for _, found in gathered for relative, entry in found.items()}
-            failures = [found for found in [_attempt(lambda: manifest.write(temp, merged))] if found is not None]
+            written = _attempt(lambda: manifest.write(temp, merged), temp.parent)
+            failures = [written] if written is not None else []
         outcome = ["; ".join(failures) if failures else None]
     dist.broadcast_object_list(outcome, src=0)
     return outcome[0]
@@ -274,9 +286,23 @@ def _publish(root: Path, temp_tag: str, tag: str) -> None:
     if final.exists():  # re-saving a step after a resume: the new copy replaces it
         shutil.rmtree(final)
     os.replace(root / temp_tag, final)
+    write_pointer(root, tag)
+
+
+def write_pointer(root: Path, tag: str) -> None:
+    """Point `latest` at `tag`: the new name is on disk (fsync) before it replaces the old pointer, and the
+    replacement is on disk before this returns, so a crash leaves one pointer or the other, never an empty one."""
     pointer = root / f"{LATEST}.tmp"
-    pointer.write_text(tag)
+    with pointer.open("w") as file:
+        file.write(tag)
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(pointer, root / LATEST)
+    folder = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def _prune(root: Path, published: Path, keep_last: int) -> None:
@@ -285,7 +311,10 @@ def _prune(root: Path, published: Path, keep_last: int) -> None:
     removes one it has not replaced."""
     older = [folder for folder in published_steps(root) if step_of(folder) < step_of(published)]
     for old in older[: max(len(older) - (keep_last - 1), 0)]:
-        shutil.rmtree(old)
+        try:
+            shutil.rmtree(old)
+        except OSError as error:  # a folder someone else owns or holds open: the run goes on, the folder stays
+            logger.warning("checkpoint.keep_last: cannot delete %s (%s); delete it by hand", old, error)
 
 
 def step_of(folder: Path) -> int:
@@ -300,13 +329,39 @@ def published_steps(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest(root: Path) -> Path | None:
+def is_checkpoint(folder: Path) -> bool:
+    """A step folder that holds a saved engine (its manifest, or DeepSpeed's model states for checkpoints saved
+    before manifests): an empty or stray `step_<N>` is not one, and no resume starts from it."""
+    if not (STEP_DIR.match(folder.name) and folder.is_dir()):
+        return False
+    return (folder / manifest.MANIFEST).is_file() or any(folder.glob("*mp_rank_*_model_states.pt"))
+
+
+def checkpoint_steps(root: Path) -> list[Path]:
+    """The published step folders that are checkpoints (`is_checkpoint`), oldest first."""
+    return [folder for folder in published_steps(root) if is_checkpoint(folder)]
+
+
+def pointer_problem(root: Path) -> str | None:
+    """What is wrong with `root/latest` (None when it names a checkpoint, or is absent in a folder without any)."""
     pointer = root / LATEST
-    if pointer.is_file():
-        folder = root / pointer.read_text().strip()
-        if folder.is_dir():
-            return folder
-    steps = published_steps(root)
+    if not pointer.is_file():
+        return f"{pointer} is missing" if checkpoint_steps(root) else None
+    tag = pointer.read_text().strip()
+    if not tag:
+        return f"{pointer} is empty"
+    if not is_checkpoint(root / tag):
+        what = "does not exist" if not (root / tag).exists() else "is not a checkpoint"
+        return f"{pointer} names {tag}, which {what}"
+    return None
+
+
+def latest(root: Path) -> Path | None:
+    """The checkpoint `latest` names; when the pointer is missing, empty, dangling or names something that is not a
+    checkpoint, the newest checkpoint folder."""
+    if pointer_problem(root) is None and (root / LATEST).is_file():
+        return root / (root / LATEST).read_text().strip()
+    steps = checkpoint_steps(root)
     return steps[-1] if steps else None
 
 
@@ -317,6 +372,8 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
     if resume == "auto":
         return latest(checkpoints_root(output_dir))
     folder = Path(resume).expanduser()
+    if STEP_DIR.match(folder.name) and not is_checkpoint(folder):
+        raise FileNotFoundError(f"train.resume: {folder} is not a checkpoint (no {manifest.MANIFEST}, no model states)")
     if not STEP_DIR.match(folder.name):
         found = latest(folder) or latest(checkpoints_root(folder))
         if found is None:
@@ -380,20 +437,24 @@ def damage_report(folder: Path, problems: list[str]) -> str:
 
 def newest_first(root: Path) -> list[Path]:
     """Published checkpoints, the one `latest` names first, then the others from the highest step down."""
-    steps = published_steps(root)[::-1]
+    steps = checkpoint_steps(root)[::-1]
     pointed = latest(root)
     return [pointed, *(folder for folder in steps if folder != pointed)] if pointed is not None else steps
 
 
 def agree_on_problems(folder: Path, mode: manifest.VerifyMode) -> list[str]:
     """Every rank checks its share of the checkpoint's files (`manifest.share`) and one all-gather gives every rank
-    all findings, so all ranks decide alike and none waits for a peer that stopped. [] without a manifest. The
-    all-gather waits in the slow-work group: reading a share of a large checkpoint takes minutes, and some ranks'
-    shares (rank 0's shared files, a slower disk) take longer than others'."""
+    all findings, so all ranks decide alike and none waits for a peer that stopped. Without a manifest only whether
+    each torch file is whole (`manifest.check_whole`). The all-gather waits in the slow-work group: reading a share
+    of a large checkpoint takes minutes, and some ranks' shares (rank 0's shared files, a slower disk) take longer
+    than others'."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         entries = manifest.read(folder)
-        found = [] if entries is None else manifest.check(folder, manifest.share(entries, rank, world_size), mode)
+        if entries is None:  # saved before manifests: whether each torch file is whole is all that can be told
+            found = manifest.check_whole(folder, manifest.share(manifest.torch_files(folder), rank, world_size))
+        else:
+            found = manifest.check(folder, manifest.share(entries, rank, world_size), mode)
         mine = [str(problem) for problem in found]
     except manifest.ManifestError as error:
         mine = [str(error)]

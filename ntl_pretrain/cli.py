@@ -91,11 +91,10 @@ def run_train(args: argparse.Namespace) -> int:
     if done is not None:
         print(f"ntl-pretrain: {finished}")
         return 0
-    from ntl_pretrain.supervisor import supervise
+    from ntl_pretrain.supervisor import EXIT_MARGIN_S, supervise
 
-    # A margin past the ranks' own grace: they exit by themselves first, this only catches a hung process.
     started = time.time()
-    code = supervise(command, env, grace_seconds=recipe.train.stop_grace_seconds + 30)
+    code = supervise(command, env, grace_seconds=recipe.train.stop_grace_seconds + EXIT_MARGIN_S)
     report_end(recipe, code, started)
     return code
 
@@ -152,9 +151,10 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    """One line per checkpoint: intact, damaged (every bad file and what is wrong) or unverifiable (no manifest).
-    Exit code 1 when one is damaged or there is none."""
-    from ntl_pretrain import checkpoint, manifest
+    """One line per checkpoint: intact, damaged (every bad file and what is wrong), unverifiable (no manifest) or not
+    a checkpoint at all; one more for a `latest` pointer that is missing, empty or names no checkpoint. Exit code 1
+    when anything is wrong or there is no checkpoint."""
+    from ntl_pretrain import checkpoint
 
     path = Path(args.path).expanduser()
     if not path.exists():
@@ -163,17 +163,30 @@ def run_verify(args: argparse.Namespace) -> int:
     if not folders:
         print(f"ntl-pretrain verify: no checkpoint in {args.path}", file=sys.stderr)
         return 1
-    damaged = False
-    for folder in folders:
-        problems = manifest.verify(folder, "size" if args.size_only else "checksum")
-        damaged = damaged or bool(problems)
-        if problems is None:
-            print(f"{folder}: unverifiable (no {manifest.MANIFEST}: saved before manifests existed)")
-        elif problems:
-            print(f"{folder}: damaged: " + "; ".join(str(problem) for problem in problems))
-        else:
-            print(f"{folder}: intact")
-    return 1 if damaged else 0
+    wrong = [_verify_folder(folder, "size" if args.size_only else "checksum") for folder in folders]
+    if folders != [path]:  # a run's checkpoints, not one step folder: its pointer too
+        problem = checkpoint.pointer_problem(folders[0].parent)
+        if problem is not None:
+            print(f"{problem}: a resume takes {checkpoint.latest(folders[0].parent)} instead")
+        wrong.append(problem is not None)
+    return 1 if any(wrong) else 0
+
+
+def _verify_folder(folder: Path, mode: str) -> bool:
+    """Print the verdict on one step folder; True when something is wrong with it."""
+    from ntl_pretrain import checkpoint, manifest
+
+    if not checkpoint.is_checkpoint(folder):
+        print(f"{folder}: not a checkpoint (no {manifest.MANIFEST}, no DeepSpeed model states); a resume ignores it")
+        return True
+    problems = manifest.verify(folder, mode)
+    if problems is None:
+        print(f"{folder}: unverifiable (no {manifest.MANIFEST}: saved before manifests existed)")
+    elif problems:
+        print(f"{folder}: damaged: " + "; ".join(str(problem) for problem in problems))
+    else:
+        print(f"{folder}: intact")
+    return bool(problems)
 
 
 def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argparse.ArgumentParser:

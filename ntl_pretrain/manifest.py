@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -165,10 +166,31 @@ def share(entries: dict[str, dict], rank: int, world_size: int) -> dict[str, dic
     return {relative: entry for relative, entry in entries.items() if (writer(relative) or 0) % world_size == rank}
 
 
+def torch_files(folder: Path) -> dict[str, dict]:
+    """The `.pt` files of a checkpoint without a manifest, as entries for `share` and `check_whole`."""
+    return {path.relative_to(folder).as_posix(): {} for path in sorted(folder.rglob("*.pt")) if path.is_file()}
+
+
+def check_whole(folder: Path, entries: dict[str, dict]) -> list[Problem]:
+    """Without a manifest, the one thing a file can be checked for: each `.pt` of `entries` is a whole torch file
+    (a zip archive whose central directory, written last, is there; a truncated one has none). Reads only the end
+    of each file."""
+    problems = []
+    for relative in sorted(entries):
+        try:
+            zipfile.ZipFile(folder / relative).close()
+        except (zipfile.BadZipFile, OSError) as error:
+            problems.append(Problem(folder / relative, f"not a whole torch file, truncated? ({error})"))
+    return problems
+
+
 def verify(folder: Path, mode: VerifyMode = "checksum") -> list[Problem] | None:
-    """Every file of one checkpoint, in this process; None when it has no manifest (unverifiable)."""
+    """Every file of one checkpoint, in this process; without a manifest, its torch files' ends (`check_whole`),
+    and None (unverifiable) when they are whole."""
     try:
         entries = read(folder)
     except ManifestError as error:
         return [Problem(folder / MANIFEST, str(error).split(": ", 1)[1])]
-    return None if entries is None else check(folder, entries, mode)
+    if entries is None:
+        return check_whole(folder, torch_files(folder)) or None
+    return check(folder, entries, mode)

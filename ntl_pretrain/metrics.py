@@ -73,6 +73,22 @@ def mfu(flops_per_token_: float, tokens_per_s: float, peak_flops_per_device: flo
     return flops_per_token_ * tokens_per_s / (peak_flops_per_device * world_size)
 
 
+def open_for_append(path: Path):
+    """`path` opened to append records, after ending a torn last line (a write cut by a kill or a full disk) with a
+    newline, so that the next record starts a line of its own; readers skip the torn one (`plot.read_metrics`)."""
+    torn = path.is_file() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
+    file = open(path, "a")  # noqa: SIM115 - the caller owns it
+    if torn:
+        file.write("\n")
+    return file
+
+
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as file:
+        file.seek(-1, 2)
+        return file.read(1)
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
 
@@ -86,7 +102,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.file is None:
-            self.file = self.path.open("a")
+            self.file = open_for_append(self.path)
         self.file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
         self.file.flush()
         if self.wandb_run is not None:

@@ -53,7 +53,8 @@ IMAGE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")  # matplotlib picks the wri
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The run's records in file order, without those a resume superseded (`current_records`); from
-    `metrics.jsonl.gz` in a folder that has only that (a study's archived copy of a run, study_archive.py)."""
+    `metrics.jsonl.gz` in a folder that has only that (a study's archived copy of a run, study_archive.py). A record
+    cut short (a kill or a full disk while it was written) is skipped with a warning naming its line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file() and path.with_name("metrics.jsonl.gz").is_file():
         path = path.with_name("metrics.jsonl.gz")
@@ -64,18 +65,24 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     with opener(path, "rt", encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, start=1):
             if line.strip():
-                records.append(_record(line, path, number))
+                records += _record(line, path, number)
     return current_records(records)
 
 
-def _record(line: str, path: Path, number: int) -> dict:
+def _record(line: str, path: Path, number: int) -> list[dict]:
+    """[the line's record], or [] for a record cut short: JSON that ran out of text (`metrics.open_for_append` ends
+    such a line before the next record is appended)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
+        if line.lstrip().startswith("{") and error.pos >= len(line.rstrip()):
+            print(f"ntl-pretrain: {path}: line {number}: skipped a record cut short ({line.strip()[:60]!r})",
+                  file=sys.stderr)  # fmt: skip
+            return []
         raise InputError(f"{path}: line {number}: not a JSON record ({error.msg})") from error
     if not isinstance(record, dict):
         raise InputError(f"{path}: line {number}: not a JSON record (a {type(record).__name__})")
-    return record
+    return [record]
 
 
 def current_records(records: list[dict]) -> list[dict]:

@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from ntl_pretrain import checkpoint
+from ntl_pretrain import checkpoint, run_lock
 from ntl_pretrain.config import Recipe, RecipeError
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
@@ -35,6 +35,7 @@ def check_world(recipe: Recipe, master_port: int | None) -> None:
     check_optional_packages(recipe)
     check_device(recipe.train.device)
     check_output_dir(recipe.train.output_dir)
+    run_lock.check_free(recipe.train.output_dir)
     check_master_port(master_port)
 
 

@@ -6,7 +6,8 @@
   vocabulary-parallel layout, number vocabulary and data sources this recipe describes. The model is compared as
   the HF config this recipe builds against the checkpoint's `hf_config/` (so `model.*` and `init_from`'s config
   are both covered), the tokenizer by its content (not its path), data sources by name → files (size and a digest
-  of each file's first and last MiB), template and text field.
+  of each file's first and last MiB), template and text field; and what the data stream continues from: `seed`,
+  `data.seq_len` and the sequences per optimizer step.
 - **Learning rate on resume** (`apply_recipe_learning_rate`): the checkpoint's scheduler state carries the old peak
   rate; the recipe's is applied from the resumed step on, and the change is logged.
 - **Process-group timeout** (`rendezvous_failure`) and **leftover partial saves** (`remove_leftover_saves`).
@@ -25,6 +26,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import xxhash
 
@@ -121,10 +123,11 @@ def flatten(tree: object, prefix: str = "") -> dict[str, object]:
 # ---- resume fingerprint ----------------------------------------------------------------------------------------
 
 
-def check_resume(folder: Path | None, recipe: Recipe, tokenizer) -> None:
+def check_resume(folder: Path | None, recipe: Recipe, tokenizer, global_batch: int) -> None:
     """Refuse (every rank alike) to resume `folder` with a recipe that describes another model, tokenizer,
-    vocabulary-parallel layout (`loss.vocab_parallel_size`, and for k > 1 the world size), number vocabulary or
-    data; reads only small files of the checkpoint."""
+    vocabulary-parallel layout (`loss.vocab_parallel_size`, and for k > 1 the world size), number vocabulary, data,
+    or data stream (`seed`, `data.seq_len`, `global_batch` sequences per step); reads only small files of the
+    checkpoint."""
     if folder is None:
         return
     saved_recipe = read_yaml_file(folder / "recipe.yaml") if (folder / "recipe.yaml").is_file() else {}
@@ -134,6 +137,7 @@ def check_resume(folder: Path | None, recipe: Recipe, tokenizer) -> None:
         *tokenizer_differences(folder, tokenizer, recipe.tokenizer.trust_remote_code),
         *layout_differences(saved_recipe, recipe),
         *data_differences(folder, saved_recipe, recipe),
+        *stream_differences(folder, saved_recipe, recipe, global_batch),
     ]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [str(difference) for difference in found])
@@ -197,6 +201,32 @@ def layout_differences(saved_recipe: dict, recipe: Recipe) -> list[Difference]:
     if (saved_kind is not None) != (recipe.loss.ntl.kind is not None):
         found.append(Difference("loss.ntl.kind (the number vocabulary)", saved_kind, recipe.loss.ntl.kind))
     return found
+
+
+# ---- data stream -----------------------------------------------------------------------------------------------
+
+
+def stream_differences(folder: Path, saved_recipe: dict, recipe: Recipe, global_batch: int) -> list[Difference]:
+    """What the run continues from the checkpoint and so cannot change: the shuffle and random states (`seed`),
+    the packed blocks (`data.seq_len`) and the sequences per optimizer step (the global batch: each rank's stream
+    would continue, but the steps would hold other data than the recipe says)."""
+    saved = flatten(saved_recipe)
+    found = [Difference(key, saved[key], wanted) for key, wanted in (("seed", recipe.seed),
+             ("data.seq_len", recipe.data.seq_len)) if key in saved and saved[key] != wanted]  # fmt: skip
+    saved_batch = saved_global_batch(folder)
+    if saved_batch is not None and saved_batch != global_batch:
+        found.append(Difference("train.global_batch_size (sequences per step)", saved_batch, global_batch))
+    return found
+
+
+def saved_global_batch(folder: Path) -> int | None:
+    """Sequences per optimizer step of the run that saved `folder`, from rank 0's data-loader state (None for a
+    checkpoint saved before per-rank state files)."""
+    path = folder / checkpoint.RANK_STATE / "rank_00000.pt"
+    if not path.is_file():
+        return None
+    data = torch.load(path, map_location="cpu", weights_only=True)["data"]
+    return data.get("global_rows") or data["dp_world_size"] * data["micro_batch_size"] * data["grad_accum"]
 
 
 # ---- data sources ----------------------------------------------------------------------------------------------

@@ -9,7 +9,12 @@ or SIGUSR1 once to each training rank: the ranks save at the next step boundary 
 `stopping.EXIT_STOPPED` (stopping.py), then the launcher exits with their code. Before any rank exists the signal
 goes to the launcher's whole session instead (nothing to save yet). Whatever is left of the session when the
 launcher has exited, or `--grace-seconds` after the first signal, is killed; a second signal is forwarded too
-(the ranks then stop at once).
+(the ranks then stop at once). A rank still alive when the grace has passed is named before the kill: it could not
+run its signal handler (frozen in a collective or in I/O).
+
+The ranks die with the supervisor whatever ends it, and report to it whether they finished or stopped with a
+checkpoint, so that the supervisor exits with 0 or `EXIT_STOPPED` also when the signal reached DeepSpeed's
+launchers, which then exit 143 or 1 (`lifeline.py`).
 """
 
 from __future__ import annotations
@@ -19,14 +24,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
-from ntl_pretrain.stopping import STOP_SIGNALS
+from ntl_pretrain import lifeline
+from ntl_pretrain.stopping import EXIT_STOPPED, STOP_SIGNALS
 
 RANK_MODULE = "ntl_pretrain.train"
-DEFAULT_GRACE_SECONDS = 330.0  # train.stop_grace_seconds' default, plus time to exit
+# Past the ranks' own grace (train.stop_grace_seconds), they exit by themselves; this margin only catches a frozen
+# rank, and is shorter than the 30 s after which DeepSpeed's launch.py kills the ranks left beside one that exited,
+# so that the supervisor still finds the frozen rank to name it.
+EXIT_MARGIN_S = 15.0
+DEFAULT_GRACE_SECONDS = 300.0 + EXIT_MARGIN_S  # train.stop_grace_seconds' default
 
 
 def training_ranks(launcher: psutil.Process) -> list[psutil.Process]:
@@ -50,13 +62,26 @@ def _is_rank(process: psutil.Process | None) -> bool:
 
 
 def supervise(command: list[str], env: dict | None = None, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
-    """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns its exit
-    code (128 + signal when a signal ended it)."""
+    """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns 0 when the
+    ranks reported that they finished, `EXIT_STOPPED` when they stopped on a signal with a checkpoint, else the
+    command's exit code (128 + signal when a signal ended it)."""
+    handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
+    os.close(handle)
+    outcome_file = Path(name)
+    try:
+        code = _run(command, {**(env or os.environ), **lifeline.environment(outcome_file)}, grace_seconds)
+        outcome = lifeline.reported_outcome(outcome_file)
+        return {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED}.get(outcome, code)
+    finally:
+        outcome_file.unlink(missing_ok=True)
+
+
+def _run(command: list[str], env: dict, grace_seconds: float) -> int:
     launcher = subprocess.Popen(command, env=env, start_new_session=True)
-    first_signal_at: list[float] = []
+    first_signal: list[tuple[float, str]] = []
 
     def forward(signum: int, _frame) -> None:
-        first_signal_at[:] = first_signal_at or [time.monotonic()]
+        first_signal[:] = first_signal or [(time.monotonic(), signal.Signals(signum).name)]
         ranks = training_ranks(psutil.Process(launcher.pid))
         if not ranks:
             _signal_session(launcher.pid, signum)
@@ -69,16 +94,32 @@ def supervise(command: list[str], env: dict | None = None, grace_seconds: float 
     previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
     try:
         while launcher.poll() is None:
-            if first_signal_at and time.monotonic() - first_signal_at[0] > grace_seconds:
+            if first_signal and time.monotonic() - first_signal[0][0] > grace_seconds:
+                _name_frozen_ranks(launcher, grace_seconds, first_signal[0][1])
                 _signal_session(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+                break
             time.sleep(0.2)
-        deadline = first_signal_at[0] + grace_seconds if first_signal_at else time.monotonic()
+        deadline = first_signal[0][0] + grace_seconds if first_signal else time.monotonic()
         _end_session(launcher.pid, deadline)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     code = launcher.returncode
     return 128 - code if code < 0 else code
+
+
+def _name_frozen_ranks(launcher: subprocess.Popen, grace_seconds: float, signal_name: str) -> None:
+    """One line per rank that outlived the grace: it never ran its signal handler, so it is stuck where Python
+    cannot interrupt it (a collective whose peer is gone, a hung file system)."""
+    for rank in training_ranks(psutil.Process(launcher.pid)):
+        try:
+            number, status = rank.environ().get("RANK", "?"), rank.status()
+        except psutil.Error:
+            continue
+        print(f"ntl-pretrain: supervisor: rank {number} (pid {rank.pid}, {status}) has not stopped {grace_seconds:g} s "
+              f"after {signal_name}: frozen where it cannot run its signal handler (a collective whose peer is gone, "
+              f"a hung file system); killing the run", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _signal_session(session_id: int, signum: int) -> None:

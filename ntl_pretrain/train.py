@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import checkpoint, reshard, resume_guard
+from ntl_pretrain import checkpoint, lifeline, reshard, resume_guard, run_lock
 from ntl_pretrain.config import Recipe, TrainConfig, dump_recipe
 from ntl_pretrain.console import RunConsole, failure_line, first_line, startup_line
 from ntl_pretrain.data import build_dataloader
@@ -107,7 +107,8 @@ class Trainer:
         )
         self.resume_from = self.resume_point.folder
         self.tokenizer = load_tokenizer(self._tokenizer_spec(), trust_remote_code=recipe.tokenizer.trust_remote_code)
-        resume_guard.check_resume(self.resume_from, recipe, self.tokenizer)  # before anything is loaded or written
+        # before anything is loaded or written
+        resume_guard.check_resume(self.resume_from, recipe, self.tokenizer, ds_config["train_batch_size"])
         saved_config = None if self.resume_from is None else self.resume_from / checkpoint.HF_CONFIG
         self.built: BuiltModel = build_model(recipe, self.tokenizer, ds_config, saved_config)
         self.head = self.built.module.head
@@ -172,7 +173,8 @@ class Trainer:
                 self.console.step(record)
                 self._stop_if_nonfinite()
                 self._save_and_evaluate_when_due()
-                if self._stop_agreed():
+                # A stop asked for during the last step (its save, say) ends the run finished, not stopped.
+                if self._stop_agreed() and self.step < self.recipe.train.max_steps:
                     self._stop_early()
                     return False
             self._finish()
@@ -215,11 +217,17 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def _stop_signal(self) -> str | None:
+        """The signal that stopped the run, whichever rank got it (rank 0, which logs it, may have got none)."""
+        names = [None] * self.world_size
+        dist.all_gather_object(names, self.stop.signal_name)
+        return next((name for name in names if name is not None), None)
+
     def _stop_early(self) -> None:
         """Checkpoint the step just finished and record the stop; the same command continues from here."""
         if self.last_saved_step != self.step:
             self.save()
-        self.logger.log({"step": self.step, "split": "stop", "signal": self.stop.signal_name})
+        self.logger.log({"step": self.step, "split": "stop", "signal": self._stop_signal()})
         self.console.close_bar()
         self.console.say(f"saved step {self.step}; stopping (exit code {EXIT_STOPPED})")
 
@@ -557,14 +565,20 @@ def main(argv: list[str] | None = None) -> int:
     recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
     if not recipe.logging.verbose:
         quiet_console(int(os.environ.get("RANK", "0")))
-    stop = StopRequest(recipe.train.stop_grace_seconds, who=f"rank {os.environ.get('RANK', '0')}: ")
+    who = f"rank {os.environ.get('RANK', '0')}: "
+    stop = StopRequest(recipe.train.stop_grace_seconds, who=who)
     stop.install()  # from here on a signal means "stop at the next step boundary", also during start-up
+    lifeline.watch_supervisor(who)
     init_distributed(recipe.train.dist_timeout_seconds)
     try:
         resume_guard.check_same_recipe(recipe)
-        trainer = Trainer(recipe, ds_config, stop)
-        finished = train_reporting_failures(trainer)
-    except resume_guard.RunRefused as error:
+        lock = hold_output_dir(recipe)
+        try:
+            trainer = Trainer(recipe, ds_config, stop)
+            finished = train_reporting_failures(trainer)
+        finally:
+            run_lock.release(lock)
+    except (resume_guard.RunRefused, run_lock.RunLocked) as error:
         # Every rank refuses alike; one prints. Exit at once: the launcher stops any rank still starting.
         if dist.get_rank() == 0:
             print(f"ntl-pretrain: recipe error: {error}", file=sys.stderr, flush=True)
@@ -576,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     checkpoint.old_checkpoints_pruned()  # rank 0 exits only when the last save's rotation is done
+    lifeline.report_outcome(finished)
     return 0 if finished else EXIT_STOPPED
 
 
@@ -595,6 +610,21 @@ def train_reporting_failures(trainer: Trainer) -> bool:
             line = failure_line(where, error, trainer.output_dir, trainer.rank, trainer.last_saved_step)
         print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
         os._exit(1)  # at once: the launcher stops the other ranks, which would wait in a collective
+
+
+def hold_output_dir(recipe: Recipe) -> Path | None:
+    """Rank 0 takes the output folder's lock before the run reads or writes anything in it; every rank learns the
+    outcome (`run_lock.RunLocked` on all of them when it is refused). Returns the lock on rank 0."""
+    outcome: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = run_lock.acquire(recipe.train.output_dir)
+        except run_lock.RunLocked as error:
+            outcome[1] = str(error)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise run_lock.RunLocked(outcome[1])
+    return outcome[0] if dist.get_rank() == 0 else None
 
 
 def prepare_output_dir(recipe: Recipe) -> None:

@@ -149,6 +149,7 @@ def test_each_kind_of_damage_is_named_with_what_is_wrong(saved_run, tmp_path, ca
     assert manifest.verify(folder) == []
     capsys.readouterr()
 
+    loader_state = (folder / KINDS["data-loader state"]).read_bytes()
     damage(folder / KINDS["data-loader state"], "truncate")
     assert cli.main(["verify", str(run)]) == 1
     printed = capsys.readouterr().out.splitlines()
@@ -163,8 +164,11 @@ def test_each_kind_of_damage_is_named_with_what_is_wrong(saved_run, tmp_path, ca
 
     (folder / manifest.MANIFEST).write_text('{"version": 1, "fi')
     assert [problem.path.name for problem in manifest.verify(folder)] == [manifest.MANIFEST]
-    (folder / manifest.MANIFEST).unlink()
-    assert manifest.verify(folder) is None  # saved before manifests existed: loads, unverified
+    (folder / manifest.MANIFEST).unlink()  # saved before manifests existed: a torn torch file is still found
+    (problem,) = manifest.verify(folder)
+    assert problem.path == folder / KINDS["data-loader state"] and problem.what.startswith("not a whole torch file")
+    (folder / KINDS["data-loader state"]).write_bytes(loader_state)
+    assert manifest.verify(folder) is None  # whole files: loads, unverified
     assert cli.main(["verify", str(folder)]) == 0
     assert "unverifiable" in capsys.readouterr().out
 
@@ -293,3 +297,91 @@ def test_explicit_resume_of_a_damaged_checkpoint_stops_every_rank_naming_the_fil
     assert text.count(named) == 2, text[-4000:]  # both ranks, the same verdict
     assert f"{damaged / KINDS['model states']}: size" in text
     assert not (output_dir / "metrics.jsonl").exists()
+
+
+# ---- the `latest` pointer ----------------------------------------------------------------------------------
+
+
+def small_checkpoints(root: Path, steps: list[int]) -> None:
+    """Step folders with one file and a manifest each: checkpoints as far as resume and verify can tell."""
+    for step in steps:
+        folder = root / f"step_{step}"
+        folder.mkdir(parents=True)
+        (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(bytes([step]) * 64)
+        manifest.write(folder, manifest.describe(folder, ["zero_pp_rank_0_mp_rank_00_model_states.pt"]))
+
+
+BAD_POINTERS = {  # what `latest` holds -> what verify says of it
+    "": "is empty",
+    "step_30": "names step_30, which does not exist",
+    "step_999": "names step_999, which is not a checkpoint",
+}
+
+
+def check_ranks_resume_the_newest_checkpoint_past_a_bad_pointer(run: str) -> None:
+    import torch.distributed as dist
+
+    root = checkpoint.checkpoints_root(run)
+    for pointer in BAD_POINTERS:
+        if dist.get_rank() == 0:
+            checkpoint.write_pointer(root, pointer)
+        dist.barrier()
+        assert checkpoint.resolve_verified_resume("auto", run, "checksum").folder == root / "step_20", pointer
+        dist.barrier()
+
+
+def test_a_bad_latest_pointer_is_reported_and_resume_takes_the_newest_checkpoint(tmp_path, capsys):
+    """An empty `latest`, one naming a missing step, and one naming an empty `step_999` folder: resume (on 2 gloo
+    ranks) and the pre-flight take step_20, and `verify` names the pointer and the stray folder (exit code 1)."""
+    from ntl_pretrain import preflight
+    from ntl_pretrain.config import load_recipe
+
+    root = checkpoint.checkpoints_root(tmp_path / "run")
+    small_checkpoints(root, [10, 20])
+    (root / "step_999").mkdir()
+    run_distributed(check_ranks_resume_the_newest_checkpoint_past_a_bad_pointer, 2, str(tmp_path / "run"))
+    recipe = load_recipe(TINY, [f"train.output_dir={tmp_path / 'run'}", "train.max_steps=100"])
+    for pointer, said in BAD_POINTERS.items():
+        checkpoint.write_pointer(root, pointer)
+        assert checkpoint.latest(root) == root / "step_20"
+        assert preflight.finished_step(recipe) is None  # not "already at step 999"
+        assert cli.main(["verify", str(tmp_path / "run")]) == 1
+        assert capsys.readouterr().out.splitlines() == [
+            f"{root / 'step_10'}: intact",
+            f"{root / 'step_20'}: intact",
+            f"{root / 'step_999'}: not a checkpoint (no manifest.json, no DeepSpeed model states); a resume ignores it",
+            f"{root / 'latest'} {said}: a resume takes {root / 'step_20'} instead",
+        ]
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step_10", "step_20", "step_999"]  # no temp
+    with pytest.raises(FileNotFoundError, match="step_999 is not a checkpoint"):
+        checkpoint.resolve_resume(str(root / "step_999"), "unused")
+
+    assert cli.main(["verify", str(tmp_path / "nowhere" / "step_5")]) == 2  # an error, not "unverifiable"
+    assert f"{tmp_path / 'nowhere' / 'step_5'}: does not exist" in capsys.readouterr().err
+
+
+def check_ranks_pass_over_a_truncated_shard_without_manifest(run: str) -> None:
+    import torch.distributed as dist
+
+    root = checkpoint.checkpoints_root(run)
+    point = checkpoint.resolve_verified_resume("auto", run, "checksum")
+    assert point.folder == root / "step_10"
+    (skipped,) = point.skipped
+    truncated = root / "step_20" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert skipped["checkpoint"] == str(root / "step_20") and len(skipped["problems"]) == 1
+    assert skipped["problems"][0].startswith(f"{truncated}: not a whole torch file, truncated?")
+    dist.barrier()
+
+
+def test_a_truncated_shard_of_a_checkpoint_without_manifest_is_named_and_passed_over(tmp_path):
+    """Checkpoints saved before manifests: resume on 2 gloo ranks takes the older step whose torch files are whole,
+    naming the truncated file (torch alone said "failed finding central directory" in the middle of the load)."""
+    import torch
+
+    root = checkpoint.checkpoints_root(tmp_path / "run")
+    for step in (10, 20):
+        for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+            (root / f"step_{step}").mkdir(parents=True, exist_ok=True)
+            torch.save({"step": step, "state": torch.arange(1000.0)}, root / f"step_{step}" / name)
+    damage(root / "step_20" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", "truncate")
+    run_distributed(check_ranks_pass_over_a_truncated_shard_without_manifest, 2, str(tmp_path / "run"))

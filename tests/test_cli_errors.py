@@ -152,6 +152,7 @@ def workspace(tmp_path):
     step = tmp_path / "alias-run" / "checkpoints" / "step_1"
     (step / "hf_config").mkdir(parents=True)
     (step / "recipe.yaml").write_text(ALIAS_RECIPE)
+    (step / "manifest.json").write_text('{"version": 1, "files": {}}')  # what makes a step folder a checkpoint
     return tmp_path
 
 

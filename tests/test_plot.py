@@ -103,3 +103,22 @@ def test_plot_refuses_runs_without_metrics(tmp_path: Path, capsys) -> None:
     assert main([str(empty), "-o", str(tmp_path / "x.png")]) == 2
     assert "ntl-pretrain plot: no plottable metrics" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_torn_last_record_survives_the_next_resume_and_plot(tmp_path: Path, capsys) -> None:
+    """A full disk cut the last record short; the resumed run appends after it and `plot` skips it, naming it."""
+    from ntl_pretrain.metrics import MetricsLogger
+
+    run = write_run(tmp_path / "run", training_records(3, 1.0))
+    with (run / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 4, "loss": 1.2, "c')
+    resumed = MetricsLogger(str(run), enabled=True, total_steps=5, first_step=3, progress_bar=False,
+                            wandb_settings=None)  # fmt: skip
+    resumed.log({"step": 3, "split": "resume", "resumed_from": "step_3"})
+    for record in training_records(5, 1.0)[3:]:
+        resumed.log(record)
+    resumed.close()
+    assert [record["step"] for record in read_metrics(run) if "split" not in record] == [1, 2, 3, 4, 5]
+    assert f"{run / 'metrics.jsonl'}: line 4: skipped a record cut short" in capsys.readouterr().err
+    out = tmp_path / "run.png"
+    assert main([str(run), "-o", str(out)]) == 0 and out.is_file()

@@ -441,7 +441,9 @@ def test_base_path_expands_home(tmp_path, monkeypatch):
 
 def test_a_finished_run_says_so_and_launches_nothing(workspace, monkeypatch, capsys):
     workspace, _ = workspace
-    (workspace / "out" / "checkpoints" / "step_300").mkdir(parents=True)  # tiny-cpu: max_steps 300, resume auto
+    finished = workspace / "out" / "checkpoints" / "step_300"  # tiny-cpu: max_steps 300, resume auto
+    finished.mkdir(parents=True)
+    (finished / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
     recipe = str(workspace / "common.yaml")
     monkeypatch.setattr(supervisor, "supervise", lambda *args, **kwargs: pytest.fail("launched a finished run"))
     for dry in ([], ["--dry-run"]):

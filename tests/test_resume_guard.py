@@ -22,6 +22,7 @@ import pytest
 import torch.distributed as dist
 from distributed import free_port, run_distributed
 from launches import (
+    GLOBAL_BATCH,
     RUNNER,
     SAVE_AT,
     STEPS,
@@ -120,6 +121,22 @@ def test_a_changed_model_tokenizer_or_source_is_refused_and_nothing_is_touched(t
 
 
 @pytest.mark.slow
+def test_a_changed_seed_seq_len_or_global_batch_is_refused_before_anything_loads(tmp_path_factory, tmp_path):
+    """What the data stream and random states continue from: one refusal names all three, and the run's files
+    (recipe.yaml included) are as they were."""
+    run_dir = trained_run(tmp_path_factory)
+    before = snapshot(run_dir)
+    changes = ["seed=1", "data.seq_len=16", f"train.global_batch_size={2 * GLOBAL_BATCH}"]
+    done = launch(run_dir, 2, changes, tmp_path / "log.txt")
+    text = (tmp_path / "log.txt").read_text()
+    assert done.returncode == 2, text[-4000:]
+    refusal = next(line for line in text.splitlines() if "was trained with another recipe" in line)
+    assert "seed: 0 → 1" in refusal and "data.seq_len: 32 → 16" in refusal, refusal
+    assert f"train.global_batch_size (sequences per step): {GLOBAL_BATCH} → {2 * GLOBAL_BATCH}" in refusal, refusal
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
 def test_a_changed_learning_rate_is_applied_from_the_resumed_step_and_leftovers_are_removed(tmp_path_factory, tmp_path):
     reference_dir = trained_run(tmp_path_factory)
     output_dir = tmp_path / "run"
@@ -182,10 +199,10 @@ def _accept_the_same_content_elsewhere(run_dir: str, tokenizer_copy: str, source
                 "weight": s.weight} for s in load_recipe(folder / "recipe.yaml").data.sources]  # fmt: skip
     moved = [f"tokenizer.path={tokenizer_copy}", f"data.sources={json.dumps(sources)}"]
     recipe = load_recipe(folder / "recipe.yaml", moved)
-    resume_guard.check_resume(folder, recipe, load_tokenizer(tokenizer_copy))
+    resume_guard.check_resume(folder, recipe, load_tokenizer(tokenizer_copy), GLOBAL_BATCH)
     widened = load_recipe(folder / "recipe.yaml", ["loss.vocab_parallel_size=2", "model.config.intermediate_size=128"])
     with pytest.raises(resume_guard.RunRefused) as refused:
-        resume_guard.check_resume(folder, widened, load_tokenizer(tokenizer_copy))
+        resume_guard.check_resume(folder, widened, load_tokenizer(tokenizer_copy), GLOBAL_BATCH)
     assert "loss.vocab_parallel_size: 1 → 2" in str(refused.value)
     assert "model.config.intermediate_size: 256 → 128" in str(refused.value)
 

@@ -121,6 +121,18 @@ def test_a_run_stopped_by_its_signal_requeues_the_job(tmp_path, code, requeued):
     assert log.read_text().splitlines() == ["srun", *(["scontrol requeue 4242"] if requeued else [])]
 
 
+def test_sigterm_to_the_batch_shell_still_requeues_a_run_that_stopped_with_75(tmp_path):
+    """Slurm signals the batch shell with the job's processes: it must live to read srun's 75 and requeue."""
+    log = tmp_path / "log.txt"
+    executable(tmp_path / "bin" / "srun", '#!/bin/bash\nkill -TERM $PPID\nsleep 0.5\necho srun >> "$LOG"\nexit 75\n')
+    executable(tmp_path / "bin" / "scontrol", '#!/bin/bash\nif [[ $1 == show ]]; then printf "gpu-a07\\ngpu-a08\\n"; '
+                                              'else echo "scontrol $*" >> "$LOG"; fi\n')  # fmt: skip
+    env = slurm_env(tmp_path, LOG=str(log), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu-a[07-08]")
+    done = run_sbatch(env, "recipes/tiny-cpu.yaml", "train.global_batch_size=64")
+    assert done.returncode == 75, done.stderr
+    assert log.read_text().splitlines() == ["srun", "scontrol requeue 4242"]
+
+
 def test_refuses_outside_an_allocation_and_a_global_batch_the_world_cannot_split(tmp_path):
     env = slurm_env(tmp_path)
     del env["SLURM_JOB_NODELIST"]

@@ -80,8 +80,9 @@ def test_flops_formula_matches_counted_matmuls(tie, head_dim):
 class TestCheckpointFolders:
     def make_run(self, tmp_path: Path, steps: list[int]) -> Path:
         root = checkpoint.checkpoints_root(tmp_path)
-        for step in steps:
+        for step in steps:  # DeepSpeed's model states make a step folder a checkpoint (an empty one is not)
             (root / f"step_{step}").mkdir(parents=True)
+            (root / f"step_{step}" / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
         return root
 
     def test_kill_during_save_leaves_latest_on_the_previous_checkpoint(self, tmp_path):

@@ -33,6 +33,7 @@ from ntl_pretrain.evaluation.model_folder import (
     resolve_target,
 )
 from ntl_pretrain.evaluation.validation import validation_metrics
+from ntl_pretrain.metrics import open_for_append
 from ntl_pretrain.process_group import bind_local_device, default_backend
 from ntl_pretrain.tokenizer import resolve_path
 
@@ -242,7 +243,7 @@ def _publish(record: dict, args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     if args.log_metrics:
         run_dir = resolve_target(args.target).run_dir
-        with (run_dir / "metrics.jsonl").open("a") as metrics:
+        with open_for_append(run_dir / "metrics.jsonl") as metrics:
             metrics.write(text + "\n")
 
 

@@ -1,0 +1,120 @@
+"""The edges of a run's end (issue 33): a stop asked for during the last step ends the run finished; the stop
+record names the signal whichever rank got it (2 gloo ranks); a checkpoint folder the rotation cannot delete is
+left with a warning; the supervisor takes the ranks' word on how the run ended over its launcher's exit code."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import types
+
+import pytest
+from distributed import run_distributed
+
+from ntl_pretrain import checkpoint, supervisor
+from ntl_pretrain.stopping import EXIT_STOPPED
+from ntl_pretrain.train import Trainer
+
+
+class ScriptedTrainer(Trainer):
+    """`Trainer.train`'s loop over stubs: every rank agrees to stop from step `stop_from` on."""
+
+    def __init__(self, max_steps: int, stop_from: int):
+        self.recipe = types.SimpleNamespace(train=types.SimpleNamespace(max_steps=max_steps))
+        self.step, self.stop_from, self.grad_accum, self.loader, self.ends = 0, stop_from, 1, range(100), []
+
+    def resume(self) -> None:
+        pass
+
+    def _announce_start(self) -> None:
+        pass
+
+    def _make_console(self):
+        return types.SimpleNamespace(step=lambda record: None, close_bar=lambda: None)
+
+    def _make_logger(self):
+        return types.SimpleNamespace(log=lambda record: None, progress=lambda record: None, close=lambda: None)
+
+    def _take_output_dir(self, resumed_at: int) -> None:
+        pass
+
+    def train_step(self, batches: list) -> dict:
+        self.step += 1
+        return {"step": self.step}
+
+    def _stop_if_nonfinite(self) -> None:
+        pass
+
+    def _save_and_evaluate_when_due(self) -> None:
+        pass
+
+    def _stop_agreed(self) -> bool:
+        return self.step >= self.stop_from
+
+    def _stop_early(self) -> None:
+        self.ends.append(("stopped", self.step))
+
+    def _finish(self) -> None:
+        self.ends.append(("finished", self.step))
+
+
+@pytest.mark.parametrize(
+    ("stop_from", "finished", "ends"), [(3, True, [("finished", 3)]), (2, False, [("stopped", 2)])]
+)
+def test_a_stop_during_the_last_step_finishes_the_run(stop_from, finished, ends):
+    """A signal during step 3 of 3 (its save, say): the run is done, not "stopped at step 3 of 3" with exit 75."""
+    trainer = ScriptedTrainer(max_steps=3, stop_from=stop_from)
+    assert trainer.train() is finished
+    assert trainer.ends == ends
+
+
+def _stop_signal_of_rank_1() -> None:
+    import torch.distributed as dist
+
+    stop = types.SimpleNamespace(signal_name="SIGUSR1" if dist.get_rank() == 1 else None)
+    trainer = types.SimpleNamespace(world_size=2, stop=stop)
+    assert Trainer._stop_signal(trainer) == "SIGUSR1"
+
+
+def test_the_stop_record_names_the_signal_one_rank_got():
+    run_distributed(_stop_signal_of_rank_1, 2)
+
+
+def test_a_checkpoint_the_rotation_cannot_delete_is_left_with_a_warning(tmp_path, monkeypatch, caplog):
+    root = checkpoint.checkpoints_root(tmp_path)
+    for step in (10, 20, 30):
+        (root / f"step_{step}").mkdir(parents=True)
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if path == root / "step_10":
+            raise PermissionError(13, "Permission denied", str(path))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with caplog.at_level(logging.WARNING, logger=checkpoint.__name__):
+        checkpoint._prune(root, root / "step_30", keep_last=1)
+    assert sorted(path.name for path in root.iterdir()) == ["step_10", "step_30"]
+    assert f"cannot delete {root / 'step_10'}" in caplog.text and "Permission denied" in caplog.text
+
+
+@pytest.mark.parametrize(("outcome", "code"), [("finished", 0), ("stopped", EXIT_STOPPED), (None, 143)])
+def test_the_supervisor_exits_with_what_the_ranks_reported(outcome, code):
+    """A launcher killed by SIGTERM (143) while its ranks finished or stopped with a checkpoint."""
+    outcome_file = "pathlib.Path(os.environ['NTL_SUPERVISOR'].split(':', 2)[2])"
+    report = "" if outcome is None else f"{outcome_file}.write_text('{outcome}'); "
+    script = f"import os, pathlib, signal; {report}os.kill(os.getpid(), signal.SIGTERM)"
+    assert supervisor.supervise([sys.executable, "-c", script], grace_seconds=5) == code
+
+
+def test_a_failed_write_on_an_almost_full_disk_is_called_a_full_disk(tmp_path, monkeypatch):
+    """torch's zip writer with 1 MiB left says only "unexpected pos"; the save's message must say why."""
+    error = RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                         "data/0: file write failed; unexpected pos 128 vs 0")  # fmt: skip
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1 << 20))
+    said = checkpoint._describe_write_error(error, tmp_path)
+    assert said.startswith(f"the disk is full ({tmp_path}, 1,048,576 bytes free; RuntimeError: ") and "pos 128" in said
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=10 << 30))
+    assert checkpoint._describe_write_error(error, tmp_path).startswith("RuntimeError: [enforce fail")
