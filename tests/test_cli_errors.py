@@ -44,7 +44,7 @@ ROWS = [
     ("eval-out-folder", ["eval", "{tmp}/hf", "--out", "{tmp}/empty"], 2, ["--out", "empty is a folder"]),
     ("eval-out-unwritable", ["eval", "{tmp}/hf", "--out", "{tmp}/file.txt/x.json"], 2, ["--out", "cannot be written"]),
     ("eval-answers-folder", ["eval", "{tmp}/hf", "--answers", "{tmp}/empty"], 2, ["--answers", "is a folder"]),
-    ("eval-qa-missing", ["eval", "{tmp}/hf", "--qa", "{tmp}/none.jsonl"], 2, ["--qa", "none.jsonl"]),
+    ("eval-qa-missing", ["eval", "{tmp}/hf", "--qa", "{tmp}/none.jsonl"], 2, ["no such file", "none.jsonl"]),
     ("eval-log-metrics-hf", ["eval", "{tmp}/hf", "--log-metrics"], 2, ["--log-metrics", "not a run"]),
     ("eval-template-alone", ["eval", "{tmp}/hf", "--template", "{question}"], 2, ["--template", "--validation"]),
     ("eval-prompt-template", ["eval", "{tmp}/hf", "--prompt-template", "Q:"], 2, ["prompt_template", "Q:"]),
