@@ -93,9 +93,9 @@ def test_prune_keeps_the_new_checkpoint_and_newer_ones_a_fallback_left(tmp_path)
     """After `auto` fell back from a damaged step 30 to step 10, saving step 20 with keep_last=1 removes step 10
     only: step 30 is newer than anything this run replaced."""
     root = checkpoint.checkpoints_root(tmp_path)
-    for step in (10, 30):
-        (root / f"step_{step}").mkdir(parents=True)
-    (root / "step_20.tmp").mkdir()
+    for name in ("step_10", "step_30", "step_20.tmp"):  # model states: a step folder without them is not a checkpoint
+        (root / name).mkdir(parents=True)
+        (root / name / "mp_rank_00_model_states.pt").touch()
     checkpoint._publish(root, "step_20.tmp", "step_20")
     checkpoint._prune(root, root / "step_20", keep_last=1)
     assert [folder.name for folder in checkpoint.published_steps(root)] == ["step_20", "step_30"]
