@@ -73,6 +73,7 @@ class HashingWriter:
     `.entry()` is the file's manifest entry, without reading it back (for a 100 GB checkpoint, minutes of I/O)."""
 
     def __init__(self, path: Path):
+        self.name = str(path)  # as a file object's: what error messages and fault injection name
         self.file = path.open("wb")
         self.digest, self.size = xxhash.xxh3_64(), 0
 

@@ -220,8 +220,8 @@ def check_full_disk_fails_the_save_on_every_rank(run: Path) -> None:
     assert manifest.verify(root / "step_1") == []
     real_save = torch.save
 
-    def disk_full_on_rank_1(obj, path, *args, **kwargs):
-        if dist.get_rank() == 1 and "optim_states" in str(path):
+    def disk_full_on_rank_1(obj, path, *args, **kwargs):  # `path` may be a file object (manifest.HashingWriter)
+        if dist.get_rank() == 1 and "optim_states" in str(getattr(path, "name", path)):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_save(obj, path, *args, **kwargs)
 
