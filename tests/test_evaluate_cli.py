@@ -87,6 +87,7 @@ def test_targets_resolve_to_folders_or_checkpoints(tmp_path: Path) -> None:
     assert resolve_target(hf).hf_folder == hf
     step = tmp_path / "run" / "checkpoints" / "step_40"
     (step / "hf_config").mkdir(parents=True)
+    (step / "mp_rank_00_model_states.pt").touch()  # a step folder without model states is not a checkpoint
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_40")
     for path in (tmp_path / "run", tmp_path / "run" / "checkpoints", step):
         target = resolve_target(path)
@@ -122,6 +123,7 @@ def parse_eval_flags(*flags: str):
 def saved_run(tmp_path: Path, recipe_text: str) -> Path:
     step = tmp_path / "run" / "checkpoints" / "step_3"
     (step / "hf_config").mkdir(parents=True)
+    (step / "mp_rank_00_model_states.pt").touch()  # a step folder without model states is not a checkpoint
     (step / "recipe.yaml").write_text(recipe_text)
     return tmp_path / "run"
 
