@@ -16,6 +16,7 @@ from launches import REPO, RUNNER, environment
 
 from ntl_pretrain.doctor import loss_checks
 from ntl_pretrain.doctor.collectives import collectives_check
+from ntl_pretrain.doctor.gpu_paths import GPU_PATH_CHECKS
 from ntl_pretrain.doctor.report import Check, merge_ranks, table
 
 pytestmark = pytest.mark.slow
@@ -49,8 +50,8 @@ def test_one_process_passes_on_cpu(tmp_path):
     assert checks["train resume"]["detail"]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
     assert max(checks["export"]["detail"].values()) < 1e-5
     progress = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("ntl-pretrain")]
-    assert progress[:5] == [f"ntl-pretrain doctor: running the {name} checks"
-                            for name in ("environment", "collectives", "loss", "speed", "train")]  # fmt: skip
+    groups = ("environment", "collectives", "loss", *GPU_PATH_CHECKS, "speed", "train")
+    assert progress[: len(groups)] == [f"ntl-pretrain doctor: running the {name} checks" for name in groups]
 
 
 def test_two_ranks_pass_on_cpu_and_check_the_vocabulary_parallel_loss(tmp_path):
