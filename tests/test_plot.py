@@ -112,8 +112,7 @@ def test_a_torn_last_record_survives_the_next_resume_and_plot(tmp_path: Path, ca
     run = write_run(tmp_path / "run", training_records(3, 1.0))
     with (run / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"step": 4, "loss": 1.2, "c')
-    resumed = MetricsLogger(str(run), enabled=True, total_steps=5, first_step=3, progress_bar=False,
-                            wandb_settings=None)  # fmt: skip
+    resumed = MetricsLogger(str(run), enabled=True, wandb_settings=None)
     resumed.log({"step": 3, "split": "resume", "resumed_from": "step_3"})
     for record in training_records(5, 1.0)[3:]:
         resumed.log(record)
