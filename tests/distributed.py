@@ -70,3 +70,15 @@ def counting_collectives() -> Iterator[Counter]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def tiny_zero3_engine():
+    """A two-layer model in a ZeRO-3 engine on gloo, inside a `run_distributed` rank (checkpoint tests)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    return engine

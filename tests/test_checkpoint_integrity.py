@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from distributed import run_distributed
+from distributed import run_distributed, tiny_zero3_engine
 from launches import (
     LAUNCH_TIMEOUT_S,
     RUNNER,
@@ -202,15 +202,10 @@ def check_ranks_agree_and_saves_fail_together(run: str, scratch: str) -> None:
 
 
 def check_full_disk_fails_the_save_on_every_rank(run: Path) -> None:
-    import deepspeed
     import torch
     import torch.distributed as dist
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    engine = tiny_zero3_engine()
     root = checkpoint.checkpoints_root(run)
 
     def save(step: int, write_rank_files=None) -> Path:

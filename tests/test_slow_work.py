@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from distributed import run_distributed, tiny_zero3_engine
 
 from ntl_pretrain import checkpoint, manifest, reshard
 from ntl_pretrain.train import Trainer
@@ -46,13 +46,7 @@ def train_for(seconds: float) -> None:
 
 
 def saves_survive_a_slow_rotation(run: Path) -> None:
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    engine = tiny_zero3_engine()
     root = checkpoint.checkpoints_root(run)
     shorten_the_collective_timeout()
     checkpoint._prune = on_rank_0_slowly(3, checkpoint._prune)
