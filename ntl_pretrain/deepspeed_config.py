@@ -6,6 +6,8 @@ keys out (or set them to "auto", the transformers convention); the optimizer and
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
 import os
 from collections.abc import Iterable
@@ -24,6 +26,29 @@ RECIPE_OWNED_KEYS = (
     "optimizer",
     "scheduler",
 )
+
+# DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json, DeepSpeed 0.19) and the JSON type each takes
+# (None: not checked here). DeepSpeed ignores a key it does not know, so a misspelt section would silently fall back
+# to its defaults: a key close to one of these is refused with "did you mean"; a key close to none passes (a comment
+# key, a section of a newer DeepSpeed). A section of the wrong type fails deep inside DeepSpeed without its name.
+SECTION, FLAG, COUNT, NAME = dict, bool, int, str
+DEEPSPEED_TOP_LEVEL_KEYS: dict[str, type | None] = {
+    **dict.fromkeys(RECIPE_OWNED_KEYS),
+    **dict.fromkeys(("zero_optimization", "data_types", "amp", "torch_autocast", "activation_checkpointing",
+                     "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "aio",
+                     "autotuning", "elasticity", "checkpoint", "data_efficiency", "curriculum_learning",
+                     "compression_training", "sparse_attention", "pipeline", "hybrid_engine", "nebula", "eigenvalue",
+                     "progressive_layer_drop", "quantize_training", "weight_quantization", "compile", "timers",
+                     "tensor_parallel"), SECTION),
+    **dict.fromkeys(("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "wall_clock_breakdown",
+                     "dump_state", "memory_breakdown", "prescale_gradients", "sparse_gradients",
+                     "dataloader_drop_last", "disable_allgather", "graph_harvesting"), FLAG),
+    **dict.fromkeys(("steps_per_print", "vocabulary_size"), COUNT),
+    **dict.fromkeys(("communication_data_type", "seq_parallel_communication_data_type"), NAME),
+    **dict.fromkeys(("gradient_predivide_factor", "gradient_allreduce_op", "expert_parallel",
+                     "use_node_local_storage", "load_universal_checkpoint")),
+}  # fmt: skip
+JSON_TYPE_NAMES = {SECTION: "an object", FLAG: "true or false", COUNT: "a whole number", NAME: "a string"}
 
 
 def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
@@ -73,19 +98,63 @@ def check_zero_section(section: object, path: Path) -> None:
 
 
 def _zero_schema():
-    """DeepSpeed's pydantic model of the section. Importing it picks an accelerator; where DeepSpeed would pick the
-    CPU (no GPU, DS_ACCELERATOR unset) it is named, so that DeepSpeed does not print a warning that it guessed."""
+    """DeepSpeed's pydantic model of the section."""
+    with _deepspeed_on_this_machine():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return DeepSpeedZeroConfig
+
+
+@contextlib.contextmanager
+def _deepspeed_on_this_machine():
+    """Importing DeepSpeed picks an accelerator; where DeepSpeed would pick the CPU (no GPU, DS_ACCELERATOR unset)
+    it is named, so that DeepSpeed does not print a warning that it guessed."""
     import torch
 
     name_cpu = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
     if name_cpu:
         os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        yield
     finally:
         if name_cpu:
             del os.environ["DS_ACCELERATOR"]
-    return DeepSpeedZeroConfig
+
+
+def check_top_level_key(key: str, value: object, path: Path) -> None:
+    """A misspelt key ("did you mean"), or a known key whose value has the wrong JSON type, named."""
+    if key not in DEEPSPEED_TOP_LEVEL_KEYS:
+        close = difflib.get_close_matches(key, DEEPSPEED_TOP_LEVEL_KEYS, n=1, cutoff=0.8)
+        if close:
+            raise RecipeError(f"{path}: {key}: not a DeepSpeed key (DeepSpeed ignores it); did you mean {close[0]}?")
+        return
+    expected = DEEPSPEED_TOP_LEVEL_KEYS[key]
+    if expected is None or (expected is NAME and value is None):
+        return
+    if not isinstance(value, expected) or (expected is COUNT and isinstance(value, bool)):
+        raise RecipeError(f"{path}: {key}: expected {JSON_TYPE_NAMES[expected]}, got {value!r}")
+
+
+def check_with_deepspeed(config: dict, path: Path) -> None:
+    """The whole JSON parsed by DeepSpeed's own `DeepSpeedConfig`, as every rank's `deepspeed.initialize` will:
+    what it rejects there (a section that is not an object, a bad dtype, an unknown key in a section with a schema)
+    is one line here, before any process starts. The batch keys are rewritten for the one process that parses it
+    (DeepSpeed checks batch = micro-batch x accumulation x world size; the recipe guarantees that already)."""
+    with _deepspeed_on_this_machine():
+        import pydantic
+        from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    for key, value in config.items():
+        check_top_level_key(key, value, path)
+    one_process = {**config, "train_batch_size": config["train_micro_batch_size_per_gpu"] * config[
+        "gradient_accumulation_steps"]}  # fmt: skip
+    try:
+        DeepSpeedConfig(one_process)
+    except pydantic.ValidationError as error:
+        problem = error.errors()[0]
+        key = ".".join(str(part) for part in problem["loc"])
+        raise RecipeError(f"{path}: {key}: {problem['msg']}, got {problem['input']!r}") from error
+    except (DeepSpeedConfigError, TypeError, ValueError, KeyError, AssertionError) as error:
+        raise RecipeError(f"{path}: DeepSpeed refuses the config: {error}") from error
 
 
 def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
@@ -115,6 +184,7 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     config.pop("optimizer", None)
     config.pop("scheduler", None)
     config.setdefault("steps_per_print", 2**31 - 1)
+    check_with_deepspeed(config, path)
     return config
 
 

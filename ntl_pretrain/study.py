@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -121,7 +122,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50")
     parser.add_argument("--recipes", type=Path, default=Path("recipes/study"), help="folder of <variant>.yaml")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    # Taken as text: argparse's nargs="+" also swallows the overrides that follow (`--seeds 0 1 a.b=1`).
+    parser.add_argument("--seeds", nargs="+", default=list(SEEDS))
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/study"))
     parser.add_argument("--archive", type=Path, help="committed folder of each finished run's result files "
                         "(<run name>/); a run archived there is done, so a fresh clone resumes the study")  # fmt: skip
@@ -144,8 +146,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_study)
 
 
+def reclaim_overrides(args: argparse.Namespace) -> None:
+    """Give back to the overrides the `key=value` words that `--variants`/`--seeds` swallowed, then read the seeds."""
+    for option in ("variants", "seeds"):
+        words = [str(word) for word in getattr(args, option)]
+        args.overrides = [*args.overrides, *(word for word in words if "=" in word)]
+        setattr(args, option, [word for word in words if "=" not in word])
+    if not args.variants:
+        raise RecipeError("--variants: name at least one variant (a <variant>.yaml under --recipes)")
+    bad = [seed for seed in args.seeds if not re.fullmatch(r"\d+", seed)]
+    if bad or not args.seeds:
+        raise RecipeError(f"--seeds: expected whole numbers >= 0, got {' '.join(bad) or 'none'}")
+    args.seeds = [int(seed) for seed in args.seeds]
+
+
 def run_study(args: argparse.Namespace) -> int:
     try:
+        reclaim_overrides(args)
         runs = plan(args.recipes, args.variants, args.seeds, args.runs_dir, args.archive)
         if args.status:
             print("\n".join(status_lines(runs)))

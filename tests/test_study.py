@@ -371,6 +371,21 @@ def test_a_bad_override_or_variant_touches_no_run_folder(tmp_path: Path, capsys)
     assert (unfinished / "metrics.jsonl").read_text() == "{}\n"
 
 
+def test_overrides_after_seeds_or_variants_are_overrides(tmp_path: Path, capsys) -> None:
+    """argparse's nargs="+" swallows the words after `--seeds`; the study gives back the `key=value` ones."""
+    from ntl_pretrain.cli import main as cli_main
+
+    where = ["--recipes", str(STUDY_RECIPES), "--runs-dir", str(tmp_path / "runs")]
+    assert cli_main(["study", *where, "--variants", "ce", "--seeds", "0", "1", "train.max_steps=5", "--status"]) == 0
+    assert "ce: 0 done, 2 pending" in capsys.readouterr().out
+    assert cli_main(["study", *where, "--seeds", "0", "trian.max_steps=5", "--variants", "ce"]) == 2
+    err = capsys.readouterr().err
+    assert "command-line override: trian: unknown key" in err and len(err.splitlines()) == 1
+    assert cli_main(["study", *where, "--variants", "ce", "--seeds", "0", "one"]) == 2
+    assert capsys.readouterr().err == "ntl-pretrain study: --seeds: expected whole numbers >= 0, got one\n"
+    assert not (tmp_path / "runs").exists()
+
+
 def test_status_and_no_report_before_every_planned_run_is_finished(tmp_path: Path, capsys) -> None:
     archive = tmp_path / "committed"
     runs = paired_study(tmp_path, archive)
