@@ -28,6 +28,9 @@ from ntl_pretrain.evaluation.config import EvalConfig
 
 HfConfigValue = int | float | str | bool | list[int] | list[float] | list[str] | None
 OVERRIDE_ORIGIN = "command-line override"
+# Every count in a recipe (steps, sizes, seeds) is exact in float64 (JSON readers of metrics.jsonl) and fits int64
+# (torch's step counters): a larger one is a typo, and refused before it overflows mid-run.
+MAX_RECIPE_INT = 2**53
 MAX_YAML_BYTES = 1 << 20  # recipes are a few KB; the bound keeps a mistaken or hostile file from exhausting memory
 
 
@@ -594,10 +597,13 @@ def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: _Or
         with contextlib.suppress(ValueError):
             value = float(value)
     try:
-        return _adapter(hint).validate_python(value)
+        coerced = _adapter(hint).validate_python(value)
     except pydantic.ValidationError as error:
         kinds = {detail["type"] for detail in error.errors()}
         return _type_error(hint, value, key_path, origins, "a finite number" if "finite_number" in kinds else None)
+    if isinstance(coerced, int) and not isinstance(coerced, bool) and abs(coerced) > MAX_RECIPE_INT:
+        return _type_error(hint, value, key_path, origins, f"a whole number of at most {MAX_RECIPE_INT:,} in size")
+    return coerced
 
 
 @functools.cache
