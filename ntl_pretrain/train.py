@@ -30,6 +30,7 @@ from ntl_pretrain import checkpoint, lifeline, reshard, resume_guard, run_lock
 from ntl_pretrain.config import Recipe, TrainConfig, dump_recipe
 from ntl_pretrain.console import RunConsole, failure_line, first_line, startup_line
 from ntl_pretrain.data import build_dataloader
+from ntl_pretrain.data.hub import list_for_all_ranks
 from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.document_attention import needs_varlen_arguments, varlen_arguments
@@ -125,6 +126,8 @@ class Trainer:
         )
         self.head.attach(self.engine)
         self.grad_accum = ds_config["gradient_accumulation_steps"]
+        # One listing of each hub dataset for the whole run, not one per reader (data/hub.py).
+        self.hub_listings = list_for_all_ranks([*recipe.data.sources, *recipe.data.validation], slow_work_group())
         self.loader = self._dataloader("train")
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
         self.last_saved_step: int | None = None
@@ -150,6 +153,7 @@ class Trainer:
             seed=self.recipe.seed,
             split=split,
             grad_accum=self.grad_accum,
+            hub_listings=self.hub_listings,
         )
 
     # ---- run -----------------------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ class SourceConfig:
     """`format: hub` only: the dataset configuration name."""
     hub_split: str = "train"
     """`format: hub` only: the split to stream."""
+    hub_revision: str | None = None
+    """`format: hub` only: the commit (or branch, tag) to list the files at; null = the latest. A resume needs the
+    files the run was reading: one that finds them changed is refused, naming the commit to pin here."""
     answer_field: str | None = None
     """The `template` field that holds a Q/A record's answer; null = `answer` when the template has an `{answer}`
     field. Its tokens and the EOS after them are the record's *answer labels* (docs/data.md, "Which labels carry
@@ -61,6 +64,8 @@ class SourceConfig:
         if self.format != "hub" and self.hub_config is not None:
             raise ValueError("hub_config: only for format: hub")
         self._check_answer()
+        if self.format != "hub" and self.hub_revision is not None:
+            raise ValueError("hub_revision: only for format: hub")
         if self.format != "hub" and self.hub_split != "train":
             raise ValueError(f"hub_split: only for format: hub, got {self.hub_split!r}")
         formats = {source_format(self, path) for path in resolve_files(self)}

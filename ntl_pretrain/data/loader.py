@@ -19,7 +19,7 @@ the training process.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import partial
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ntl_pretrain.data.config import DataConfig, validate_sources
 from ntl_pretrain.data.counters import combine, combined_over_ranks, with_mixture
+from ntl_pretrain.data.hub import HubListing, list_once
 from ntl_pretrain.data.pipeline import Batch, DocumentEncoder, TrainReader, validation_batches
 from ntl_pretrain.data.reslice import ResumeRefused, SlicedStreams, positions_from_ranks
 from ntl_pretrain.data.sources import SKIP_REASONS
@@ -70,6 +71,7 @@ class PackedLoader:
         seed: int,
         split: str = "train",
         grad_accum: int = 1,
+        hub_listings: Mapping[tuple, HubListing] | None = None,
     ):
         if split not in ("train", "validation"):
             raise ValueError(f"split: expected 'train' or 'validation', got {split!r}")
@@ -86,6 +88,8 @@ class PackedLoader:
         self.readers = [{"snapshot": None, "replay": 0, "progress": {}} for _ in range(max(1, self.num_workers))]
         self.validation_skipped: Counter = Counter()
         self.sliced: SlicedStreams | None = None
+        # Listed here (once per rank) unless the caller listed for all ranks; the workers get the lists.
+        self.hub_listings = hub_listings if hub_listings is not None else list_once([*cfg.sources, *cfg.validation])
 
     def make_reader(self, local: int) -> TrainReader:
         readers_per_rank = max(1, self.num_workers)
@@ -96,6 +100,7 @@ class PackedLoader:
             reader=self.dp_rank * readers_per_rank + local,
             num_readers=self.dp_world_size * readers_per_rank,
             seed=self.seed,
+            hub_listings=self.hub_listings,
         )
         saved = self.readers[local]
         if saved["snapshot"] is not None:
@@ -108,8 +113,9 @@ class PackedLoader:
         if self.split == "validation":
             self.validation_skipped.clear()
             yield from validation_batches(
-                self.cfg, self.encoder, self.micro_batch_size, self.dp_rank, self.dp_world_size, self.validation_skipped
-            )
+                self.cfg, self.encoder, self.micro_batch_size, self.dp_rank, self.dp_world_size, self.validation_skipped,
+                self.hub_listings,
+            )  # fmt: skip
             return
         if self.sliced is not None:
             yield from self.sliced
@@ -214,7 +220,8 @@ class PackedLoader:
         )
 
     def _stream_reader(self, stream: int, num_streams: int) -> TrainReader:
-        return TrainReader(self.cfg, self.encoder, 1, reader=stream, num_readers=num_streams, seed=self.seed)
+        return TrainReader(self.cfg, self.encoder, 1, reader=stream, num_readers=num_streams, seed=self.seed,
+                           hub_listings=self.hub_listings)  # fmt: skip
 
     def metrics(self, all_ranks: bool = False) -> dict[str, float]:
         """Counters (see `counters.py`): `documents`, `tokens`, `batches`, `skipped/<reason>`, `epoch/<source>`,
@@ -245,9 +252,11 @@ def build_dataloader(
     seed: int,
     split: str = "train",
     grad_accum: int = 1,
+    hub_listings: Mapping[tuple, HubListing] | None = None,
 ) -> PackedLoader:
     """The trainer's entry point; see `PackedLoader`. `grad_accum` (micro-batches per rank per optimizer step)
-    fixes, with the other sizes, the global batch that a resume on another layout keeps."""
+    fixes, with the other sizes, the global batch that a resume on another layout keeps. `hub_listings`: the
+    file lists of the hub sources, made once for all ranks (`hub.list_for_all_ranks`); None = list them here."""
     return PackedLoader(
         cfg,
         tokenizer,
@@ -257,4 +266,5 @@ def build_dataloader(
         seed=seed,
         split=split,
         grad_accum=grad_accum,
+        hub_listings=hub_listings,
     )

@@ -8,7 +8,7 @@ Shapes: B micro-batch rows, T = seq_len.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 from ntl_pretrain.data.config import DataConfig
 from ntl_pretrain.data.counters import EPOCH_PREFIX, source_key, zero_counters
 from ntl_pretrain.data.encoding import DocumentEncoder, read_batch
+from ntl_pretrain.data.hub import HubListing, listing_key
 from ntl_pretrain.data.mixture import Mixture
 from ntl_pretrain.data.packing import Packer, make_batch
 from ntl_pretrain.data.shuffle import ShuffleBuffer
@@ -55,13 +56,23 @@ class TrainReader:
     """Infinite micro-batches for reader `reader` of `num_readers` (ranks x workers)."""
 
     def __init__(
-        self, cfg: DataConfig, encoder: DocumentEncoder, micro_batch_size: int, reader: int, num_readers: int, seed: int
+        self,
+        cfg: DataConfig,
+        encoder: DocumentEncoder,
+        micro_batch_size: int,
+        reader: int,
+        num_readers: int,
+        seed: int,
+        hub_listings: Mapping[tuple, HubListing] | None = None,
     ):
+        """`hub_listings`: the run's one listing of each hub source (`hub.list_for_all_ranks`); a hub source
+        missing from it is listed by this reader."""
         self.cfg, self.encoder, self.micro_batch_size = cfg, encoder, micro_batch_size
         self.skipped: dict[str, Counter] = {source.label: Counter() for source in cfg.sources}
         self.counts: Counter = Counter()
         streams = [
-            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped[source.label])
+            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped[source.label],
+                         listing=(hub_listings or {}).get(listing_key(source)))  # fmt: skip
             for source in cfg.sources
         ]
         self.mixture = Mixture(streams, [source.weight for source in cfg.sources], reader_seed(seed, reader, "mixture"))
@@ -163,7 +174,13 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def validation_batches(
-    cfg: DataConfig, encoder: DocumentEncoder, micro_batch_size: int, dp_rank: int, dp_world_size: int, skipped: Counter
+    cfg: DataConfig,
+    encoder: DocumentEncoder,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    skipped: Counter,
+    hub_listings: Mapping[tuple, HubListing] | None = None,
 ) -> Iterator[Batch]:
     """One pass over the validation sources, in order, without shuffling, each source packed on its own.
 
@@ -174,7 +191,7 @@ def validation_batches(
     rows: list[np.ndarray] = []
     num_labels: list[int] = []
     num_blocks = batches = 0
-    for index, (block, block_labels) in enumerate(_validation_blocks(cfg, encoder, skipped)):
+    for index, (block, block_labels) in enumerate(_validation_blocks(cfg, encoder, skipped, hub_listings or {})):
         num_blocks = index + 1
         if index % dp_world_size == dp_rank:
             rows.append(block)
@@ -198,12 +215,15 @@ def _validation_batch(rows: list[np.ndarray], num_labels: list[int], eos_id: int
     )
 
 
-def _validation_blocks(cfg: DataConfig, encoder: DocumentEncoder, skipped: Counter) -> Iterator[tuple[np.ndarray, int]]:
+def _validation_blocks(
+    cfg: DataConfig, encoder: DocumentEncoder, skipped: Counter, hub_listings: Mapping[tuple, HubListing]
+) -> Iterator[tuple[np.ndarray, int]]:
     """(block, number of labels in it): each source packed on its own (full blocks, then its padded remainder), so
     that a source's blocks, and its validation numbers, do not depend on which other sources are listed."""
     for index, source in enumerate(cfg.validation):
         packer = Packer(cfg.seq_len)
-        stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=skipped)
+        listing = hub_listings.get(listing_key(source))
+        stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=skipped, listing=listing)
         documents = ((index, text) for text in iter(stream.next_document, None))
         while batch := read_batch(documents, cfg.tokenize_batch, cfg.tokenize_batch_chars):
             for document in encoder([text for _, text in batch]):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from ntl_pretrain.data.config import COMPRESSION_SUFFIXES, SourceConfig, is_remote, resolve_files, source_format
+from ntl_pretrain.data.hub import HubListing, list_source
 from ntl_pretrain.data.packing import NO_CE, NO_NTL
 from ntl_pretrain.errors import InputError
 
@@ -60,6 +61,13 @@ class Cursor:
     hf_state: dict | None = None
     """HF `IterableDataset.state_dict()` after the last record (HF formats)."""
     documents_this_epoch: int = 0
+    whole_files: bool = True
+    """HF formats: a reader with at least one file to itself reads whole files. False for a stream saved before
+    there was this choice (`split_dataset_by_node` decided), so that it resumes where it was."""
+    listing: str | None = None
+    """Hub sources: the digest of the file list the stream reads (`hub.HubListing.digest`)."""
+    listed_at: str | None = None
+    """Hub sources: the commit the list was made at."""
 
 
 class QAText(str):
@@ -217,22 +225,53 @@ def iter_units(stream: IO[bytes], sample_by: str) -> Iterator[tuple[bytes, int]]
 class SourceStream:
     """The documents of one source for one reader; infinite (epochs cycle) when `cycle` is set."""
 
-    def __init__(self, source: SourceConfig, shard: int, num_shards: int, cycle: bool, skipped: Counter):
+    def __init__(
+        self,
+        source: SourceConfig,
+        shard: int,
+        num_shards: int,
+        cycle: bool,
+        skipped: Counter,
+        listing: HubListing | None = None,
+    ):
+        """`listing`: a hub source's file list, made once for the run (`hub.list_for_all_ranks`); without one the
+        stream lists the source itself, when it first reads."""
         self.source = source
         self.shard, self.num_shards = shard, num_shards
         self.cycle = cycle
         self.skipped = skipped
         self.files = resolve_files(source)
         self.format = source_format(source, self.files[0])
-        self.cursor = Cursor()
+        self.listing = listing
+        self.cursor = self._fresh_cursor(epoch=0)
         self._documents: Iterator[str] | None = None
 
     def state_dict(self) -> dict:
         return asdict(self.cursor)
 
     def load_state_dict(self, state: dict) -> None:
-        self.cursor = Cursor(**state)
+        self.cursor = Cursor(**{"whole_files": False, **state})  # saved before `whole_files`: HF's own sharding
         self._documents = None
+        if self.cursor.listing is not None and self.cursor.listing != self._hub_listing().digest:
+            pin = f"set hub_revision: {self.cursor.listed_at}" if self.cursor.listed_at else "restore its files"
+            raise DataError(
+                f"source {self.source.label!r} ({self.source.path}): the hub dataset's files are not the ones the "
+                f"checkpoint was reading (listed at {self.cursor.listed_at or 'a local folder'}, now at "
+                f"{self._hub_listing().revision or 'a local folder'}); {pin} on this source to resume exactly"
+            )
+
+    def _fresh_cursor(self, epoch: int) -> Cursor:
+        whole_files = self.cursor.whole_files if epoch else True
+        if self.format != "hub":
+            return Cursor(epoch=epoch, whole_files=whole_files)
+        return Cursor(epoch=epoch, whole_files=whole_files, listing=self._hub_listing().digest,
+                      listed_at=self._hub_listing().revision)  # fmt: skip
+
+    def _hub_listing(self) -> HubListing:
+        if self.listing is None:
+            with reading_errors(self.source, self.source.path):
+                self.listing = list_source(self.source)
+        return self.listing
 
     def next_document(self) -> str | None:
         """The next document of this reader's shard; None when a finite stream is exhausted."""
@@ -254,7 +293,7 @@ class SourceStream:
                 f"{self.num_shards} no usable document (records skipped so far: {skipped}); the source has too few "
                 f"valid records for this many readers (data-parallel ranks x workers)"
             )
-        self.cursor = Cursor(epoch=self.cursor.epoch + 1)
+        self.cursor = self._fresh_cursor(epoch=self.cursor.epoch + 1)
         self._documents = None
 
     def _read_epoch(self) -> Iterator[str]:
@@ -296,12 +335,9 @@ class SourceStream:
             cursor.offset = 0
 
     def _hf_records(self) -> Iterator[dict]:
-        # HF shards the stream itself (whole files when they divide evenly, else every n-th record);
-        # its state_dict() then resumes exactly, also when resumed again.
-        from datasets.distributed import split_dataset_by_node
-
+        # HF's `state_dict()` of the sharded stream resumes exactly, also when resumed again.
         with reading_errors(self.source, self.source.path):
-            dataset = split_dataset_by_node(self._hf_dataset(), rank=self.shard, world_size=self.num_shards)
+            dataset = self._my_share(self._hf_dataset())
             if self.cursor.hf_state is not None:
                 dataset.load_state_dict(self.cursor.hf_state)
             # `.iter()` rather than `iter(dataset)`: inside a DataLoader worker the latter re-shards by worker.
@@ -309,11 +345,23 @@ class SourceStream:
                 self.cursor.hf_state = dataset.state_dict()
                 yield {key: values[0] for key, values in batch.items()}
 
+    def _my_share(self, dataset):
+        """Whole files (`n_shards` is the file count) when every reader can have at least one: file `k` goes to
+        reader `k mod readers`, which downloads and decodes only its own. With fewer files than readers, every n-th
+        record: each reader reads the whole stream to keep its share (docs/data.md, "Sharding"). HF's own
+        `split_dataset_by_node` hands out whole files only when the readers divide the file count (the same files
+        as here), and every n-th record otherwise."""
+        from datasets.distributed import split_dataset_by_node
+
+        if self.cursor.whole_files and dataset.n_shards >= self.num_shards:
+            return dataset.shard(num_shards=self.num_shards, index=self.shard, contiguous=False)
+        return split_dataset_by_node(dataset, rank=self.shard, world_size=self.num_shards)
+
     def _hf_dataset(self):
         from datasets import load_dataset
 
         if self.format == "hub":
-            return load_dataset(self.source.path, self.source.hub_config, split=self.source.hub_split, streaming=True)
+            return self._hub_listing().open()
         builder = {"parquet": "parquet", "arrow": "arrow", "json": "json"}[self.format]
         return load_dataset(builder, data_files=self.files, split="train", streaming=True)
 
