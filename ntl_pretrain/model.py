@@ -26,7 +26,6 @@ from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
-from ntl_pretrain.vocab_parallel import VocabParallelOutputLayer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -151,14 +150,14 @@ def count_parameters(module: nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
-def model_flops_per_token(lm: PreTrainedModel, seq_len: int) -> float:
+def model_flops_per_token(lm: PreTrainedModel, seq_len: int, outside_parameters: int = 0) -> float:
     """Training FLOPs per token (see `ntl_pretrain.metrics`): the input embedding is a lookup, not a matmul,
-    unless it is tied to the output projection."""
+    unless it is tied to the output projection. `outside_parameters`: output parameters the head holds outside
+    `lm` (`OutputHead.parameters_outside_model`)."""
     embedding, output = lm.get_input_embeddings().weight, lm.get_output_embeddings()
     tied = embedding is getattr(output, "weight", None)
     matmul_params = count_parameters(lm) - (0 if tied else getattr(embedding, "ds_numel", embedding.numel()))
-    if isinstance(output, VocabParallelOutputLayer):  # the sharded matrix is no parameter of `lm`
-        matmul_params += output.head.vocab_size * output.head.weight.shape[1]
+    matmul_params += outside_parameters
     config = lm.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return flops_per_token(matmul_params, config.num_hidden_layers, config.num_attention_heads * head_dim, seq_len)

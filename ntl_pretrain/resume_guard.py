@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ntl_pretrain import checkpoint, vocab_parallel
+from ntl_pretrain import checkpoint, heads
 from ntl_pretrain.config import Recipe, RecipeError, dump_recipe, read_yaml_file
 from ntl_pretrain.data.config import SourceConfig, is_remote, resolve_files
 
@@ -149,7 +149,7 @@ def check_resume(folder: Path | None, recipe: Recipe, tokenizer, global_batch: i
             + f"; nothing was loaded; {WAYS_OUT}"
         )
     try:  # output-layer slices also need the world size that wrote them
-        vocab_parallel.check_resume(folder, recipe.loss.vocab_parallel_size, dist.get_world_size())
+        heads.check_resume(folder, recipe, dist.get_world_size())
     except ValueError as error:
         raise RunRefused(str(error)) from None
 

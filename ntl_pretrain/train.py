@@ -132,7 +132,8 @@ class Trainer:
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
         self.last_saved_step: int | None = None
         set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
-        self.flops_per_token = model_flops_per_token(self.built.module.lm, recipe.data.seq_len)
+        self.flops_per_token = model_flops_per_token(self.built.module.lm, recipe.data.seq_len,
+                                                     self.head.parameters_outside_model())  # fmt: skip
         self.device_peak_flops = device_peak_flops(self.engine.device, recipe.train.precision)
 
     def _tokenizer_spec(self) -> str:

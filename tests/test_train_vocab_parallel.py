@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ntl_pretrain.config import RecipeError, load_recipe
 from ntl_pretrain.deepspeed_config import build_deepspeed_config
-from ntl_pretrain.vocab_parallel import check_resume, saved_layout
+from ntl_pretrain.heads import check_resume
+from ntl_pretrain.heads.vocab_parallel import saved_layout
 
 pytestmark = pytest.mark.slow
 
@@ -103,14 +104,17 @@ def test_resume_continues_the_loss_curve(runs, ds_config, tmp_path):
 
 
 def test_resume_with_another_layout_is_refused(runs):
+    """The guard asks every head kind (`heads.check_resume`); the vocabulary-parallel one knows its slices."""
     step_folder = runs[2] / "checkpoints" / f"step_{STEPS}"
+    k1, k2 = (load_recipe(TINY, [f"loss.vocab_parallel_size={k}"]) for k in (1, 2))
     with pytest.raises(ValueError, match="trained with loss.vocab_parallel_size=2; resume it with the same value"):
-        check_resume(step_folder, 1, 2)
+        check_resume(step_folder, k1, 2)
     with pytest.raises(ValueError, match="saved by 2 ranks .* on 4 ranks is not supported"):
-        check_resume(step_folder, 2, 4)
+        check_resume(step_folder, k2, 4)
     with pytest.raises(ValueError, match="vocab_parallel_size=1; resume it with the same value"):
-        check_resume(runs[1] / "checkpoints" / f"step_{STEPS}", 2, 2)
-    check_resume(step_folder, 2, 2)
+        check_resume(runs[1] / "checkpoints" / f"step_{STEPS}", k2, 2)
+    check_resume(step_folder, k2, 2)
+    check_resume(runs[1] / "checkpoints" / f"step_{STEPS}", k1, 2)
 
 
 def test_recipe_checks():
@@ -147,8 +151,9 @@ def check_generation_with_sharded_output_layer() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ntl_pretrain.config import Recipe
+    from ntl_pretrain.heads.vocab_parallel import VocabParallelOutputHead, VocabParallelOutputLayer
     from ntl_pretrain.loss.logit_transform import IDENTITY
-    from ntl_pretrain.vocab_parallel import VocabParallelOutputHead, VocabParallelOutputLayer
+    from ntl_pretrain.model import model_flops_per_token
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -157,8 +162,12 @@ def check_generation_with_sharded_output_layer() -> None:
     sharded = copy.deepcopy(dense)
     recipe = Recipe()
     recipe.loss.vocab_parallel_size, recipe.loss.ntl.kind = 2, None
-    head = VocabParallelOutputHead.from_model(sharded, None, recipe, IDENTITY).head
+    output_head = VocabParallelOutputHead.from_model(sharded, None, recipe, IDENTITY)
+    head = output_head.head
     assert isinstance(sharded.get_output_embeddings(), VocabParallelOutputLayer)
+    # The matrix is no parameter of the sharded LM; the head adds it back to the model's FLOPs.
+    flops = model_flops_per_token(sharded, 64, output_head.parameters_outside_model())
+    assert flops == model_flops_per_token(dense, 64) > model_flops_per_token(sharded, 64)
     assert "lm_head.weight" not in dict(sharded.named_parameters()) and head.weight.shape == (19 - dist.get_rank(), 16)
     prompt = torch.randint(
         0, 36, (2, 3 + 2 * dist.get_rank()), generator=torch.Generator().manual_seed(dist.get_rank())

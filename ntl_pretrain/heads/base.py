@@ -42,8 +42,12 @@ class OutputHead(nn.Module):
       engine's step, `after_engine_step(engine)`;
       `save(step_folder)` while a checkpoint is written, `load(step_folder)` on resume.
     A head whose parameters live in the engine needs none of them; one that keeps parameters outside ZeRO-3
-    reduces, clips, steps and checkpoints them there. Export reads checkpoints offline, without a head: the
-    vocabulary-parallel module's `saved_output_matrix` reassembles what its `save` wrote (`export.py`)."""
+    reduces, clips, steps and checkpoints them there.
+
+    Offline, without a head (classmethods, asked of every head kind through `heads.check_resume` and
+    `heads.saved_output_matrix`): `check_resume` refuses a checkpoint whose head state this kind cannot continue,
+    `saved_output_matrix` reassembles an output matrix its `save` wrote for export. `parameters_outside_model`
+    adds to the model's FLOPs the output parameters the LM does not hold."""
 
     def attach(self, engine) -> None:
         """Join the engine's gradient-norm computation (clipping and the logged norm)."""
@@ -59,3 +63,17 @@ class OutputHead(nn.Module):
 
     def load(self, step_folder: Path) -> None:
         """Restore what `save` wrote."""
+
+    @classmethod
+    def check_resume(cls, step_folder: Path | None, recipe, world_size: int) -> None:
+        """Raise `ValueError` (naming the key) when `step_folder` holds head state this kind cannot continue under
+        `recipe` on `world_size` ranks; called before the engine starts."""
+
+    @classmethod
+    def saved_output_matrix(cls, step_folder: Path) -> torch.Tensor | None:
+        """The [V, H] output matrix when this kind saved it outside the engine's shards, else None."""
+        return None
+
+    def parameters_outside_model(self) -> int:
+        """Output parameters used for every token that are not parameters of the LM (its FLOPs count them)."""
+        return 0

@@ -11,8 +11,10 @@ the trunk:
 - gradient clipping by the combined norm of trunk and output layer, so that the run equals a dense one: the
   slices' norm joins DeepSpeed's norm groups, DeepSpeed clips the trunk with the combined norm (and reports it as
   the global grad norm), and the same coefficient is applied to the slice;
-- per-rank checkpoint files inside the step folder, the check that a resume has the same k and world size, and
-  reassembling the matrix from a checkpoint for export.
+- per-rank checkpoint files inside the step folder, the check that a resume has the same k and world size,
+  reassembling the matrix from a checkpoint for export, and the matrix's share of the model's FLOPs (it is no
+  parameter of the LM): the `OutputHead` interface's offline half, which the resume guard, export and the
+  trainer's MFU ask.
 
 Shapes: V vocabulary, Vr rows of this rank's slice, H hidden size.
 """
@@ -154,6 +156,47 @@ class VocabParallelOutputHead(OutputHead):
         if self.grad_clip > 0 and self.head.weight.grad is not None:
             self.head.weight.grad.div_(max((total_norm + CLIP_EPS) / self.grad_clip, 1.0))
 
+    # ---- offline: what the guard, export and MFU ask of this head kind ------------------------------------
+
+    @classmethod
+    def check_resume(cls, step_folder: Path | None, recipe: Recipe, world_size: int) -> None:
+        """Refuse, before the engine starts, a checkpoint saved with another k (slices into a dense head, or a
+        dense output layer into slices), or with k > 1 on another world size (the slices and their optimizer
+        states would have to be re-cut; the trunk alone could be)."""
+        if step_folder is None:
+            return
+        vocab_parallel_size = recipe.loss.vocab_parallel_size
+        layout = saved_layout(step_folder)
+        saved_k = 1 if layout is None else layout["vocab_parallel_size"]
+        if saved_k != vocab_parallel_size:
+            raise ValueError(
+                f"train.resume: {step_folder} was trained with loss.vocab_parallel_size={saved_k}; resume it with "
+                f"the same value (got {vocab_parallel_size}), or export it and start a new run with init_from"
+            )
+        if layout is not None and layout["world_size"] != world_size:
+            raise ValueError(
+                f"train.resume: {step_folder} was saved by {layout['world_size']} ranks with "
+                f"loss.vocab_parallel_size={saved_k}; resuming output-layer slices on {world_size} ranks is not "
+                "supported: resume on the same number of ranks, or export it and start a new run with init_from"
+            )
+
+    @classmethod
+    def saved_output_matrix(cls, step_folder: Path) -> torch.Tensor | None:
+        """The [V, H] output matrix reassembled from the slices of the first vocabulary group (ranks 0..k-1; the
+        other groups hold copies); None for a checkpoint without slices."""
+        layout = saved_layout(step_folder)
+        if layout is None:
+            return None
+        slices = {}
+        for rank in range(layout["vocab_parallel_size"]):
+            state = torch.load(_rank_file(step_folder, rank), map_location="cpu", weights_only=True)
+            slices[state["vocab_start"]] = state["weight"]
+        return assemble_output_matrix(slices, layout["vocab_size"])
+
+    def parameters_outside_model(self) -> int:
+        """The whole [V, H] matrix: the group computes all of it for every token, and the LM holds none of it."""
+        return self.head.vocab_size * self.head.weight.shape[1]
+
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self, step_folder: Path) -> None:
@@ -191,43 +234,10 @@ class VocabParallelOutputHead(OutputHead):
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def check_resume(step_folder: Path | None, vocab_parallel_size: int, world_size: int) -> None:
-    """Refuse, before the engine starts, a checkpoint saved with another k, or with k > 1 on another world size
-    (the slices and their optimizer states would have to be re-cut; the trunk alone could be)."""
-    if step_folder is None:
-        return
-    layout = saved_layout(step_folder)
-    saved_k = 1 if layout is None else layout["vocab_parallel_size"]
-    if saved_k != vocab_parallel_size:
-        raise ValueError(
-            f"train.resume: {step_folder} was trained with loss.vocab_parallel_size={saved_k}; resume it with the "
-            f"same value (got {vocab_parallel_size}), or export it and start a new run with init_from"
-        )
-    if layout is not None and layout["world_size"] != world_size:
-        raise ValueError(
-            f"train.resume: {step_folder} was saved by {layout['world_size']} ranks with "
-            f"loss.vocab_parallel_size={saved_k}; resuming output-layer slices on {world_size} ranks is not "
-            "supported: resume on the same number of ranks, or export it and start a new run with init_from"
-        )
-
-
 def saved_layout(step_folder: Path) -> dict | None:
     """{vocab_parallel_size, world_size, vocab_size} of a checkpoint with slices; None for a dense one."""
     path = step_folder / FOLDER / LAYOUT
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def saved_output_matrix(step_folder: Path) -> torch.Tensor | None:
-    """The [V, H] output matrix reassembled from the slices of the first vocabulary group (ranks 0..k-1; the other
-    groups hold copies); None for a checkpoint without slices."""
-    layout = saved_layout(step_folder)
-    if layout is None:
-        return None
-    slices = {}
-    for rank in range(layout["vocab_parallel_size"]):
-        state = torch.load(_rank_file(step_folder, rank), map_location="cpu", weights_only=True)
-        slices[state["vocab_start"]] = state["weight"]
-    return assemble_output_matrix(slices, layout["vocab_size"])
 
 
 def _rank_file(step_folder: Path, rank: int) -> Path:
