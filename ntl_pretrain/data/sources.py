@@ -235,7 +235,7 @@ class SourceStream:
         listing: HubListing | None = None,
     ):
         """`listing`: a hub source's file list, made once for the run (`hub.list_for_all_ranks`); without one the
-        stream lists the source itself, when it first reads."""
+        stream lists the source itself, when it is made."""
         self.source = source
         self.shard, self.num_shards = shard, num_shards
         self.cycle = cycle
