@@ -25,8 +25,8 @@ import torch.distributed as dist
 from ntl_pretrain.data import DataConfig, SourceConfig, build_dataloader
 from ntl_pretrain.data.hub import list_for_all_ranks, list_once, listing_key
 from ntl_pretrain.data.sources import DataError, SourceStream
-from tests.distributed import run_distributed
-from tests.test_data_loader import TINY, take, through_checkpoint
+from distributed import run_distributed
+from test_data_loader import TINY, take, through_checkpoint
 
 RECORDS_PER_FILE = 12
 
