@@ -156,7 +156,7 @@ def reclaim_overrides(args: argparse.Namespace) -> None:
         raise RecipeError("--variants: name at least one variant (a <variant>.yaml under --recipes)")
     bad = [seed for seed in args.seeds if not re.fullmatch(r"\d+", seed)]
     if bad or not args.seeds:
-        raise RecipeError(f"--seeds: expected whole numbers >= 0, got {' '.join(bad) or 'none'}")
+        raise RecipeError(f"--seeds: expected whole numbers >= 0, got {', '.join(map(repr, bad)) or 'none'}")
     args.seeds = [int(seed) for seed in args.seeds]
 
 

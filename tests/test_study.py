@@ -382,7 +382,7 @@ def test_overrides_after_seeds_or_variants_are_overrides(tmp_path: Path, capsys)
     err = capsys.readouterr().err
     assert "command-line override: trian: unknown key" in err and len(err.splitlines()) == 1
     assert cli_main(["study", *where, "--variants", "ce", "--seeds", "0", "one"]) == 2
-    assert capsys.readouterr().err == "ntl-pretrain study: --seeds: expected whole numbers >= 0, got one\n"
+    assert capsys.readouterr().err == "ntl-pretrain study: --seeds: expected whole numbers >= 0, got 'one'\n"
     assert not (tmp_path / "runs").exists()
 
 
