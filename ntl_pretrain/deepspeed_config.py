@@ -137,18 +137,18 @@ def check_top_level_key(key: str, value: object, path: Path) -> None:
 def check_with_deepspeed(config: dict, path: Path) -> None:
     """The whole JSON parsed by DeepSpeed's own `DeepSpeedConfig`, as every rank's `deepspeed.initialize` will:
     what it rejects there (a section that is not an object, a bad dtype, an unknown key in a section with a schema)
-    is one line here, before any process starts. The batch keys are rewritten for the one process that parses it
-    (DeepSpeed checks batch = micro-batch x accumulation x world size; the recipe guarantees that already)."""
+    is one line here, before any process starts."""
     with _deepspeed_on_this_machine():
         import pydantic
         from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
     for key, value in config.items():
         check_top_level_key(key, value, path)
-    one_process = {**config, "train_batch_size": config["train_micro_batch_size_per_gpu"] * config[
-        "gradient_accumulation_steps"]}  # fmt: skip
+    # Without train_batch_size DeepSpeed derives it from the other two and whatever world size it sees here (1 in
+    # the launcher, the real one inside a rank), so its batch check cannot fail on a size the recipe guarantees.
+    parsed = {key: value for key, value in config.items() if key != "train_batch_size"}
     try:
-        DeepSpeedConfig(one_process)
+        DeepSpeedConfig(parsed)
     except pydantic.ValidationError as error:
         problem = error.errors()[0]
         key = ".".join(str(part) for part in problem["loc"])
