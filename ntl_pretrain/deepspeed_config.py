@@ -92,9 +92,14 @@ def check_zero_section(section: object, path: Path) -> None:
     try:
         _zero_schema()(**section)
     except pydantic.ValidationError as error:
-        problem = error.errors()[0]
-        key = ".".join(str(part) for part in problem["loc"])
-        raise RecipeError(f"{path}: zero_optimization.{key}: {problem['msg']}, got {problem['input']!r}") from error
+        raise _schema_refusal(error, path, "zero_optimization.") from error
+
+
+def _schema_refusal(error, path: Path, section: str = "") -> RecipeError:
+    """A DeepSpeed pydantic schema's first complaint as one line naming the key."""
+    problem = error.errors()[0]
+    key = section + ".".join(str(part) for part in problem["loc"])
+    return RecipeError(f"{path}: {key}: {problem['msg']}, got {problem['input']!r}")
 
 
 def _zero_schema():
@@ -150,9 +155,7 @@ def check_with_deepspeed(config: dict, path: Path) -> None:
     try:
         DeepSpeedConfig(parsed)
     except pydantic.ValidationError as error:
-        problem = error.errors()[0]
-        key = ".".join(str(part) for part in problem["loc"])
-        raise RecipeError(f"{path}: {key}: {problem['msg']}, got {problem['input']!r}") from error
+        raise _schema_refusal(error, path) from error
     except (DeepSpeedConfigError, TypeError, ValueError, KeyError, AssertionError) as error:
         raise RecipeError(f"{path}: DeepSpeed refuses the config: {error}") from error
 
