@@ -22,8 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER, verify_before_reading
 from ntl_pretrain.config import read_yaml_file
 from ntl_pretrain.errors import InputError
-from ntl_pretrain.tokenizer import resolve_path
 from ntl_pretrain.heads import saved_output_matrix
+from ntl_pretrain.tokenizer import resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}

@@ -89,6 +89,22 @@ def _last_byte(path: Path) -> bytes:
         return file.read(1)
 
 
+def written_records(path: Path) -> list[dict]:
+    """The records of a live run's metrics.jsonl that are whole: those of lines ended by their newline and parsed as
+    JSON objects. The last line may be one the run is writing at this moment, and a line a kill cut short is ended
+    by `open_for_append` without becoming a record; both are left out (a watcher polls again)."""
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    records = []
+    for line in text.split("\n")[:-1]:  # the text after the last newline is not a whole line yet
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
 

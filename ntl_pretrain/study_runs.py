@@ -14,6 +14,7 @@ import yaml
 
 from ntl_pretrain.config import RecipeError
 from ntl_pretrain.evaluation.answers import error_profile
+from ntl_pretrain.metrics import written_records
 from ntl_pretrain.study_archive import is_complete, read_answers
 
 BASELINE = "ce"
@@ -75,7 +76,7 @@ class StudyRun:
         if not recipe.is_file() or not metrics.is_file():
             return 0.0
         max_steps = yaml.safe_load(recipe.read_text())["train"]["max_steps"]
-        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if '"loss"' in line]
+        steps = [record.get("step", 0) for record in written_records(metrics) if "loss" in record]
         return min(max(steps, default=0) / max_steps, 1.0)
 
     def measured(self) -> dict:

@@ -12,9 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from distributed import free_port
+
+from ntl_pretrain.metrics import written_records
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
@@ -219,3 +222,17 @@ def step_records(output_dir: Path) -> dict[int, dict]:
         if record.get("split") is None:
             records[record["step"]] = record
     return records
+
+
+def logged_steps(output_dir: Path) -> list[int]:
+    """The training steps a live run has logged so far (its metrics.jsonl's whole lines: one may be half written)."""
+    return [record["step"] for record in written_records(output_dir / "metrics.jsonl") if "split" not in record]
+
+
+def wait_for(condition, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Poll `condition` until it holds; fail with the log's tail if the process ends or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "timed out: " + log.read_text()[-2000:]
+        time.sleep(0.05)

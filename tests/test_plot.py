@@ -105,6 +105,24 @@ def test_plot_refuses_runs_without_metrics(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_watcher_of_a_live_run_reads_only_whole_records(tmp_path: Path) -> None:
+    """What `study --status` and the tests that poll a training run read: a torn record that a resume ended, and the
+    record the run is half-way through writing, are not records yet (the CI failure of a JSON decode mid-write)."""
+    from ntl_pretrain.metrics import MetricsLogger, written_records
+
+    run = write_run(tmp_path / "run", training_records(2, 1.0))
+    path = run / "metrics.jsonl"
+    with path.open("a") as metrics:
+        metrics.write('{"step": 3, "loss": 1.2, "c')
+    resumed = MetricsLogger(str(run), enabled=True, wandb_settings=None)
+    resumed.log({"step": 3, "loss": 0.9})
+    resumed.close()
+    with path.open("a") as metrics:
+        metrics.write('{"step": 4, "loss": 0.8, "tokens_per_s": 3317.')
+    assert [record["step"] for record in written_records(path)] == [1, 2, 3]
+    assert written_records(tmp_path / "no-such-run" / "metrics.jsonl") == []
+
+
 def test_a_torn_last_record_survives_the_next_resume_and_plot(tmp_path: Path, capsys) -> None:
     """A full disk cut the last record short; the resumed run appends after it and `plot` skips it, naming it."""
     from ntl_pretrain.metrics import MetricsLogger

@@ -8,7 +8,6 @@ log the uninterrupted run's losses; the stopped run exits with code 75 and leave
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launches import partition_all_config, records
+from launches import logged_steps, partition_all_config, records, wait_for
 
 from ntl_pretrain.config import load_recipe
 from ntl_pretrain.stopping import EXIT_STOPPED
@@ -75,20 +74,6 @@ def run_to_end(argv: list[str], log: Path) -> None:
     assert start(argv, log).wait(timeout=TIMEOUT_S) == 0, log.read_text()[-4000:]
 
 
-def wait_for(condition, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert process.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def logged_steps(output_dir: Path) -> list[int]:
-    path = output_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [record["step"] for record in map(json.loads, lines) if "split" not in record]
-
-
 def the_run(process: subprocess.Popen) -> list[psutil.Process]:
     """The launcher process and everything it started (launcher, DeepSpeed's launchers, the ranks)."""
     root = psutil.Process(process.pid)
@@ -125,7 +110,7 @@ def test_the_same_command_continues_a_killed_continued_pretraining_run(uninterru
     output_dir, log = tmp_path / "run", tmp_path / "log.txt"
     argv = command(output_dir, init_folder, ds_config)
     process = start(argv, log)
-    wait_for(lambda: (output_dir / "checkpoints" / f"step_{EVERY}").is_dir(), process, log)
+    wait_for(lambda: (output_dir / "checkpoints" / f"step_{EVERY}").is_dir(), process, log, TIMEOUT_S)
     run = the_run(process)
     for member in run:  # a crash: nothing gets to clean up
         member.kill()
@@ -142,7 +127,7 @@ def test_sigterm_saves_stops_with_code_75_and_the_same_command_continues(uninter
     output_dir, log = tmp_path / "run", tmp_path / "log.txt"
     argv = command(output_dir, init_folder, ds_config)
     process = start(argv, log)
-    wait_for(lambda: STOP_AT in logged_steps(output_dir), process, log)
+    wait_for(lambda: STOP_AT in logged_steps(output_dir), process, log, TIMEOUT_S)
     run = the_run(process)
     assert sum("ntl_pretrain.train" in " ".join(p.cmdline()) for p in alive(run)) >= 2
     process.send_signal(signal.SIGTERM)
@@ -167,7 +152,7 @@ def test_sigterm_to_local_cpu_sh_leaves_no_process_of_the_run(init_folder, ds_co
     output_dir, log = tmp_path / "run", tmp_path / "log.txt"
     overrides = command(output_dir, init_folder, ds_config)[7:] + ["train.max_steps=500"]
     process = start(["bash", str(REPO / "launch" / "local_cpu.sh"), str(TINY), *overrides], log)
-    wait_for(lambda: 2 in logged_steps(output_dir), process, log)
+    wait_for(lambda: 2 in logged_steps(output_dir), process, log, TIMEOUT_S)
     run = the_run(process)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == EXIT_STOPPED, log.read_text()[-4000:]

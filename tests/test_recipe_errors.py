@@ -171,10 +171,28 @@ ROWS = [
         ["offload-gpu-ram.json", "zero_optimization.offload_param.device", "'gpu-ram'"],
     ),
     ("ds-unknown-zero-key", CHILD, ["deepspeed.config={tmp}/zero-typo.json"], [], ["zero_optimization.overlap_com"]),
-    ("ds-misspelt-section", CHILD, ["deepspeed.config={tmp}/ds-misspelt.json"], [], ["wall_clock_breakdwn", "did you mean"]),
+    (
+        "ds-misspelt-section",
+        CHILD,
+        ["deepspeed.config={tmp}/ds-misspelt.json"],
+        [],
+        ["wall_clock_breakdwn", "did you mean"],
+    ),
     ("ds-section-not-object", CHILD, ["deepspeed.config={tmp}/ds-logger-int.json"], [], ["comms_logger", "an object"]),
-    ("ds-flag-not-bool", CHILD, ["deepspeed.config={tmp}/ds-flag-str.json"], [], ["wall_clock_breakdown", "true or false"]),
-    ("ds-rejects-dtype", CHILD, ["deepspeed.config={tmp}/ds-dtype.json"], [], ["ds-dtype.json", "communication_data_type"]),
+    (
+        "ds-flag-not-bool",
+        CHILD,
+        ["deepspeed.config={tmp}/ds-flag-str.json"],
+        [],
+        ["wall_clock_breakdown", "true or false"],
+    ),
+    (
+        "ds-rejects-dtype",
+        CHILD,
+        ["deepspeed.config={tmp}/ds-dtype.json"],
+        [],
+        ["ds-dtype.json", "communication_data_type"],
+    ),
     ("ds-schema-extra-key", CHILD, ["deepspeed.config={tmp}/ds-wandb.json"], [], ["wandb.bogus", "not permitted"]),
     ("resume-missing", CHILD, ["train.resume=/no/such/checkpoint"], [], ["train.resume", "does not exist"]),
     ("init-and-resume", CHILD, ["init_from=/x", "train.resume=auto", "model.model_type=null"], [], ["init_from"]),
@@ -327,7 +345,8 @@ def workspace(tmp_path):
     (tmp_path / "zero-int.json").write_text('{"zero_optimization": 5}')
     (tmp_path / "zero-typo.json").write_text('{"zero_optimization": {"stage": 3, "overlap_com": true}}')
     for name, section in [("ds-misspelt", {"wall_clock_breakdwn": True}), ("ds-logger-int", {"comms_logger": 7}),
-                          ("ds-flag-str", {"wall_clock_breakdown": "no"}), ("ds-dtype", {"communication_data_type": "fp17"}),
+                          ("ds-flag-str", {"wall_clock_breakdown": "no"}),
+                          ("ds-dtype", {"communication_data_type": "fp17"}),
                           ("ds-wandb", {"wandb": {"enabled": False, "bogus": 1}})]:  # fmt: skip
         (tmp_path / f"{name}.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, **section}))
     without_data = yaml.safe_load(TINY.read_text())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from launches import logged_steps, wait_for
 
 from ntl_pretrain.stopping import EXIT_STOPPED
 
@@ -58,20 +59,6 @@ def started(tmp_path):
     psutil.wait_procs(left, timeout=10)
 
 
-def wait_for(condition, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert process.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, "timed out: " + log.read_text()[-2000:]
-        time.sleep(0.1)
-
-
-def logged_steps(output_dir: Path) -> list[int]:
-    path = output_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [record["step"] for record in map(json.loads, lines) if "split" not in record]
-
-
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     found = []
     for process in processes:
@@ -104,7 +91,7 @@ def test_a_live_run_refuses_a_second_command_dies_with_its_supervisor_and_stops_
     output_dir, log = tmp_path / "run", tmp_path / "log.txt"
     argv = command(output_dir)
     first = started(argv, log)
-    wait_for(lambda: (output_dir / "checkpoints" / "step_2").is_dir(), first, log)
+    wait_for(lambda: (output_dir / "checkpoints" / "step_2").is_dir(), first, log, TIMEOUT_S)
     rank0 = ranks_of(first)[0]
 
     before = folder_state(output_dir)
@@ -128,7 +115,8 @@ def test_a_live_run_refuses_a_second_command_dies_with_its_supervisor_and_stops_
 
     resumed_from = max(logged_steps(output_dir))
     third = started(argv, log)
-    wait_for(lambda: max(logged_steps(output_dir)) > resumed_from + 2 and len(ranks_of(third)) == 2, third, log)
+    continued = lambda: max(logged_steps(output_dir)) > resumed_from + 2 and len(ranks_of(third)) == 2  # noqa: E731
+    wait_for(continued, third, log, TIMEOUT_S)
     assert "resuming from" in log.read_text()
     run = [psutil.Process(third.pid), *psutil.Process(third.pid).children(recursive=True)]
     for member in run:  # Slurm, a cgroup agent: every process of the run at once
@@ -146,7 +134,7 @@ def test_a_live_run_refuses_a_second_command_dies_with_its_supervisor_and_stops_
 def test_the_supervisor_names_a_frozen_rank_before_it_kills_the_run(started, tmp_path):
     output_dir, log = tmp_path / "run", tmp_path / "log.txt"
     process = started(command(output_dir, "train.stop_grace_seconds=2"), log)
-    wait_for(lambda: 2 in logged_steps(output_dir) and len(ranks_of(process)) == 2, process, log)
+    wait_for(lambda: 2 in logged_steps(output_dir) and len(ranks_of(process)) == 2, process, log, TIMEOUT_S)
     frozen = ranks_of(process)[1]
     frozen.suspend()  # SIGSTOP: like a rank stuck in a collective, it cannot run its signal handler
     process.send_signal(signal.SIGTERM)

@@ -113,8 +113,8 @@ class PackedLoader:
         if self.split == "validation":
             self.validation_skipped.clear()
             yield from validation_batches(
-                self.cfg, self.encoder, self.micro_batch_size, self.dp_rank, self.dp_world_size, self.validation_skipped,
-                self.hub_listings,
+                self.cfg, self.encoder, self.micro_batch_size, self.dp_rank, self.dp_world_size,
+                self.validation_skipped, self.hub_listings,
             )  # fmt: skip
             return
         if self.sliced is not None:

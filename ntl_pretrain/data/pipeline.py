@@ -71,8 +71,14 @@ class TrainReader:
         self.skipped: dict[str, Counter] = {source.label: Counter() for source in cfg.sources}
         self.counts: Counter = Counter()
         streams = [
-            SourceStream(source, reader, num_readers, cycle=True, skipped=self.skipped[source.label],
-                         listing=(hub_listings or {}).get(listing_key(source)))  # fmt: skip
+            SourceStream(
+                source,
+                reader,
+                num_readers,
+                cycle=True,
+                skipped=self.skipped[source.label],
+                listing=(hub_listings or {}).get(listing_key(source)),
+            )  # fmt: skip
             for source in cfg.sources
         ]
         self.mixture = Mixture(streams, [source.weight for source in cfg.sources], reader_seed(seed, reader, "mixture"))
