@@ -64,12 +64,24 @@ def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Pat
     with path.open("rb") as file:
         if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
             raise InputError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+    check_gguf_readable(path)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(_without_quantization(loaded.config), dtype=torch.float32)
     _load_complete(model, loaded.state_dict(), str(path))
     model.to(DTYPES[dtype])
     return _save(model, tokenizer, Path(out_dir))
+
+
+def check_gguf_readable(path: Path) -> None:
+    """The whole header and tensor table parse (gguf's reader maps the file and reads no tensor data): a file cut
+    short or damaged is refused naming it, rather than failing inside transformers' loader."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as error:  # struct.error, ValueError, IndexError ... whatever the damage makes the parser meet
+        raise InputError(f"{path}: damaged or truncated GGUF file ({type(error).__name__}: {error})") from error
 
 
 def _without_quantization(config: PretrainedConfig) -> PretrainedConfig:

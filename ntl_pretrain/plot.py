@@ -103,13 +103,18 @@ def series(records: list[dict], key: str, split: str | None = None) -> tuple[lis
     by_step = {
         record["step"]: float(record[key])
         for record in records
-        if isinstance(record.get(key), (int, float))
-        and math.isfinite(record[key])
-        and record.get("step") is not None
-        and (split is None or record.get("split") == split)
+        if plottable(record, key) and (split is None or record.get("split") == split)
     }
     steps = sorted(by_step)
     return steps, [by_step[step] for step in steps]
+
+
+def plottable(record: dict, key: str) -> bool:
+    """The record holds a finite number under `key` at a whole-number step (hand-edited or foreign records may
+    hold text in either)."""
+    value, step = record.get(key), record.get("step")
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number and isinstance(step, int) and not isinstance(step, bool)
 
 
 def smooth(values: list[float], factor: float = SMOOTHING) -> list[float]:
@@ -123,7 +128,9 @@ def smooth(values: list[float], factor: float = SMOOTHING) -> list[float]:
 
 def panel_keys(runs: Sequence[list[dict]]) -> list[tuple[str, str]]:
     """(metrics key, title) of every panel some run has data for."""
-    present = dict.fromkeys(key for records in runs for record in records for key in record)  # first-seen order
+    present = dict.fromkeys(
+        key for records in runs for record in records for key in record if plottable(record, key)
+    )  # first-seen order; fmt: skip
     panels = [(key, title) for key, title in TRAIN_PANELS.items() if key in present]
     eval_sets = dict.fromkeys(key.split("/")[1] for key in present if key.startswith("eval/") and key.count("/") == 2)
     for eval_set in eval_sets:

@@ -15,10 +15,8 @@ from ntl_pretrain import checkpoint, run_lock
 from ntl_pretrain.config import Recipe, RecipeError
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
-from ntl_pretrain.preflight_model import check_model
+from ntl_pretrain.preflight_model import POSITION_KEYS, check_model, rope_scaled
 from ntl_pretrain.tokenizer import resolve_path
-
-POSITION_KEYS = ("max_position_embeddings", "n_positions")
 
 
 def check_world(recipe: Recipe, master_port: int | None) -> None:
@@ -232,14 +230,6 @@ def check_positions(recipe: Recipe) -> None:
                 f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's {key} ({limit}); raise "
                 f"model.config.{key} or shorten data.seq_len"
             )
-
-
-def rope_scaled(config: dict) -> bool:
-    """Rope scaling (linear, dynamic, yarn, ...) stretches the positions past the trained length: transformers < 5
-    calls it `rope_scaling`, 5 calls it `rope_parameters` and always sets one (type `default` = no scaling)."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
-    return kind != "default"
 
 
 def model_config(recipe: Recipe):

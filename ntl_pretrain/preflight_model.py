@@ -10,9 +10,11 @@ import numbers
 from pathlib import Path
 
 from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.errors import InputError
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "n_inner")  # fmt: skip
+POSITION_KEYS = ("max_position_embeddings", "n_positions")  # Llama-style, GPT-2
 PROBABILITY_SUFFIXES = ("dropout", "_pdrop")  # attention_dropout, hidden_dropout; GPT-2's attn_pdrop, resid_pdrop
 
 
@@ -89,7 +91,10 @@ def meta_model_shapes(recipe: Recipe, config) -> dict[str, tuple[int, ...]]:
 def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
     """init_from's safetensors files have readable headers holding every tensor the model needs, in its shape.
     Names may differ by the model's base prefix (`model.`); `pytorch_model.bin` files are not read here."""
-    found = safetensors_shapes(folder)
+    try:
+        found = safetensors_shapes(folder)
+    except InputError as error:
+        raise RecipeError(f"init_from: {error}") from error
     if found is None:
         return
     for name, shape in expected.items():
@@ -104,7 +109,8 @@ def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
 
 
 def safetensors_shapes(folder: Path) -> dict[str, list[int]] | None:
-    """Tensor name -> shape from the safetensors headers (no tensor is read); None without safetensors files."""
+    """Tensor name -> shape from the safetensors headers (no tensor is read); None without safetensors files. An
+    unreadable index or file is an InputError naming it."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -112,7 +118,7 @@ def safetensors_shapes(folder: Path) -> dict[str, list[int]] | None:
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise RecipeError(f"init_from: {index}: not a safetensors index ({error})") from error
+            raise InputError(f"{index}: not a safetensors index ({error})") from error
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -123,5 +129,13 @@ def safetensors_shapes(folder: Path) -> dict[str, list[int]] | None:
             with safe_open(str(folder / name), framework="pt") as weights:
                 shapes.update({key: weights.get_slice(key).get_shape() for key in weights.keys()})  # noqa: SIM118
         except Exception as error:  # safetensors raises its own SafetensorError, and OSError for a missing shard
-            raise RecipeError(f"init_from: {folder / name}: unreadable safetensors file ({error})") from error
+            raise InputError(f"{folder / name}: unreadable safetensors file ({error})") from error
     return shapes
+
+
+def rope_scaled(config: dict) -> bool:
+    """Rope scaling (linear, dynamic, yarn, ...) stretches the positions past the trained length: transformers < 5
+    calls it `rope_scaling`, 5 calls it `rope_parameters` and always sets one (type `default` = no scaling)."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    return kind != "default"

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ntl_pretrain.config import RecipeError
+from ntl_pretrain.errors import InputError, check_can_write
 from ntl_pretrain.study_archive import archive_run
 from ntl_pretrain.study_decision import RULES
 from ntl_pretrain.study_report import write_report
@@ -160,21 +161,40 @@ def reclaim_overrides(args: argparse.Namespace) -> None:
     args.seeds = [int(seed) for seed in args.seeds]
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every argument a study reads or writes, before any run starts: the report is written hours later, and a
+    study that cannot write it has spent them for nothing."""
+    check_can_write("--runs-dir", args.runs_dir, folder=True)
+    if args.status:
+        return
+    if args.jobs < 1:
+        raise InputError(f"--jobs: must be >= 1 runs at once, got {args.jobs}")
+    if args.stop_after is not None and not 0 <= args.stop_after < math.inf:
+        raise InputError(f"--stop-after: minutes >= 0, got {args.stop_after}")
+    if args.max_examples < 0:
+        raise InputError(f"--max-examples: questions per set >= 0 (0 = all), got {args.max_examples}")
+    if args.protocol is not None and not args.protocol.is_file():
+        raise InputError(f"--protocol: no such file {args.protocol}")
+    for label, path, folder in (("--doc", args.doc, False), ("--plot", args.plot, False), ("--csv", args.csv, False),
+                                ("--archive", args.archive, True)):  # fmt: skip
+        if path is not None:
+            check_can_write(label, path, folder=folder)
+
+
 def run_study(args: argparse.Namespace) -> int:
     try:
         reclaim_overrides(args)
+        check_arguments(args)
         runs = plan(args.recipes, args.variants, args.seeds, args.runs_dir, args.archive)
         if args.status:
             print("\n".join(status_lines(runs)))
             return 0
-        if args.jobs < 1:
-            raise RecipeError(f"--jobs: must be >= 1 runs at once, got {args.jobs}")
         rule = RULES[args.decide] if args.decide else None
         if rule is not None and rule.variants() - set(args.variants):
             raise RecipeError(f"--decide compares {sorted(rule.variants())}: add the missing ones to --variants")
         device = resolve_device(args.device, recipe_devices(runs, args.overrides), _cuda_available())
-    except RecipeError as error:
-        print(f"ntl-pretrain study: {error}", file=sys.stderr)
+    except InputError as error:  # a RecipeError too
+        print(f"ntl-pretrain study: {error.one_line()}", file=sys.stderr)
         return 2
     device_overrides, env = placement(device, args.jobs, dict(os.environ), os.cpu_count() or 1)
     eval_args = ["--max-examples", str(args.max_examples)]

@@ -56,6 +56,12 @@ ROWS = [
     ),
     ("eval-bad-int", ["eval", "{tmp}/hf", "--batch-size", "x"], 2, ["ntl-pretrain eval:", "--batch-size", "'x'"]),
     ("eval-saved-recipe-alias", ["eval", "{tmp}/alias-run"], 2, ["recipe.yaml", "line 2", "alias *x"]),
+    # eval: the model folder, before transformers reads it
+    ("eval-config-not-json", ["eval", "{tmp}/bad-config"], 2, ["bad-config/config.json", "not a JSON model config"]),
+    ("eval-random-weights", ["eval", "{tmp}/random-weights"], 2, ["model.safetensors", "unreadable safetensors"]),
+    ("eval-no-tokenizer", ["eval", "{tmp}/no-tokenizer"], 2, ["no-tokenizer", "no tokenizer", "tokenizer.json"]),
+    ("eval-seq-len-positions", ["eval", "{tmp}/hf-64", "--seq-len", "65"], 2, ["--seq-len", "max_position_embeddings"]),
+    ("eval-qa-empty", ["eval", "{tmp}/hf-64", "--qa", "{tmp}/empty.jsonl"], 2, ["--qa", "empty.jsonl", "no question"]),
     # export and convert-gguf
     ("export-missing", ["export", "{tmp}/nope", "{tmp}/out"], 2, ["ntl-pretrain export:", "nope", "step folder"]),
     ("export-out-is-file", ["export", "{tmp}/nope", "{tmp}/file.txt"], 2, ["file.txt", "is a file"]),
@@ -64,6 +70,7 @@ ROWS = [
     ("gguf-not-gguf", ["convert-gguf", "{tmp}/file.txt", "{tmp}/out"], 2, ["file.txt", "not a GGUF file"]),
     ("gguf-no-package", ["convert-gguf", "pkg:no_such_package_x/m.gguf", "{tmp}/out"], 2, ["no_such_package_x"]),
     ("gguf-out-is-file", ["convert-gguf", "{tmp}/file.txt", "{tmp}/file.txt"], 2, ["file.txt", "is a file"]),
+    ("gguf-truncated", ["convert-gguf", "{tmp}/cut.gguf", "{tmp}/out"], 2, ["cut.gguf", "damaged or truncated GGUF"]),
     # plot
     (
         "plot-bad-line",
@@ -74,6 +81,7 @@ ROWS = [
     ("plot-list-line", ["plot", "{tmp}/list-run", "-o", "{tmp}/p.png"], 2, ["line 1", "not a JSON record"]),
     ("plot-no-metrics", ["plot", "{tmp}/empty", "-o", "{tmp}/p.png"], 2, ["empty", "no metrics.jsonl"]),
     ("plot-nothing-to-plot", ["plot", "{tmp}/bare-run", "-o", "{tmp}/p.png"], 2, ["no plottable metrics"]),
+    ("plot-text-values", ["plot", "{tmp}/text-run", "-o", "{tmp}/p.png"], 2, ["no plottable metrics", "text-run"]),
     ("plot-out-folder", ["plot", "{tmp}/bad-run", "-o", "{tmp}/empty"], 2, ["-o", "is a folder", "metrics.png"]),
     ("plot-out-unwritable", ["plot", "{tmp}/bad-run", "-o", "{tmp}/file.txt/p.png"], 2, ["-o", "cannot be written"]),
     ("plot-out-suffix", ["plot", "{tmp}/bad-run", "-o", "{tmp}/p.txt"], 2, ["-o", "p.txt", ".png"]),
@@ -133,6 +141,13 @@ ROWS = [
     ("doctor-out-folder", ["doctor", "--out", "{tmp}/empty"], 2, ["--out", "is a folder"]),
     ("doctor-work-dir-file", ["doctor", "--work-dir", "{tmp}/file.txt"], 2, ["--work-dir", "is a file"]),
     ("study-seeds", ["study", "--seeds", "x"], 2, ["ntl-pretrain study:", "--seeds", "'x'"]),
+    # study: whatever it writes hours later, checked before the first run
+    ("study-doc-folder", ["study", "--variants", "ce", "--seeds", "0", "--doc", "{tmp}/empty"], 2, ["--doc", "folder"]),
+    ("study-plot-under-file", ["study", "--plot", "{tmp}/file.txt/p.png"], 2, ["--plot", "cannot be written"]),
+    ("study-runs-dir-file", ["study", "--runs-dir", "{tmp}/file.txt", "--status"], 2, ["--runs-dir", "is a file"]),
+    ("study-stop-after", ["study", "--stop-after", "-5"], 2, ["--stop-after", "-5"]),
+    ("study-protocol-missing", ["study", "--protocol", "{tmp}/none.md"], 2, ["--protocol", "none.md"]),
+    ("doctor-busbw", ["doctor", "--expected-busbw", "-5"], 2, ["ntl-pretrain doctor:", "--expected-busbw", "-5"]),
 ]
 
 
@@ -149,11 +164,33 @@ def workspace(tmp_path):
     (tmp_path / "file.txt").write_text("no markers here\n")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (tmp_path / "alias.yaml").write_text(f"base: {TINY}\n" + ALIAS_RECIPE)
+    model_folders(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05")  # the magic, then a header cut short
+    (tmp_path / "text-run").mkdir()
+    (tmp_path / "text-run" / "metrics.jsonl").write_text('{"step": "one", "loss": "low"}\n')
     step = tmp_path / "alias-run" / "checkpoints" / "step_1"
     (step / "hf_config").mkdir(parents=True)
     (step / "recipe.yaml").write_text(ALIAS_RECIPE)
     (step / "manifest.json").write_text('{"version": 1, "files": {}}')  # what makes a step folder a checkpoint
     return tmp_path
+
+
+def model_folders(tmp_path: Path) -> None:
+    """HF folders that fail only once their files are read: config.json not JSON, weights of random bytes, no
+    tokenizer; and `hf-64`, a whole one (64 positions) for the arguments checked against the model."""
+    import torch
+    from safetensors.torch import save_file
+
+    tokenizer = REPO / "ntl_pretrain" / "corpus" / "tiny-tokenizer" / "tokenizer.json"
+    for name in ("bad-config", "random-weights", "no-tokenizer", "hf-64"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 64}')
+        save_file({"lm_head.weight": torch.zeros(2, 2)}, tmp_path / name / "model.safetensors")
+        if name != "no-tokenizer":
+            (tmp_path / name / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    (tmp_path / "bad-config" / "config.json").write_text("{not json")
+    (tmp_path / "random-weights" / "model.safetensors").write_bytes(bytes(range(256)) * 16)
 
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:

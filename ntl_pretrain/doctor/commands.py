@@ -100,7 +100,10 @@ def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """The files the checks read and write, before minutes of checks."""
+    """The arguments and the files the checks read and write, before minutes of checks."""
+    busbw = args.expected_busbw
+    if busbw is not None and not 0 < busbw < float("inf"):
+        raise InputError(f"--expected-busbw: a bandwidth in GB/s > 0, got {busbw}")
     if not args.recipe.is_file():
         raise InputError(f"--recipe: {args.recipe} is not a recipe file")
     if args.out is not None:

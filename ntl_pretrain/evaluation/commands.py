@@ -27,7 +27,9 @@ from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
     Target,
+    check_seq_len,
     export_for_eval,
+    model_config,
     recipe_eval,
     recipe_validation,
     resolve_target,
@@ -213,6 +215,9 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
     for qa in cfg.qa_sets:  # the run's own sets may have moved since it was trained
         if not resolve_path(qa.path).is_file():
             raise InputError(f"--qa: no such question/answer file {qa.path}")
+        if not resolve_path(qa.path).read_text(encoding="utf-8", errors="replace").strip():
+            raise InputError(f"--qa: {qa.path} holds no question/answer records (an empty file)")
+    check_seq_len(model_config(target), args.seq_len)  # the model folder last: its checks read files
     return target, cfg
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ntl_pretrain import checkpoint
 from ntl_pretrain.config import read_yaml_file
 from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
+from ntl_pretrain.preflight_model import POSITION_KEYS, rope_scaled, safetensors_shapes
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -16,6 +19,8 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# What transformers builds a tokenizer from (fast, sentencepiece, BPE and WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,42 @@ def resolve_target(path: str | Path) -> Target:
 
 def has_weights(folder: Path) -> bool:
     return any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def check_hf_folder(folder: Path) -> dict:
+    """What loading the folder would fail on, refused naming the file before any model is loaded (an evaluation
+    must not fail minutes in): config.json is a JSON object, the safetensors headers read, a tokenizer is there.
+    Returns the config."""
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise InputError(f"{config_file}: not a JSON model config ({error})") from error
+    if not isinstance(config, dict):
+        raise InputError(f"{config_file}: not a JSON model config (a {type(config).__name__}, not an object)")
+    safetensors_shapes(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(f"{folder}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the model's "
+                         f"tokenizer into the folder (`tokenizer.save_pretrained`)")  # fmt: skip
+    return config
+
+
+def model_config(target: Target) -> dict | None:
+    """The model's config.json as a dict (an HF folder's, checked; a checkpoint's saved one); None without one."""
+    if target.hf_folder is not None:
+        return check_hf_folder(target.hf_folder)
+    saved = target.checkpoint / checkpoint.HF_CONFIG / "config.json"
+    return json.loads(saved.read_text()) if saved.is_file() else None
+
+
+def check_seq_len(config: dict | None, seq_len: int | None) -> None:
+    """`--seq-len` fits the model's positions, as `data.seq_len` must for training (preflight.check_positions)."""
+    if config is None or seq_len is None or rope_scaled(config):
+        return
+    for key in POSITION_KEYS:
+        limit = config.get(key)
+        if isinstance(limit, int) and seq_len > limit:
+            raise InputError(f"--seq-len: {seq_len} tokens exceed the model's {key} ({limit})")
 
 
 def export_for_eval(target: Target, out_dir: Path) -> Target:
