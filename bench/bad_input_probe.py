@@ -120,7 +120,7 @@ BAD_RECIPE_VALUES: dict[str, list] = {
     "checkpoint.keep_last": [0, -1],
     "checkpoint.verify": ["md5"],
     "logging.progress_bar": ["no"],
-    "logging.console_every_steps": [0, -1],
+    "logging.console_every_steps": [-1, "x"],  # 0 is valid: the first and last step only
     "logging.wandb": ["yes"],
     "logging.peak_flops_per_device": [-1, "x"],
     "deepspeed.config": ["/no/such.json", 5, "", "{ws}/inputs/empty", "{ws}/inputs/text.txt", "{ws}/inputs/list.json"],

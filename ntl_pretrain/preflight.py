@@ -15,7 +15,7 @@ from ntl_pretrain import checkpoint, run_lock
 from ntl_pretrain.config import Recipe, RecipeError
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
-from ntl_pretrain.preflight_model import POSITION_KEYS, check_model, rope_scaled
+from ntl_pretrain.preflight_model import POSITION_KEYS, check_given_sizes, check_model, rope_scaled
 from ntl_pretrain.tokenizer import resolve_path
 
 
@@ -237,6 +237,7 @@ def model_config(recipe: Recipe):
     comes from the checkpoint a resume loads. transformers validates the values (`hidden_size: abc`)."""
     from transformers import AutoConfig
 
+    check_given_sizes(recipe)
     try:
         if recipe.init_from is not None:
             key = "init_from"

@@ -16,6 +16,8 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "n_inner")  # fmt: skip
 POSITION_KEYS = ("max_position_embeddings", "n_positions")  # Llama-style, GPT-2
 PROBABILITY_SUFFIXES = ("dropout", "_pdrop")  # attention_dropout, hidden_dropout; GPT-2's attn_pdrop, resid_pdrop
+ACTIVATION_KEYS = ("hidden_act", "activation_function", "hidden_activation")  # Llama-style, GPT-2, Gemma
+HEAD_SPLITS = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"))  # width, heads that share it
 
 
 def check_model(recipe: Recipe, config, tokenizer) -> None:
@@ -26,11 +28,27 @@ def check_model(recipe: Recipe, config, tokenizer) -> None:
     check_sizes(recipe, values)
     check_heads(recipe, values)
     check_probabilities(recipe, values)
+    check_activations(recipe, values)
     if tokenizer is not None:
         check_vocab(recipe, values, len(tokenizer))
     expected = meta_model_shapes(recipe, config)
     if recipe.init_from is not None:
         check_weights(Path(recipe.init_from).expanduser(), expected)
+
+
+def check_given_sizes(recipe: Recipe) -> None:
+    """The sizes `model.config` sets, before transformers builds a config from them: it divides by the head count
+    (a ZeroDivisionError) and warns about token ids outside a negative vocabulary before any check of ours runs."""
+    given = recipe.model.config
+    for key in SIZE_KEYS:
+        value = given.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise RecipeError(f"model.config.{key}: must be >= 1, got {value}")
+    for width_key, heads_key in HEAD_SPLITS:
+        width, heads = given.get(width_key), given.get(heads_key)
+        if isinstance(width, int) and isinstance(heads, int) and "head_dim" not in given and width % heads:
+            raise RecipeError(f"model.config.{heads_key}: {heads} heads do not divide {width_key} ({width}); each "
+                              f"head takes an equal share of it")  # fmt: skip
 
 
 def where(recipe: Recipe, key: str) -> str:
@@ -60,6 +78,16 @@ def check_probabilities(recipe: Recipe, values: dict) -> None:
         is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if key.endswith(PROBABILITY_SUFFIXES) and is_number and not 0 <= value < 1:
             raise RecipeError(f"{where(recipe, key)}: a dropout probability must be in [0, 1), got {value}")
+
+
+def check_activations(recipe: Recipe, values: dict) -> None:
+    from transformers.activations import ACT2FN
+
+    for key in ACTIVATION_KEYS:
+        value = values.get(key)
+        if isinstance(value, str) and value not in ACT2FN:
+            raise RecipeError(f"{where(recipe, key)}: unknown activation {value!r}; transformers knows "
+                              f"{', '.join(sorted(ACT2FN))}")  # fmt: skip
 
 
 def check_vocab(recipe: Recipe, values: dict, tokenizer_size: int) -> None:

@@ -232,8 +232,12 @@ ROWS = [
         "base: {gpt2}\n",
         ["data.seq_len=32", "model.config.n_head=3"],
         [],
-        ["model.config", "transformers cannot build the model"],
+        ["model.config.n_head", "3 heads do not divide n_embd (64)"],
     ),
+    ("heads-zero", CHILD, ["model.config.num_attention_heads=0"], [], ["model.config.num_attention_heads", ">= 1"]),
+    ("heads-split-hidden", CHILD, ["model.config.num_attention_heads=3"], [], ["num_attention_heads", "hidden_size"]),
+    ("vocab-negative", CHILD, ["model.config.vocab_size=-1"], [], ["model.config.vocab_size", ">= 1, got -1"]),
+    ("activation-unknown", CHILD, ["model.config.hidden_act=nope"], [], ["model.config.hidden_act", "'nope'", "silu"]),
     (
         "init-from-random-bytes",
         CHILD,
