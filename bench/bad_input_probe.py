@@ -191,7 +191,7 @@ BAD_SOURCES: dict[str, tuple[object, str]] = {  # name -> (data.sources, what th
     "format-unknown": ([{**GOOD_SOURCE, "format": "csv2"}], "format"),
     "text-field-missing": ([{"name": "ok", "path": "{ws}/inputs/ok.jsonl", "text_field": "body"}], "body"),
     "sample-by-unknown": ([{**GOOD_SOURCE, "sample_by": "word"}], "sample_by"),
-    "duplicate-names": ([GOOD_SOURCE, GOOD_SOURCE], "ok"),
+    "duplicate-names": ([GOOD_SOURCE, {**GOOD_SOURCE}], "ok"),  # two objects: safe_dump would write an alias
     "hub-config-on-a-file": ([{**GOOD_SOURCE, "hub_config": "default"}], "hub_config"),
     "labels-unknown": ([{**GOOD_SOURCE, "ntl_labels": "answers"}], "ntl_labels"),
     "answer-labels-without-answer": (
@@ -233,7 +233,6 @@ BAD_OVERRIDES: list[tuple[str, str]] = [  # (override, what the refusal must nam
     ("data.seq_len=1e3", "data.seq_len"),
     ("loss.ntl.weight=[1]", "loss.ntl.weight"),
     ("model.config.num_key_value_heads=3", "num_key_value_heads"),
-    ("train.max_steps=1 train.max_steps=2", "train.max_steps"),
     ("checkpoint.keep_last=-3", "keep_last"),
     ("train.resume=/nope", "train.resume"),
     ("init_from=/nope", "init_from"),
@@ -241,7 +240,6 @@ BAD_OVERRIDES: list[tuple[str, str]] = [  # (override, what the refusal must nam
     ("data.sources.0=null", "data.sources.0"),
     ("model.config=[]", "model.config"),
     ("schedule.warmup_steps=1e400", "warmup_steps"),
-    ("train.max_steps=0x10", "train.max_steps"),
     ("loss.vocab_parallel_size=4", "vocab_parallel_size"),
     ("train.eval_every_steps=5 data.validation=[]", "eval_every_steps"),
 ]

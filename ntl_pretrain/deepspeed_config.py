@@ -63,7 +63,8 @@ def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
     if global_sequences % per_pass:
         raise RecipeError(
             f"train.global_batch_size: {global_sequences} sequences per step is not a multiple of "
-            f"train.micro_batch_size ({train.micro_batch_size}) x world size ({world_size})"
+            f"train.micro_batch_size ({train.micro_batch_size}) x world size ({world_size} ranks: --nproc per node "
+            f"x nodes)"
         )
     return global_sequences // per_pass
 

@@ -139,4 +139,4 @@ def test_refuses_outside_an_allocation_and_a_global_batch_the_world_cannot_split
     done = run_sbatch(env, "--dry-run", *RECIPE)
     assert done.returncode != 0 and "SLURM_JOB_NODELIST" in done.stderr
     done = run_sbatch(slurm_env(tmp_path), "--dry-run", "recipes/tiny-cpu.yaml", "train.global_batch_size=16")
-    assert done.returncode != 0 and "not a multiple of train.micro_batch_size (8) x world size (12)" in done.stderr
+    assert done.returncode != 0 and "not a multiple of train.micro_batch_size (8) x world size (12 ranks" in done.stderr
