@@ -173,7 +173,8 @@ def test_gradient_accumulation_is_derived_from_the_global_batch(overrides, world
 
 
 def test_indivisible_global_batch_fails_naming_the_recipe():
-    with pytest.raises(RecipeError, match=r"tiny-cpu.yaml: train.global_batch_size: 16 sequences .* world size \(3\)"):
+    indivisible = r"tiny-cpu.yaml: train.global_batch_size: 16 sequences .* world size \(3 ranks: --nproc per node"
+    with pytest.raises(RecipeError, match=indivisible):
         load_run(TINY, [], world_size=3)
 
 
