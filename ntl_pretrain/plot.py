@@ -130,7 +130,7 @@ def panel_keys(runs: Sequence[list[dict]]) -> list[tuple[str, str]]:
     """(metrics key, title) of every panel some run has data for."""
     present = dict.fromkeys(
         key for records in runs for record in records for key in record if plottable(record, key)
-    )  # first-seen order; fmt: skip
+    )  # first-seen order
     panels = [(key, title) for key, title in TRAIN_PANELS.items() if key in present]
     eval_sets = dict.fromkeys(key.split("/")[1] for key in present if key.startswith("eval/") and key.count("/") == 2)
     for eval_set in eval_sets:

@@ -15,7 +15,7 @@ from ntl_pretrain import checkpoint, run_lock
 from ntl_pretrain.config import Recipe, RecipeError
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
-from ntl_pretrain.preflight_model import POSITION_KEYS, check_given_sizes, check_model, rope_scaled
+from ntl_pretrain.preflight_model import check_given_sizes, check_model, position_limits
 from ntl_pretrain.tokenizer import resolve_path
 
 
@@ -218,14 +218,12 @@ def check_device(device: str) -> None:
 def check_positions(recipe: Recipe) -> None:
     """`data.seq_len` fits the model's learned/rotary positions, unless rope scaling extends them."""
     built = model_config(recipe)
-    config = None if built is None else built.to_dict()
-    if config is None or rope_scaled(config):
+    if built is None:
         return
-    for key in POSITION_KEYS:
-        limit = config.get(key)
-        if isinstance(limit, int) and limit < 1:
+    for key, limit in position_limits(built.to_dict()).items():
+        if limit < 1:
             raise RecipeError(f"model.config.{key}: must be >= 1 positions, got {limit}")
-        if isinstance(limit, int) and recipe.data.seq_len > limit:
+        if recipe.data.seq_len > limit:
             raise RecipeError(
                 f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's {key} ({limit}); raise "
                 f"model.config.{key} or shorten data.seq_len"

@@ -40,10 +40,7 @@ def check_given_sizes(recipe: Recipe) -> None:
     """The sizes `model.config` sets, before transformers builds a config from them: it divides by the head count
     (a ZeroDivisionError) and warns about token ids outside a negative vocabulary before any check of ours runs."""
     given = recipe.model.config
-    for key in SIZE_KEYS:
-        value = given.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise RecipeError(f"model.config.{key}: must be >= 1, got {value}")
+    check_sizes(recipe, given)  # `where` names every key of model.config as model.config.<key>
     for width_key, heads_key in HEAD_SPLITS:
         width, heads = given.get(width_key), given.get(heads_key)
         if isinstance(width, int) and isinstance(heads, int) and "head_dim" not in given and width % heads:
@@ -159,6 +156,13 @@ def safetensors_shapes(folder: Path) -> dict[str, list[int]] | None:
         except Exception as error:  # safetensors raises its own SafetensorError, and OSError for a missing shard
             raise InputError(f"{folder / name}: unreadable safetensors file ({error})") from error
     return shapes
+
+
+def position_limits(config: dict) -> dict[str, int]:
+    """The model's position limits by config key (`POSITION_KEYS`); none where rope scaling stretches them."""
+    if rope_scaled(config):
+        return {}
+    return {key: config[key] for key in POSITION_KEYS if isinstance(config.get(key), int)}
 
 
 def rope_scaled(config: dict) -> bool:

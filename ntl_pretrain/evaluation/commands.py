@@ -215,7 +215,9 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
     for qa in cfg.qa_sets:  # the run's own sets may have moved since it was trained
         if not resolve_path(qa.path).is_file():
             raise InputError(f"--qa: no such question/answer file {qa.path}")
-        if not resolve_path(qa.path).read_text(encoding="utf-8", errors="replace").strip():
+        with resolve_path(qa.path).open(encoding="utf-8", errors="replace") as lines:
+            empty = not any(line.strip() for line in lines)  # stops at the first record: the sets may be large
+        if empty:
             raise InputError(f"--qa: {qa.path} holds no question/answer records (an empty file)")
     check_seq_len(model_config(target), args.seq_len)  # the model folder last: its checks read files
     return target, cfg

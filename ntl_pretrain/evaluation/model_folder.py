@@ -11,7 +11,7 @@ from ntl_pretrain.config import read_yaml_file
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
-from ntl_pretrain.preflight_model import POSITION_KEYS, rope_scaled, safetensors_shapes
+from ntl_pretrain.preflight_model import position_limits, safetensors_shapes
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -89,11 +89,10 @@ def model_config(target: Target) -> dict | None:
 
 def check_seq_len(config: dict | None, seq_len: int | None) -> None:
     """`--seq-len` fits the model's positions, as `data.seq_len` must for training (preflight.check_positions)."""
-    if config is None or seq_len is None or rope_scaled(config):
+    if config is None or seq_len is None:
         return
-    for key in POSITION_KEYS:
-        limit = config.get(key)
-        if isinstance(limit, int) and seq_len > limit:
+    for key, limit in position_limits(config).items():
+        if seq_len > limit:
             raise InputError(f"--seq-len: {seq_len} tokens exceed the model's {key} ({limit})")
 
 
