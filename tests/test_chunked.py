@@ -187,6 +187,7 @@ def test_bf16_inputs_match_fp32_to_bf16_precision():
     [
         ({"reduction": "none"}, "only the combined loss is differentiable"),
         ({"chunk_size": 0}, "chunk_size must be a positive"),
+        ({"weight_grad_rows": 0}, "weight_grad_rows must be a positive"),
         ({"weight": torch.zeros(41, 3, dtype=torch.float64)}, "weight must be \\[V, H\\]"),
         ({"labels": torch.zeros(4, dtype=torch.long)}, "leading shape"),
     ],
@@ -328,11 +329,44 @@ def test_mixed_precision_addmm_is_probed_and_used_only_where_it_accumulates_in_f
         linear_ce_ntl_loss(h, w, labels, nv, ntl_weight=NTL_WEIGHT, chunk_size=5).loss.backward()
         expected.append(w.grad)
         assert mixed_addmm_works(cpu, torch.bfloat16, torch.float32) is (rounds_to_low is False)
-        # the probe's call, then (working overload) one per chunk of 5 positions of 24
-        assert calls["out_dtype"] == {None: 0, False: 1 + 5, True: 1}[rounds_to_low]
+        # the probe's call, then (working overload) one for all 24 positions: where bf16 products accumulate in fp32,
+        # the chunks' logit gradients wait for one weight-gradient matmul (WEIGHT_GROUP_ELEMENTS)
+        assert calls["out_dtype"] == {None: 0, False: 1 + 1, True: 1}[rounds_to_low]
     torch.testing.assert_close(expected[2], expected[0], rtol=0, atol=0)  # refused: the upcast path ran
     # the working overload multiplies the bf16-rounded logit gradient: one bf16 rounding of the operand apart
     torch.testing.assert_close(expected[1], expected[0], rtol=2**-7, atol=2**-8 * float(expected[0].abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_weight_gradient_in_groups_of_chunks_is_the_same_sum(dtype, monkeypatch):
+    """24 positions in chunks of 5 (the last one of 4), their weight gradient in matmuls of whole chunks: one per
+    chunk, 2 or 3 chunks (a group cut short at the end), all at once; 7 rows round down to one chunk. Every way
+    gives the chunk-by-chunk gradient up to the order of the sum (bf16: the fp32 accumulator, upcast operands)."""
+    from ntl_pretrain.loss import chunked
+
+    nv = synthetic_vocab()
+    hidden, weight, labels = make_inputs(nv, seed=5, shape=(4, 6))
+    matmuls = Counter()
+    accumulate = chunked._accumulate_product
+
+    def counted(total_VH, a_VR, low_a_VR, b_RH):
+        matmuls[b_RH.shape[0]] += 1
+        return accumulate(total_VH, a_VR, low_a_VR, b_RH)
+
+    monkeypatch.setattr(chunked, "_accumulate_product", counted)
+    grads = {}
+    for group_rows, expected in [(5, {5: 4, 4: 1}), (7, {5: 4, 4: 1}), (10, {10: 2, 4: 1}), (15, {15: 1, 9: 1}),
+                                 (1000, {24: 1})]:  # fmt: skip
+        matmuls.clear()
+        h, w = leaves(hidden, 0.1 * weight, dtype=dtype)
+        linear_ce_ntl_loss(h, w, labels, nv, ntl_weight=NTL_WEIGHT, chunk_size=5, weight_grad_rows=group_rows,
+                           reduction="sum").loss.backward()  # fmt: skip
+        assert matmuls == Counter(expected), (group_rows, matmuls)
+        grads[group_rows] = (w.grad.double(), h.grad.double())
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2**-8}[dtype]
+    for group_rows, (weight_grad, hidden_grad) in grads.items():
+        assert_close_relative(weight_grad, grads[5][0], tolerance, f"weight grad {group_rows=}")
+        torch.testing.assert_close(hidden_grad, grads[5][1], rtol=0, atol=0)  # untouched by the grouping
 
 
 def test_a_micro_batch_of_the_chunked_head_needs_no_host_sync(monkeypatch):
