@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ntl_pretrain.doctor.loss_checks import draw_labels, multi_digit_vocab
 from ntl_pretrain.doctor.report import Check
 from ntl_pretrain.loss import ce_ntl_loss
-from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
+from ntl_pretrain.loss.chunked import default_chunk_rows, linear_ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
 
 # (positions, vocabulary, hidden): Llama-3's vocabulary and an 8B model's hidden size on GPU; a tenth on CPU.
@@ -93,10 +93,18 @@ def head_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[
     hidden = torch.randn(positions, hidden_size, generator=generator).to(device, dtype).requires_grad_()
     weight = (torch.randn(vocab_size, hidden_size, generator=generator) * hidden_size**-0.5).to(device, dtype)
     weight.requires_grad_()
+    chunk_rows = default_chunk_rows(vocab_size)
     return {
         "dense head": backward_of(lambda: ce_ntl_loss(hidden @ weight.T, labels, nv, kind="was").loss, hidden, weight),
         "chunked head": backward_of(
             lambda: linear_ce_ntl_loss(hidden, weight, labels, nv, kind="was").loss, hidden, weight
+        ),
+        # the weight gradient one chunk per matmul, as before grouping (loss/chunked.py): on a GPU where bf16 products
+        # accumulate in fp32 the default groups chunks, and this row's ratio beside it is what the grouping gains
+        "chunked head, a weight-gradient matmul per chunk": backward_of(
+            lambda: linear_ce_ntl_loss(hidden, weight, labels, nv, kind="was", weight_grad_rows=chunk_rows).loss,
+            hidden,
+            weight,
         ),
     }
 
