@@ -364,8 +364,8 @@ class WeightGradient:
 
 
 def _upcasts(b_RH: torch.Tensor, total_VH: torch.Tensor) -> bool:
-    """Whether `_accumulate_product` multiplies in total's dtype with b upcast (its third way): the logit gradient
-    is then needed in total's dtype, not b's."""
+    """Whether `_accumulate_product` multiplies in total's dtype with b upcast (no fp32-accumulating kernel for b's
+    dtype): the logit gradient is then needed in total's dtype, not b's."""
     return b_RH.dtype != total_VH.dtype and not mixed_addmm_works(b_RH.device, b_RH.dtype, total_VH.dtype)
 
 
@@ -376,10 +376,10 @@ def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, low_a_VR: to
     one unchunked bf16 matmul does; elsewhere the fp32 gradient meets the chunk of b upcast (an [R, H] copy)."""
     if b_RH.dtype == total_VH.dtype:
         total_VH.addmm_(a_VR, b_RH)
-    elif mixed_addmm_works(b_RH.device, b_RH.dtype, total_VH.dtype):
-        torch.addmm(total_VH, low_a_VR, b_RH, total_VH.dtype, out=total_VH)
-    else:
+    elif _upcasts(b_RH, total_VH):
         total_VH.addmm_(a_VR, b_RH.to(total_VH.dtype))
+    else:
+        torch.addmm(total_VH, low_a_VR, b_RH, total_VH.dtype, out=total_VH)
 
 
 @functools.cache
