@@ -79,9 +79,11 @@ class TokenizerConfig:
 
 @dataclass
 class NtlConfig:
-    kind: Literal["was", "mse", "mae", "huber", "number"] | None = "was"
+    kind: Literal["was", "mse", "mae", "huber", "digits", "number"] | None = "was"
     """NTL variant; null trains with plain cross-entropy through the same code path. was|mse|mae|huber judge each
-    number token; "number" judges whole numbers: one relative error per number across its tokens (docs/loss.md)."""
+    number token by its value (scaled by its class: 10^(digits-1)); "digits" judges it digit by digit (a near miss
+    in the last digit of `157` costs 1/3, as on a single-digit token); "number" judges whole numbers: one relative
+    error per number across its tokens (docs/loss.md)."""
     weight: float = 0.3
     """λ in `CE + λ·NTL`."""
     reweigh: bool = False
@@ -96,6 +98,8 @@ class NtlConfig:
             raise ValueError("reweigh: weighs the NTL term, and kind null trains without one")
         if self.kind == "number" and self.reweigh:
             raise ValueError("reweigh: not defined for kind number (it weighs single tokens)")
+        if self.kind == "digits" and self.reweigh:
+            raise ValueError("reweigh: not defined for kind digits (its distance has no class value range)")
         if self.float_level and self.kind != "number":
             raise ValueError(f"float_level: only kind number reads whole numbers, got kind {self.kind!r}")
 

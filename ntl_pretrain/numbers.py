@@ -5,7 +5,7 @@ a plain space, or WordPiece `##`), is one or more ASCII digits. Its class is (ma
 label only with tokens of its own class, so a 3-digit chunk competes with 3-digit chunks, and ` 7` with ` 7`-like
 tokens, never across. For a single-digit tokenizer all ten digits form one class, which is the paper's NTL.
 Its scale `s = 10**(digits-1)` keeps multi-digit losses on the digit scale so that λ carries over between
-tokenizers.
+tokenizers. Each number token also keeps its digits (leading zeros too: `007` is 0, 0, 7) for the digit-wise NTL.
 
 The number-level loss also needs to know where a number goes on: an unmarked number token continues the number
 before it (Llama-3 `"123","45"` is 12345), a marked one starts a new one; in a WordPiece vocabulary only `##`
@@ -36,6 +36,12 @@ class NumberClass:
 
 def parse_number_token(surface: str) -> tuple[str, int, int] | None:
     """(marker, digit count, value) of a token's surface text, or None when it is not a number token."""
+    parsed = parse_number_digits(surface)
+    return None if parsed is None else (parsed[0], len(parsed[1]), int(parsed[1]))
+
+
+def parse_number_digits(surface: str) -> tuple[str, str] | None:
+    """(marker, digit string) of a token's surface text, or None when it is not a number token."""
     marker = "none"
     if surface.startswith(WORDPIECE_MARKER):
         marker, surface = "wordpiece", surface[len(WORDPIECE_MARKER) :]
@@ -43,7 +49,7 @@ def parse_number_token(surface: str) -> tuple[str, int, int] | None:
         marker, surface = "space", surface[1:]
     if not DIGITS.fullmatch(surface):
         return None
-    return marker, len(surface), int(surface)
+    return marker, surface
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class NumberShard:
     """int64 [K]: their class ids."""
     class_spread: torch.Tensor
     """float64 [C]: see NumberVocab.class_spread."""
+    digits: torch.Tensor
+    """float32 [K, D]: their digits (see NumberVocab.digits)."""
 
 
 @dataclass
@@ -81,6 +89,10 @@ class NumberVocab:
     do; in a WordPiece vocabulary, one with `##` number tokens, only `##` tokens do)."""
     class_digits: torch.Tensor
     """int64 [C]: digit count of the class's tokens."""
+    digits: torch.Tensor
+    """uint8 [V, D]: each number token's digits, most significant first, zero-padded on the right to D, the
+    longest token's digit count (0 everywhere else). Tokens of one class have equally many digits, so padding never
+    separates two members of a class."""
     _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -109,7 +121,8 @@ class NumberVocab:
         size = len(surfaces) if vocab_size is None else vocab_size
         if size < len(surfaces):
             raise ValueError(f"vocab_size={size} is smaller than the tokenizer's {len(surfaces)} tokens")
-        parsed = {i: p for i, s in enumerate(surfaces) if s and (p := parse_number_token(s)) is not None}
+        parsed_digits = {i: p for i, s in enumerate(surfaces) if s and (p := parse_number_digits(s)) is not None}
+        parsed = {i: (marker, len(text), int(text)) for i, (marker, text) in parsed_digits.items()}
         class_info = tuple(
             sorted(
                 {NumberClass(marker, digits) for marker, digits, _ in parsed.values()},
@@ -124,6 +137,10 @@ class NumberVocab:
             values[token_id] = value
             scales[token_id] = 10.0 ** (digits - 1)
             classes[token_id] = class_index[NumberClass(marker, digits)]
+        longest = max((len(text) for _, text in parsed_digits.values()), default=0)
+        digits = torch.zeros((size, longest), dtype=torch.uint8)
+        for token_id, (_, text) in parsed_digits.items():
+            digits[token_id, : len(text)] = torch.tensor([int(d) for d in text], dtype=torch.uint8)
         decimal_points = torch.zeros(size, dtype=torch.bool)
         decimal_points[[i for i, s in enumerate(surfaces) if s == DECIMAL_POINT]] = True
         markers = [c.marker for c in class_info]
@@ -136,6 +153,7 @@ class NumberVocab:
             decimal_points=decimal_points,
             class_continues=torch.tensor([m == joining for m in markers], dtype=torch.bool),
             class_digits=torch.tensor([c.digits for c in class_info], dtype=torch.int64),
+            digits=digits,
         )
 
     @property
@@ -167,6 +185,7 @@ class NumberVocab:
                 values=self.values[ids].to(device),
                 classes=self.classes[ids].to(device),
                 class_spread=self.class_spread.to(device),
+                digits=self.digits[ids].float().to(device),
             )
         return self._device_copies[key]
 
@@ -192,6 +211,7 @@ class NumberVocab:
                 decimal_points=self.decimal_points.to(device),
                 class_continues=self.class_continues.to(device),
                 class_digits=self.class_digits.to(device),
+                digits=self.digits.to(device),
             )
         return self._device_copies[device]
 

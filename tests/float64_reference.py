@@ -91,6 +91,8 @@ def reference_rows(
     q_NV = torch.softmax(class_z_NV, 1)
     if kind == "was":
         ntl_N = (q_NV * (values_V[None, :] - y_N[:, None]).abs()).sum(1) / s_N
+    elif kind == "digits":
+        ntl_N = (q_NV * digit_distances(label_N, nv)).sum(1)
     elif kind == "number":
         ntl_N = number_level_rows((q_NV * values_V[None, :]).sum(1), labels, nv, float_level)
     else:
@@ -102,6 +104,22 @@ def reference_rows(
         mass_N = torch.exp(torch.logsumexp(class_z_NV, 1) - lse_N)
         ntl_N = ntl_N * mass_N + REWEIGH_MARGIN * worst_N * (1 - mass_N)
     return ce_N, torch.where(is_number_N, ntl_N, 0.0)
+
+
+def digit_distances(label_N: torch.Tensor, nv: NumberVocab) -> torch.Tensor:
+    """[N, V] float64: (1/k) Σ_i |d_j[i] − d_t[i]| from each row's label t to every number token j of t's class
+    (k digits each), 0 elsewhere; one class at a time, from the tokens' digit strings."""
+    distance_NV = torch.zeros(label_N.numel(), nv.vocab_size, dtype=torch.float64)
+    for number_class, info in enumerate(nv.class_info):
+        members = (nv.classes == number_class).nonzero().flatten()
+        rows = (nv.classes[label_N] == number_class).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        member_digits = nv.digits[members, : info.digits].double()
+        label_digits = nv.digits[label_N[rows], : info.digits].double()
+        distance = (label_digits[:, None, :] - member_digits[None, :, :]).abs().sum(2) / info.digits
+        distance_NV[rows[:, None], members[None, :]] = distance
+    return distance_NV
 
 
 def reduce_rows(ce_N, ntl_N, labels: torch.Tensor, nv, kind, reduction: str, float_level: bool = False):

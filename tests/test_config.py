@@ -124,7 +124,7 @@ def test_every_choice_key_names_its_allowed_values():
     [
         (
             "loss.ntl.kind=wass",
-            "loss.ntl.kind: expected one of 'was', 'mse', 'mae', 'huber', 'number' (or null), got 'wass' "
+            "loss.ntl.kind: expected one of 'was', 'mse', 'mae', 'huber', 'digits', 'number' (or null), got 'wass' "
             "(did you mean 'was'?)",
         ),
         ("loss.head=Dense", "loss.head: expected one of 'chunked', 'dense', got 'Dense' (did you mean 'dense'?)"),

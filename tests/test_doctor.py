@@ -62,7 +62,7 @@ def test_two_ranks_pass_on_cpu_and_check_the_vocabulary_parallel_loss(tmp_path):
     skipped = {name for name, check in checks.items() if check["status"] == "skip"}
     assert skipped == {"network", "flash-attention documents", "throughput"}
     assert checks["reduce-scatter fp32 / bf16"]["detail"]["rank0"]["ratio"] > 0
-    assert checks["loss vocab-parallel fp32"]["figure"].startswith("2 ranks, 20 cases")
+    assert checks["loss vocab-parallel fp32"]["figure"].startswith("2 ranks, 24 cases")
     assert "2 rank(s), fp32" in checks["train"]["figure"]
     assert checks["all-reduce bandwidth"]["detail"]["rank1"]["busbw_GBps"] > 0
 

@@ -222,7 +222,7 @@ def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]
         data, tokenizer, micro_batch_size=4, dp_rank=0, dp_world_size=1, seed=0, split="validation"
     )
     nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-    ce = ntl = tokens = numbers = number_ce = ntl_number = whole_numbers = 0.0
+    ce = ntl = tokens = numbers = number_ce = ntl_number = whole_numbers = ntl_digits = 0.0
     for index, batch in enumerate(loader):
         if index == max_batches:
             break
@@ -235,6 +235,7 @@ def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]
         number_ce += ce_N[at_number_N].sum().item()
         _, ntl_N = reference_rows(logits_NV, labels_N, nv, "was", reweigh=False)
         ntl += ntl_N.sum().item()
+        ntl_digits += reference_rows(logits_NV, labels_N, nv, "digits", reweigh=False)[1].sum().item()
         _, number_ntl_N = reference_rows(logits_NV, batch["labels"], nv, "number", reweigh=False)
         ntl_number += number_ntl_N.sum().item()
         whole_numbers += count_ntl_terms(batch["labels"], nv, "number")
@@ -242,7 +243,7 @@ def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]
         numbers += at_number_N.sum().item()
     return {"val_ce": ce / tokens, "val_ntl_was": ntl / numbers, "val_tokens": tokens, "val_number_tokens": numbers,
             "val_number_ce": number_ce / numbers, "val_ntl_number": ntl_number / whole_numbers,
-            "val_numbers": whole_numbers}  # fmt: skip
+            "val_numbers": whole_numbers, "val_ntl_digits": ntl_digits / numbers}  # fmt: skip
 
 
 def test_validation_metrics_match_float64_reference(tokenizer) -> None:
@@ -252,6 +253,7 @@ def test_validation_metrics_match_float64_reference(tokenizer) -> None:
     assert got["val_tokens"] == expected["val_tokens"] and got["val_number_tokens"] == expected["val_number_tokens"]
     assert got["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)
     assert got["val_ntl_was"] == pytest.approx(expected["val_ntl_was"], rel=1e-5)
+    assert got["val_ntl_digits"] == pytest.approx(expected["val_ntl_digits"], rel=1e-5)
     assert got["val_numbers"] == expected["val_numbers"] < expected["val_number_tokens"]  # multi-token numbers
     assert got["val_ntl_number"] == pytest.approx(expected["val_ntl_number"], rel=1e-5)
     assert got["val_number_ce"] == pytest.approx(expected["val_number_ce"], rel=1e-5)

@@ -275,7 +275,7 @@ def test_val_answer_metrics_are_ce_and_ntl_at_each_answer_given_its_question(tmp
     got = validation_metrics(model, tokenizer, [source], seq_len=400, per_document_attention=True)
 
     nv = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
-    ce, ntl, tokens, number_tokens = 0.0, 0.0, 0, 0
+    ce, ntl, ntl_digits, tokens, number_tokens = 0.0, 0.0, 0.0, 0, 0
     for record in records:
         question = tokenizer(record["question"], add_special_tokens=False)["input_ids"]
         answer = tokenizer(record["answer"], add_special_tokens=False)["input_ids"]
@@ -285,8 +285,10 @@ def test_val_answer_metrics_are_ce_and_ntl_at_each_answer_given_its_question(tmp
         labels = ids[0, len(question) :]
         ce_N, ntl_N = reference_rows(logits, labels, nv, "was", False)
         ce, ntl = ce + float(ce_N.sum()), ntl + float(ntl_N.sum())
+        ntl_digits += float(reference_rows(logits, labels, nv, "digits", False)[1].sum())
         tokens, number_tokens = tokens + len(labels), number_tokens + count_ntl_terms(labels, nv, "was")
     assert got["val_answer_tokens"] == tokens == sum(len(r["answer"]) + 1 for r in records)
     assert got["val_answer_ce"] == pytest.approx(ce / tokens, rel=1e-9)
     assert got["val_answer_ntl_was"] == pytest.approx(ntl / number_tokens, rel=1e-9)
+    assert got["val_answer_ntl_digits"] == pytest.approx(ntl_digits / number_tokens, rel=1e-9)
     assert got["val_answer_ce"] != pytest.approx(got["val_ce"], rel=1e-3)  # all labels score otherwise

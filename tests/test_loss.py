@@ -5,13 +5,16 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from float64_reference import reference_rows
 from ntloss import NTLoss, NTLossDotProduct
 from real_tokenizers import real_tokenizer
 
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
 
-KINDS = ["was", "mse", "mae", "huber"]
+VALUE_KINDS = ["was", "mse", "mae", "huber"]
+KINDS = [*VALUE_KINDS, "digits"]
+KIND_CASES = [(kind, False) for kind in KINDS] + [(kind, True) for kind in VALUE_KINDS]  # reweigh: value kinds only
 NTLOSS_FUNCTIONS = {"mse": F.mse_loss, "mae": F.l1_loss, "huber": F.huber_loss}
 
 
@@ -32,6 +35,10 @@ def reference_loss(logits, labels, nv, kind, reweigh, ignore_index=-100):
         v, y, s = nv.values[members].double(), float(nv.values[t]), float(nv.scales[t])
         if kind == "was":
             loss, worst = (q * (v - y).abs()).sum() / s, (v.max() - v.min()) / s
+        elif kind == "digits":
+            k = nv.class_info[nv.classes[t]].digits
+            distance = (nv.digits[members, :k].double() - nv.digits[t, :k].double()).abs().sum(1) / k
+            loss = (q * distance).sum()
         else:
             f = {"mse": lambda e: e**2, "mae": abs, "huber": lambda e: F.huber_loss(e, torch.zeros_like(e))}[kind]
             loss, worst = f(((q * v).sum() - y) / s), f((v.max() - v.min()) / s)
@@ -62,14 +69,13 @@ def grads_of(fn, logits, *outputs_weights):
 
 
 @pytest.mark.parametrize("tokenizer", ["mistral", "qwen2"])
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("reweigh", [False, True])
+@pytest.mark.parametrize("kind,reweigh", KIND_CASES)
 def test_matches_ntloss_on_single_digit_tokenizers(tokenizer, kind, reweigh):
     tok = real_tokenizer(tokenizer)
     nv = NumberVocab.from_tokenizer(tok)
     logits, labels = random_batch(nv, (2, 24), seed=hash((tokenizer, kind)) % 1000)
     # ntloss adds digit tokens to the tokenizer it is given; hand it a copy so ours stays untouched.
-    if kind == "was":
+    if kind in ("was", "digits"):  # on single digits the digit-wise distance is |v_j - y|
         reference = NTLoss(copy.deepcopy(tok), digit_level=True, reweigh=reweigh)
     else:
         reference = NTLossDotProduct(
@@ -82,8 +88,7 @@ def test_matches_ntloss_on_single_digit_tokenizers(tokenizer, kind, reweigh):
     torch.testing.assert_close(out.loss, out.ce + 0.3 * out.ntl)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("reweigh", [False, True])
+@pytest.mark.parametrize("kind,reweigh", KIND_CASES)
 def test_multi_digit_values_and_gradients_match_float64_reference(kind, reweigh):
     nv = NumberVocab.from_tokenizer(real_tokenizer("gpt2"))  # 16 classes: 1..16 digits, with and without Ġ
     logits, labels = random_batch(nv, (3, 8), dtype=torch.float64, seed=7)
@@ -116,8 +121,7 @@ def small_vocab():
     return NumberVocab.from_surfaces(surfaces)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, None])
-@pytest.mark.parametrize("reweigh", [False, True])
+@pytest.mark.parametrize("kind,reweigh", [*KIND_CASES, (None, False), (None, True)])
 def test_gradcheck_float64(kind, reweigh):
     nv = small_vocab()
     logits = torch.randn(7, nv.vocab_size, dtype=torch.float64, requires_grad=True)
@@ -247,3 +251,58 @@ def test_number_ce_is_the_cross_entropy_at_number_labels():
     per_position = ce_ntl_loss(logits, labels, nv, reduction="none").number_ce
     torch.testing.assert_close(per_position[numbers].sum(), reference)
     assert (per_position[~numbers] == 0).all()
+
+
+def test_digits_sees_a_near_miss_in_the_last_digit_where_was_barely_does():
+    """The issue's arithmetic: label `157`, all mass on `156`: digit-wise 1/3, class-scaled WAS 1/100."""
+    nv = NumberVocab.from_surfaces(["a", "157", "156", "999", "14", "15", "7", "6"])
+    logits = torch.full((2, nv.vocab_size), -1e4)
+    logits[0, 2] = logits[1, 4] = 0.0  # 156 for 157, 14 for 15
+    labels = torch.tensor([1, 5])
+    digits = ce_ntl_loss(logits, labels, nv, kind="digits", reduction="none").ntl
+    was = ce_ntl_loss(logits, labels, nv, kind="was", reduction="none").ntl
+    torch.testing.assert_close(digits, torch.tensor([1 / 3, 1 / 2]))
+    torch.testing.assert_close(was, torch.tensor([1 / 100, 1 / 10]))
+
+
+@pytest.mark.parametrize("tokenizer", ["mistral", "qwen2"])
+def test_digits_is_was_on_single_digit_tokens_to_the_bit(tokenizer):
+    nv = NumberVocab.from_tokenizer(real_tokenizer(tokenizer))
+    logits, labels = random_batch(nv, (3, 16), seed=21)
+    run = lambda kind: lambda z: (lambda o: (o.ce, o.ntl))(ce_ntl_loss(z, labels, nv, kind=kind, reduction="none"))
+    (ce, ntl), grad = grads_of(run("digits"), logits, 1.0, 0.3)
+    (was_ce, was_ntl), was_grad = grads_of(run("was"), logits, 1.0, 0.3)
+    assert torch.equal(ce, was_ce) and torch.equal(ntl, was_ntl) and torch.equal(grad, was_grad)
+    assert (ntl != 0).sum() >= 10, "the batch must exercise NTL"
+
+
+def wordpiece_vocab():
+    """A BERT-style vocabulary: plain and `##`-continued number tokens of 1-3 digits beside words."""
+    pieces = [str(i) for i in range(10)] + [f"{i:02d}" for i in range(0, 100, 7)] + ["123", "129", "903", "007"]
+    return NumberVocab.from_surfaces(["[UNK]", "the", *pieces, *(f"##{p}" for p in pieces), "##s"])
+
+
+@pytest.mark.parametrize("vocab", ["llama3", "cl100k", "gpt2", "wordpiece"])
+def test_digits_values_and_gradients_equal_the_dense_float64_reference(vocab):
+    """1-3 digit chunks (Llama-3, cl100k), GPT-2's merges with and without `Ġ`, WordPiece `##`: against the vectorised
+    float64 reference (float64_reference.py), a second derivation beside `reference_loss`'s per-position one."""
+    nv = wordpiece_vocab() if vocab == "wordpiece" else NumberVocab.from_tokenizer(real_tokenizer(vocab))
+    logits, labels = random_batch(nv, (2, 12), number_fraction=0.7, seed=13, dtype=torch.float64)
+    ours = lambda z: (lambda o: (o.ce, o.ntl))(ce_ntl_loss(z, labels, nv, kind="digits", reduction="none"))
+    theirs = lambda z: tuple(t.view(labels.shape) for t in reference_rows(z.view(-1, nv.vocab_size), labels, nv,
+                                                                            "digits", False))  # fmt: skip
+    (ce, ntl), grad = grads_of(ours, logits, 1.0, 0.7)
+    (ref_ce, ref_ntl), ref_grad = grads_of(theirs, logits, 1.0, 0.7)
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ntl, ref_ntl, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+    multi_digit = nv.class_digits[nv.classes[labels.clamp_min(0)].clamp_min(0)] > 1
+    assert ((ntl != 0) & multi_digit).sum() >= 4, "the batch must exercise multi-digit labels"
+    # fp32 logits: the math in fp32, within rounding of the float64 values
+    out32 = ce_ntl_loss(logits.float(), labels, nv, kind="digits", reduction="none")
+    torch.testing.assert_close(out32.ntl, ref_ntl.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_digits_refuses_reweigh():
+    with pytest.raises(ValueError, match="reweigh is not defined for kind='digits'"):
+        ce_ntl_loss(torch.randn(2, 15), torch.zeros(2, dtype=torch.long), small_vocab(), kind="digits", reweigh=True)

@@ -83,8 +83,12 @@ def test_number_tokens_match_independent_enumeration(name):
         assert (number_class.marker, number_class.digits) == (marker, len(digits))
         assert nv.values[token_id] == int(digits)
         assert nv.scales[token_id] == 10.0 ** (len(digits) - 1)
+        text = digits.decode("ascii") if isinstance(digits, bytes) else digits
+        assert nv.digits[token_id].tolist() == [int(d) for d in text] + [0] * (nv.digits.shape[1] - len(text))
     non_numbers = nv.classes < 0
     assert torch.isnan(nv.values[non_numbers]).all() and torch.isnan(nv.scales[non_numbers]).all()
+    assert (nv.digits[non_numbers] == 0).all()
+    assert nv.digits.shape[1] == max(len(digits) for _, digits in expected.values())
 
 
 def test_llama3_classes_are_one_two_and_three_digit_chunks():
@@ -148,6 +152,8 @@ def test_markers_leading_zeros_and_non_numbers():
     }
     assert nv.classes[vocab.index("▁7")] == nv.classes[vocab.index(" 8")]
     assert math.isclose(float(nv.scales[vocab.index("007")]), 100.0)
+    assert nv.digits[vocab.index("007")].tolist() == [0, 0, 7]  # leading zeros kept: the digit-wise NTL reads them
+    assert nv.digits[vocab.index("##34")].tolist() == [3, 4, 0]
 
 
 def test_ntl_on_a_vocabulary_without_numbers_is_a_clear_error():

@@ -81,7 +81,7 @@ ROWS = [
     ("override-list-index-name", CHILD, ["data.sources.arithmetic.weight=2"], [], ["not an item", "key.N.field"]),
     ("override-dup-in-mapping", CHILD, ["model.config={hidden_size: 1, hidden_size: 2}"], [], ["duplicate key"]),
     # types and choices
-    ("kind-wass", CHILD, ["loss.ntl.kind=wass"], [], ["loss.ntl.kind", "'huber', 'number' (or null)", "mean 'was'"]),
+    ("kind-wass", CHILD, ["loss.ntl.kind=wass"], [], ["loss.ntl.kind", "'digits', 'number' (or null)", "mean 'was'"]),
     ("schedule-kind", CHILD + "schedule: {kind: linear}\n", [], [], ["r.yaml", "schedule.kind", "'wsd'"]),
     ("precision-fp16", CHILD, ["train.precision=fp16"], [], ["train.precision", "'bf16', 'fp32'"]),
     ("none-string", CHILD, ["train.eval_every_steps=None"], [], ["train.eval_every_steps", "write null"]),
@@ -139,6 +139,13 @@ ROWS = [
         ["loss.ntl.kind=null", "loss.ntl.reweigh=true"],
         [],
         ["loss.ntl.reweigh", "kind null"],
+    ),
+    (
+        "kind-digits-reweigh",
+        CHILD,
+        ["loss.ntl.kind=digits", "loss.ntl.reweigh=true"],
+        [],
+        ["loss.ntl.reweigh", "kind digits"],
     ),
     (
         "validation-cadence-without-data",

@@ -16,7 +16,7 @@ from distributed import counting_collectives, run_distributed
 from float64_reference import assert_close_relative, count_ntl_terms, reduce_rows, reference_rows
 
 from ntl_pretrain.loss import KINDS, ce_ntl_loss
-from ntl_pretrain.loss.ce_ntl import TOKEN_KINDS
+from ntl_pretrain.loss.ce_ntl import VALUE_KINDS
 from ntl_pretrain.numbers import NumberVocab
 
 NTL_WEIGHT = 0.3
@@ -66,9 +66,20 @@ def upstream_gradients(shape, reduction: str, seed: int) -> tuple[torch.Tensor, 
     return torch.tensor(0.7, dtype=torch.float64), torch.tensor(-1.3, dtype=torch.float64)
 
 
-def check_case(nv, kind, reweigh, reduction, dtype, composition, seed) -> None:
+# Llama-3-like chunks for the digit-wise kind: its distance sums over a 2- or 3-digit class that two shards share.
+CHUNK_SURFACES = (
+    ["<pad>", "a"]
+    + [str(d) for d in range(10)]
+    + [f"{i:02d}" for i in range(0, 100, 3)]
+    + ["007", "123", "150", "156", "157", "900", "999"]
+    + [f"w{i}" for i in range(5)]
+)
+CHUNK_BOUNDARIES = {2: [0, 30, 58], 3: [0, 20, 49, 58], 4: [0, 11, 30, 50, 58]}
+
+
+def check_case(nv, kind, reweigh, reduction, dtype, composition, seed, boundaries=BOUNDARIES) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    lo, hi = BOUNDARIES[world_size][rank], BOUNDARIES[world_size][rank + 1]
+    lo, hi = boundaries[world_size][rank], boundaries[world_size][rank + 1]
     full_logits, labels = make_batch(nv, composition, seed)
     g_ce, g_ntl = upstream_gradients(labels.shape, reduction, seed)
     what = f"world={world_size} rank={rank} {kind=} {reweigh=} {reduction=} {dtype=} {composition=}"
@@ -105,12 +116,27 @@ def check_case(nv, kind, reweigh, reduction, dtype, composition, seed) -> None:
 
 def check_all_cases() -> None:
     nv = synthetic_vocab()
-    cases = [(kind, False) for kind in KINDS] + [(kind, True) for kind in TOKEN_KINDS] + [(None, False)]
+    cases = [(kind, False) for kind in KINDS] + [(kind, True) for kind in VALUE_KINDS] + [(None, False)]
     dtypes, reductions = (torch.float64, torch.float32), ("mean", "sum", "none")
     for seed, ((kind, reweigh), reduction, dtype, composition) in enumerate(
         itertools.product(cases, reductions, dtypes, BATCHES)
     ):
         check_case(nv, kind, reweigh, reduction, dtype, composition, seed)
+    chunks = NumberVocab.from_surfaces(CHUNK_SURFACES)
+    for seed, (reduction, dtype, composition) in enumerate(
+        itertools.product(reductions, dtypes, ("mixed", "all_numbers"))
+    ):
+        check_case(chunks, "digits", False, reduction, dtype, composition, 1000 + seed, CHUNK_BOUNDARIES)
+
+
+def test_chunk_vocab_splits_a_multi_digit_class_between_shards():
+    nv = NumberVocab.from_surfaces(CHUNK_SURFACES)
+    assert nv.vocab_size == 58
+    for bounds in CHUNK_BOUNDARIES.values():
+        shard_of = torch.bucketize(torch.arange(nv.vocab_size), torch.tensor(bounds[1:-1]), right=True)
+        shards_of_class = [shard_of[nv.classes == c].unique().numel() for c in range(len(nv.class_info))]
+        split = [c for c, info in enumerate(nv.class_info) if info.digits > 1 and shards_of_class[c] > 1]
+        assert split, f"{bounds}: a 2- or 3-digit class must straddle a shard boundary"
 
 
 def test_synthetic_vocab_has_the_shapes_the_cases_need():
@@ -168,6 +194,7 @@ def check_head_cases() -> None:
     lo, hi = vocab_bounds(nv.vocab_size, world_size)[rank : rank + 2]
     for kind, reweigh, chunk_size in [
         ("was", False, 3),
+        ("digits", False, 3),  # the same two all-reduces per chunk as was: its distance sums ride in the SUM
         ("mse", True, None),
         (None, False, 4),
         ("number", False, 3),

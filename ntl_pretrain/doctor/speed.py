@@ -83,6 +83,7 @@ def loss_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[
     return {
         "F.cross_entropy": backward_of(lambda: F.cross_entropy(logits, labels), logits),
         "ce_ntl_loss was": backward_of(lambda: ce_ntl_loss(logits, labels, nv, kind="was").loss, logits),
+        "ce_ntl_loss digits": backward_of(lambda: ce_ntl_loss(logits, labels, nv, kind="digits").loss, logits),
         "ce_ntl_loss number": backward_of(lambda: ce_ntl_loss(logits, labels, nv, kind="number").loss, logits),
     }
 

@@ -150,7 +150,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="restart positions at each packed document (and keep attention inside it); "
                              "default: the run's data.per_document_attention, else off")  # fmt: skip
     parser.add_argument("--max-validation-batches", type=int, default=None)
-    parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber", "number"], default="was")
+    parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber", "digits", "number"], default="was")
     parser.add_argument("--out", type=Path, default=None, help="also write the record to this JSON file")
     parser.add_argument("--log-metrics", action="store_true", help="append the record to the run's metrics.jsonl")
     parser.add_argument("--answers", type=Path, default=None, metavar="JSONL",

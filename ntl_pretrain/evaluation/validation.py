@@ -5,12 +5,12 @@ source on its own, with the run's `seq_len` and `per_document_attention`), and t
 it: restarting position ids, no attention mask and no KV cache, the mode in which transformers keeps sdpa and
 eager attention inside each packed document (docs/data.md). So `val_ce`, `val_ntl` (of the run's NTL kind) and
 `val_number_ce` equal the trainer's over the whole split. NTL is measured with a fixed kind (WAS by default)
-whatever the model was trained with, so a CE-only model gets an NTL too, and so is the number-level NTL
-(`val_ntl_number`, integers: `float_level` off), which every model gets beside the chosen kind. A Q/A source (one
-with an answer field, docs/data.md) also gets CE and NTL at its answer labels alone (`val_answer_ce`,
-`val_answer_ntl_<kind>`): the answer's tokens and its EOS, teacher-forced after the question, where the operands'
-random digits do not dilute them. With a process group every rank reads its blocks (the loader gives every rank
-equally many batches) and the sums are all-reduced.
+whatever the model was trained with, so a CE-only model gets an NTL too, and so are the digit-wise NTL
+(`val_ntl_digits`) and the number-level NTL (`val_ntl_number`, integers: `float_level` off), which every model gets
+beside the chosen kind. A Q/A source (one with an answer field, docs/data.md) also gets CE and NTL at its answer
+labels alone (`val_answer_ce`, `val_answer_ntl_<kind>`, `val_answer_ntl_digits`): the answer's tokens and its EOS,
+teacher-forced after the question, where the operands' random digits do not dilute them. With a process group
+every rank reads its blocks (the loader gives every rank equally many batches) and the sums are all-reduced.
 
 Shapes: B micro-batch, T sequence, V model vocabulary.
 """
@@ -28,6 +28,12 @@ from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
 
+MEASURED_BESIDE = ("digits", "number")
+"""NTL kinds every model is measured with beside the chosen one, whatever it trained with: the digit-wise distance
+(the near misses the class-scaled kinds barely see on multi-digit tokens) and the whole-number error."""
+ANSWER_KINDS_BESIDE = ("digits",)
+"""Of those, the ones also measured at the answer labels alone."""
+
 
 def validation_metrics(
     model: PreTrainedModel,
@@ -40,12 +46,11 @@ def validation_metrics(
     ntl_kind: str = "was",
     per_document_attention: bool = False,
 ) -> dict[str, float]:
-    """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_ntl_number`, `val_tokens`, `val_number_tokens`, `val_numbers`
-    and `val_number_ce` (CE where the label is a number token: where NTL acts, and where it may trade CE for closer
-    numbers; per number token), with Q/A sources `val_answer_ce`, `val_answer_ntl_<kind>` and `val_answer_tokens`,
-    over all
-    sources and ranks, and with several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart
-    from arithmetic).
+    """`val_ce`, `val_perplexity`, `val_ntl_<kind>`, `val_ntl_digits`, `val_ntl_number`, `val_tokens`,
+    `val_number_tokens`, `val_numbers` and `val_number_ce` (CE where the label is a number token: where NTL acts, and
+    where it may trade CE for closer numbers; per number token), with Q/A sources `val_answer_ce`,
+    `val_answer_ntl_<kind>`, `val_answer_ntl_digits` and `val_answer_tokens`, over all sources and ranks, and with
+    several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart from arithmetic).
     Each source is packed on its own, as in the trainer; `max_batches` caps each source's micro-batches per rank;
     `per_document_attention`: the run's `data.per_document_attention`. Call on every rank.
     """
@@ -63,7 +68,8 @@ def validation_metrics(
     finally:
         model.train(was_training)
     answers = {source.label: source.answer is not None for source in sources}
-    metrics = _summary(sum(per_source.values()), "val_", ntl_kind, any(answers.values()))
+    overall = {name: sum(sums[name] for sums in per_source.values()) for name in _total_names(ntl_kind)}
+    metrics = _summary(overall, "val_", ntl_kind, any(answers.values()))
     if len(per_source) > 1:
         for label, sums in per_source.items():
             metrics.update(_summary(sums, f"val/{label}/", ntl_kind, answers[label]))
@@ -78,10 +84,8 @@ def _source_sums(
     micro_batch_size: int,
     max_batches: int | None,
     ntl_kind: str,
-) -> torch.Tensor:
-    """float64 [11]: summed CE, summed NTL, label tokens, number-label tokens, summed CE at number labels, summed
-    number-level NTL, numbers, then summed CE, label tokens, summed NTL and NTL terms at the answer labels (0 for a
-    source without answers) of `data`'s one validation source over all ranks."""
+) -> dict[str, float]:
+    """The sums `_batch_totals` names, over `data`'s one validation source and all ranks."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     loader = build_dataloader(
         data,
@@ -92,36 +96,55 @@ def _source_sums(
         seed=0,
         split="validation",
     )
-    sums = torch.zeros(11, dtype=torch.float64)
-    is_number_V = (number_vocab.classes >= 0).to(model.device)
+    names = _total_names(ntl_kind)
+    sums = torch.zeros(len(names), dtype=torch.float64)
     with torch.no_grad():
         for index, batch in enumerate(loader):
             if max_batches is not None and index == max_batches:
                 break
             logits_BTV = packed_forward(model, batch["input_ids"], batch["position_ids"])
-            labels_BT = batch["labels"].to(model.device)
-            out = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="none")
-            at_number_BT = (labels_BT != -100) & is_number_V[labels_BT.clamp_min(0)]
-            number_ce = torch.where(at_number_BT, out.ce, 0.0).sum()
-            whole = out  # the number-level NTL, whatever the chosen kind
-            if ntl_kind != "number":
-                whole = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind="number", reduction="sum")
-            totals = [out.ce.sum(), out.ntl.sum(), out.num_tokens, at_number_BT.sum(), number_ce,
-                      whole.ntl.sum(), whole.num_number_tokens]  # fmt: skip
-            totals += _answer_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind)
-            sums += torch.stack(totals).double().cpu()
+            totals = _batch_totals(logits_BTV, batch["labels"].to(model.device), batch, number_vocab, ntl_kind)
+            sums += torch.stack([totals[name] for name in names]).double().cpu()
     if world > 1:
         dist.all_reduce(sums)
-    return sums
+    return dict(zip(names, sums.tolist(), strict=True))
 
 
-def _answer_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind) -> list[torch.Tensor]:
-    """[summed CE, label tokens, summed NTL, NTL terms] at the batch's answer labels (zeros when it has none)."""
-    if "answer_mask" not in batch:
-        return [torch.zeros((), dtype=torch.float64, device=labels_BT.device)] * 4
-    answer_labels_BT = torch.where(batch["answer_mask"].to(labels_BT.device), labels_BT, -100)
-    out = ce_ntl_loss(logits_BTV, answer_labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="sum")
-    return [out.ce, out.num_tokens, out.ntl, out.num_number_tokens]
+def measured_kinds(ntl_kind: str) -> tuple[str, ...]:
+    """The chosen kind, then those of MEASURED_BESIDE that it is not."""
+    return (ntl_kind, *(kind for kind in MEASURED_BESIDE if kind != ntl_kind))
+
+
+def _answer_kinds(ntl_kind: str) -> tuple[str, ...]:
+    return tuple(kind for kind in measured_kinds(ntl_kind) if kind == ntl_kind or kind in ANSWER_KINDS_BESIDE)
+
+
+def _total_names(ntl_kind: str) -> list[str]:
+    """What `_batch_totals` sums, in a fixed order (every rank all-reduces the same vector)."""
+    names = ["ce", "tokens", "number_tokens", "number_ce", "answer_ce", "answer_tokens"]
+    names += [f"{name}_{kind}" for kind in measured_kinds(ntl_kind) for name in ("ntl", "terms")]
+    return names + [f"{name}_{kind}" for kind in _answer_kinds(ntl_kind) for name in ("answer_ntl", "answer_terms")]
+
+
+def _batch_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind) -> dict[str, torch.Tensor]:
+    """One micro-batch's sums: CE and label tokens; number-label tokens and the CE at them; per measured kind its
+    summed NTL and NTL terms (number-label tokens, or numbers); the same at the answer labels (zeros without)."""
+    out = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="none")
+    is_number_V = (number_vocab.classes >= 0).to(labels_BT.device)
+    at_number_BT = (labels_BT != -100) & is_number_V[labels_BT.clamp_min(0)]
+    totals = {"ce": out.ce.sum(), "tokens": out.num_tokens, "number_tokens": at_number_BT.sum(),
+              "number_ce": torch.where(at_number_BT, out.ce, 0.0).sum()}  # fmt: skip
+    for kind in measured_kinds(ntl_kind):
+        measured = out if kind == ntl_kind else ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=kind,
+                                                              reduction="sum")  # fmt: skip
+        totals |= {f"ntl_{kind}": measured.ntl.sum(), f"terms_{kind}": measured.num_number_tokens}
+    answer_mask_BT = batch.get("answer_mask", torch.zeros_like(labels_BT, dtype=torch.bool)).to(labels_BT.device)
+    answer_labels_BT = torch.where(answer_mask_BT, labels_BT, -100)
+    for kind in _answer_kinds(ntl_kind):
+        answer = ce_ntl_loss(logits_BTV, answer_labels_BT, number_vocab, kind=kind, weight=1.0, reduction="sum")
+        totals |= {"answer_ce": answer.ce, "answer_tokens": answer.num_tokens,
+                   f"answer_ntl_{kind}": answer.ntl, f"answer_terms_{kind}": answer.num_number_tokens}  # fmt: skip
+    return totals
 
 
 def packed_forward(model: PreTrainedModel, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -132,23 +155,22 @@ def packed_forward(model: PreTrainedModel, input_ids_BT: torch.Tensor, position_
     return model(input_ids=input_ids_BT.to(device), position_ids=position_ids_BT.to(device), use_cache=False).logits
 
 
-def _summary(sums: torch.Tensor, prefix: str, ntl_kind: str, answers: bool) -> dict[str, float]:
-    ce, ntl, tokens, number_tokens, number_ce, ntl_number, numbers, *answer_sums = sums.tolist()
-    mean_ce = ce / max(tokens, 1.0)
-    answer_ce, answer_tokens, answer_ntl, answer_ntl_terms = answer_sums
+def _summary(sums: dict[str, float], prefix: str, ntl_kind: str, answers: bool) -> dict[str, float]:
+    mean_ce = sums["ce"] / max(sums["tokens"], 1.0)
     answer_metrics = {
-        f"{prefix}answer_ce": answer_ce / max(answer_tokens, 1.0),
-        f"{prefix}answer_ntl_{ntl_kind}": answer_ntl / max(answer_ntl_terms, 1.0),
-        f"{prefix}answer_tokens": answer_tokens,
-    }
+        f"{prefix}answer_ce": sums["answer_ce"] / max(sums["answer_tokens"], 1.0),
+        **{f"{prefix}answer_ntl_{kind}": sums[f"answer_ntl_{kind}"] / max(sums[f"answer_terms_{kind}"], 1.0)
+           for kind in _answer_kinds(ntl_kind)},
+        f"{prefix}answer_tokens": sums["answer_tokens"],
+    }  # fmt: skip
     return {
         **(answer_metrics if answers else {}),
         f"{prefix}ce": mean_ce,
         f"{prefix}perplexity": math.exp(mean_ce),
-        f"{prefix}ntl_{ntl_kind}": ntl / max(numbers if ntl_kind == "number" else number_tokens, 1.0),
-        f"{prefix}ntl_number": ntl_number / max(numbers, 1.0),
-        f"{prefix}tokens": tokens,
-        f"{prefix}number_tokens": number_tokens,
-        f"{prefix}numbers": numbers,
-        f"{prefix}number_ce": number_ce / max(number_tokens, 1.0),
-    }
+        **{f"{prefix}ntl_{kind}": sums[f"ntl_{kind}"] / max(sums[f"terms_{kind}"], 1.0) for kind in
+           measured_kinds(ntl_kind)},
+        f"{prefix}tokens": sums["tokens"],
+        f"{prefix}number_tokens": sums["number_tokens"],
+        f"{prefix}numbers": sums["terms_number"],
+        f"{prefix}number_ce": sums["number_ce"] / max(sums["number_tokens"], 1.0),
+    }  # fmt: skip

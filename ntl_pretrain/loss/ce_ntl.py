@@ -10,9 +10,14 @@ from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype, make_targets
 from ntl_pretrain.loss.number_level import find_number_spans
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
-TOKEN_KINDS = ("was", "mse", "mae", "huber")
+VALUE_KINDS = ("was", "mse", "mae", "huber")
+"""Kinds that judge a number token by its value (scaled by its class): the ones `reweigh` applies to."""
+TOKEN_KINDS = (*VALUE_KINDS, "digits")
 KINDS = (*TOKEN_KINDS, "number")
-"""Token-level kinds judge each number token; "number" judges whole numbers across their tokens (number_level.py)."""
+"""Token-level kinds judge each number token ("digits" digit by digit, the others by its value); "number" judges
+whole numbers across their tokens (number_level.py)."""
+UNWEIGHABLE_KINDS = {"number": "it weighs single tokens", "digits": "its distance has no class value range"}
+"""Kinds that refuse `reweigh`, and why."""
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -49,8 +54,10 @@ def ce_ntl_loss(
     float_level: bool = False,
     ntl_labels: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber|number, or None for CE
-    only). "number" is one loss per whole number across its tokens, along the last dimension of `labels`;
+    """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber|digits|number, or None
+    for CE only). "digits" is WAS over the digits of a multi-digit token: sum_j q_j (1/k) sum_i |d_j[i] - d_t[i]|,
+    so a near miss in any digit costs as much as on a single-digit token (docs/loss.md); on single digits it is
+    "was". "number" is one loss per whole number across its tokens, along the last dimension of `labels`;
     `float_level` lets one decimal point join two runs of number labels into one number (number_level.py).
     `ntl_labels` (shaped like `labels`): where NTL applies, when that differs from where CE does (loss on answers
     only, packing.py); each position's label is then ignored in one of them or the same token in both.
@@ -89,7 +96,8 @@ def ce_ntl_loss(
 def no_number_shard(device: torch.device) -> NumberShard:
     """The shard a CE-only loss (kind=None) runs with: no number columns, so the class work is empty."""
     empty = torch.zeros(0, device=device)
-    return NumberShard(vocab=None, local_ids=empty.long(), values=empty, classes=empty.long(), class_spread=empty)
+    return NumberShard(vocab=None, local_ids=empty.long(), values=empty, classes=empty.long(), class_spread=empty,
+                       digits=empty.view(0, 0))  # fmt: skip
 
 
 def check_loss_arguments(
@@ -105,8 +113,8 @@ def check_loss_arguments(
         )
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
-    if kind == "number" and reweigh:
-        raise ValueError('reweigh is not defined for kind="number" (it weighs single tokens by their class mass)')
+    if kind in UNWEIGHABLE_KINDS and reweigh:
+        raise ValueError(f"reweigh is not defined for kind={kind!r} ({UNWEIGHABLE_KINDS[kind]})")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not torch.is_floating_point(logits):

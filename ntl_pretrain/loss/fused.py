@@ -7,6 +7,8 @@ Per position with logits z and label t (docs/loss.md, "The objective"):
   CE   = logsumexp(z) - z_t
   q_j  = softmax of z over C(t), the number tokens of t's class;  y = value(t);  s = scale(t)
   WAS  = sum_j q_j |v_j - y| / s;   MSE/MAE/Huber = f((sum_j q_j v_j - y) / s)
+  digits = sum_j q_j D(j, t), D(j, t) = (1/k) sum_i |d_j[i] - d_t[i]| over the k digits of t's class: WAS with another
+  distance (so the same partial sums, collectives and backward), the class's digit count k in the place of s.
   reweigh: L * m + c * (1 - m), m = full-softmax mass on C(t), c = 1.01 * the largest L of the class.
   number (number_level.py): sum_j q_j v_j per position, assembled into one relative-error loss per whole number,
   held at the number's first position; a segment sum over positions, so no collective of its own.
@@ -34,6 +36,9 @@ from ntl_pretrain.numbers import NumberShard
 CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 # Reweighing charges mass outside the class slightly more than the worst in-class prediction (as ntloss does).
 REWEIGH_MARGIN = 1.01
+# Kinds whose loss is an expected distance to the label, sum_j q_j dist(j, t) / s: they share the class partial sums
+# and the closed-form backward q_j (dist(j, t) / s - L).
+DISTANCE_KINDS = ("was", "digits")
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,9 @@ class Targets:
     owned: torch.Tensor  # bool: this shard holds the label's column
     number_class: torch.Tensor  # int64: label's class, -1 when not a number
     value: torch.Tensor  # compute dtype: label's value y (0 when not a number)
-    scale: torch.Tensor  # compute dtype: label's scale s (1 when not a number)
+    scale: torch.Tensor  # compute dtype: label's scale s (kind digits: its digit count k; 1 when not a number)
     cap: torch.Tensor  # compute dtype: reweigh constant c of the label's class (0 when not a number)
+    digits: torch.Tensor  # compute dtype [N, D]: label's digits for kind digits ([N, 0] for the other kinds)
 
     def select(self, rows: slice) -> Targets:
         return Targets(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
@@ -92,6 +98,7 @@ def make_targets(
     column = label - vocab_start
     owned = valid & (column >= 0) & (column < num_columns)
     zeros = torch.zeros(labels_N.shape, dtype=dtype, device=labels_N.device)
+    digits = zeros.new_zeros((labels_N.numel(), 0))
     if kind is None:
         number_class, value, scale, cap = torch.full_like(label, -1), zeros, zeros + 1, zeros
     else:
@@ -107,6 +114,9 @@ def make_targets(
         scale = torch.where(is_number, vocab.scales[label].to(dtype), zeros + 1)
         spread = shard.class_spread.to(dtype)[number_class.clamp_min(0)]
         cap = torch.where(is_number, REWEIGH_MARGIN * _loss_of_error(spread, kind), zeros)
+        if kind == "digits":  # reweigh is refused with digits, so its cap is never read
+            scale = torch.where(is_number, vocab.class_digits[number_class.clamp_min(0)].to(dtype), zeros + 1)
+            digits = torch.where(is_number[:, None], vocab.digits[label].to(dtype), 0.0)
     return Targets(
         valid=valid,
         is_number=number_class >= 0,
@@ -116,6 +126,7 @@ def make_targets(
         value=value,
         scale=scale,
         cap=cap,
+        digits=digits,
     )
 
 
@@ -126,6 +137,15 @@ def _loss_of_error(error: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "huber":
         return torch.where(error.abs() < 1, 0.5 * error.square(), error.abs() - 0.5)
     return error.abs()
+
+
+def _label_distances(t: Targets, shard: NumberShard, kind: str) -> torch.Tensor:
+    """[N, K] distance of every number column from each row's label, before the scale: |v_j - y| (WAS), or the
+    summed digit differences sum_i |d_j[i] - d_t[i]| (digits; cdist's L1 in one kernel, exact on small integers).
+    Columns outside the label's class get a finite distance that the class softmax weighs by 0."""
+    if kind == "digits":
+        return torch.cdist(t.digits[None], shard.digits.to(t.digits.dtype)[None], p=1.0)[0]
+    return (shard.values[None, :] - t.value[:, None]).abs_()
 
 
 def _error_slope(error: torch.Tensor, kind: str) -> torch.Tensor:
@@ -169,8 +189,8 @@ def _class_partials(z_NK: torch.Tensor, t: Targets, shard: NumberShard, kind: st
     inverse_sum = torch.where(class_sum > 0, class_sum, 1.0).reciprocal()
     # Row sums by ATen reductions, not BLAS (vecdot, matmul): their results must not depend on the process
     # (a resumed run reproduces the uninterrupted one to the bit).
-    if kind == "was":
-        distance_NK = (shard.values[None, :] - t.value[:, None]).abs_()
+    if kind in DISTANCE_KINDS:
+        distance_NK = _label_distances(t, shard, kind)
         return class_lse, distance_NK.mul_(e_NK).sum(1) * inverse_sum / t.scale, zeros
     return class_lse, zeros, e_NK.mul_(shard.values[None, :]).sum(1) * inverse_sum
 
@@ -233,7 +253,7 @@ def rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, span
     )
     ce = torch.where(t.valid, lse - z_target, 0.0)
     number_slope = torch.zeros_like(lse)
-    if kind == "was":
+    if kind in DISTANCE_KINDS:
         ntl_raw = expected_distance
     elif kind == "number":
         ntl_raw, number_slope = number_losses(expected, t.value, spans)
@@ -259,8 +279,8 @@ def number_columns_grad(
     if kind is None or shard.local_ids.numel() == 0:
         return None
     q_NK = _class_logits(stats.number_logits, t, shard).sub_(stats.class_lse[:, None]).exp_()  # 0 off the class
-    if kind == "was":  # dL/dz_j = q_j (|v_j - y| / s - L)
-        slope_NK = (shard.values[None, :] - t.value[:, None]).abs_().sub_((stats.ntl_raw * t.scale)[:, None])
+    if kind in DISTANCE_KINDS:  # dL/dz_j = q_j (dist(j, t) / s - L)
+        slope_NK = _label_distances(t, shard, kind).sub_((stats.ntl_raw * t.scale)[:, None])
         slope_weight_N = 1 / t.scale
     else:  # dL/dz_j = w · q_j (v_j - E[v]): w = f'(e) / s with e = (E[v] - y) / s, or the number's slope
         slope_NK = shard.values[None, :] - stats.expected[:, None]
