@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny-cpu.yaml")
 ALIAS_RECIPE = "a: &x [1, 2]\nb: *x\n"
 COMMANDS = (*cli.OWN_COMMANDS, *cli.DELEGATED_COMMANDS, "data import-prose", "data make-arithmetic",
-            "data train-tokenizer", "data preview")  # fmt: skip
+            "data make-regression", "data train-tokenizer", "data preview")  # fmt: skip
 
 # (id, argv ({tmp} = the workspace), exit code, fragments the error line must contain)
 ROWS = [
@@ -124,6 +124,16 @@ ROWS = [
     ),
     ("arithmetic-scale-zero", ["data", "make-arithmetic", "--scale", "0", "--out", "{tmp}/ar"], 2, ["--scale"]),
     ("arithmetic-out-file", ["data", "make-arithmetic", "--out", "{tmp}/file.txt"], 2, ["--out", "is a file"]),
+    (
+        "regression-noise-negative",
+        ["data", "make-regression", "--noise-sd", "-1", "--out", "{tmp}/re"],
+        2,
+        ["ntl-pretrain data make-regression:", "--noise-sd", ">= 0, got -1"],
+    ),
+    ("regression-noise-nan", ["data", "make-regression", "--noise-sd", "nan", "--out", "{tmp}/re"], 2, ["--noise-sd"]),
+    ("regression-scale-zero", ["data", "make-regression", "--scale", "0", "--out", "{tmp}/re"], 2, ["--scale"]),
+    ("regression-scale-too-many", ["data", "make-regression", "--scale", "40", "--out", "{tmp}/re"], 2, ["250000"]),
+    ("regression-out-file", ["data", "make-regression", "--out", "{tmp}/file.txt"], 2, ["--out", "is a file"]),
     (
         "tokenizer-no-corpus",
         ["data", "train-tokenizer", "--corpus", "{tmp}/empty", "--out", "{tmp}/tok"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 from fractions import Fraction
 from pathlib import Path
@@ -16,6 +17,7 @@ from ntl_pretrain.data import commands
 from ntl_pretrain.data.arithmetic import make_set
 from ntl_pretrain.data.commands import CORPUS, tokenizer_folder
 from ntl_pretrain.data.prose import split_book
+from ntl_pretrain.data.regression import make_splits, noisy
 from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.tokenizer import load_tokenizer
 
@@ -101,10 +103,51 @@ def test_multiplication_splits_all_900_questions_and_extrapolates_to_three_digit
 
 def test_committed_corpus_is_small_and_regenerates_byte_for_byte(tmp_path):
     total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
-    assert total < 3_000_000
+    assert total < 3_500_000
     run(["data", "make-arithmetic", "--out", str(tmp_path), "--seed", "0"])
-    for path in sorted(tmp_path.rglob("*.jsonl")):
-        assert path.read_bytes() == (CORPUS / path.relative_to(tmp_path)).read_bytes(), path
+    run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0"])
+    written = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*.jsonl"))
+    assert Path("regression/train.jsonl") in written
+    generated = (path.relative_to(CORPUS) for path in CORPUS.rglob("*.jsonl") if path.parent.name != "prose")
+    assert written == sorted(generated)  # every committed generated file, the regression task's included
+    for path in written:
+        assert (tmp_path / path).read_bytes() == (CORPUS / path).read_bytes(), path
+
+
+def regression_records(examples) -> list[tuple[int, int, int]]:
+    """(a, b, answer) of each `f(a,b)=` record."""
+    return [(*map(int, re.fullmatch(r"f\((\d+),(\d+)\)=", e["question"]).groups()), int(e["answer"])) for e in examples]
+
+
+def test_regression_is_deterministic_noisy_in_training_and_noise_free_held_out():
+    sizes = {"train": 7000, "validation": 500, "interpolation": 1000}
+    splits = make_splits(sizes, seed=0)
+    assert make_splits(sizes, seed=0) == splits
+    assert make_splits(sizes, seed=1) != splits
+    records = {split: regression_records(examples) for split, examples in splits.items()}
+    for split, rows in records.items():
+        assert len(rows) == sizes[split]
+        assert all(0 <= a <= 499 and 0 <= b <= 499 and 0 <= y <= 999 for a, b, y in rows), split
+    assert [y for _, _, y in records["interpolation"]] == [a + b for a, b, _ in records["interpolation"]]
+    for split in ("train", "validation"):  # answers carry N(0, 10²) noise, rounded: sd sqrt(100 + 1/12)
+        residuals = [y - (a + b) for a, b, y in records[split]]
+        n = len(residuals)
+        mean, sd = sum(residuals) / n, (sum(r * r for r in residuals) / n) ** 0.5
+        assert abs(mean) < 4 * 10 / n**0.5 and abs(sd - 10) < 4 * 10 / (2 * n) ** 0.5, (split, mean, sd)
+        assert sum(r == 0 for r in residuals) / n < 0.06  # exact answers are rare (1/(10 sqrt(2 pi)) = 4%)
+    assert min(y for _, _, y in records["train"]) < 50 and max(y for _, _, y in records["train"]) > 950
+    questions = [{e["question"] for e in examples} for examples in splits.values()]
+    assert sum(map(len, questions)) == len(set().union(*questions))  # no question in two splits
+    exact = make_splits({"train": 300, "validation": 10, "interpolation": 10}, seed=0, noise_sd=0)
+    assert all(y == a + b for split in exact.values() for a, b, y in regression_records(split))
+
+
+def test_regression_noise_is_clipped_to_the_answer_range():
+    rng = random.Random(0)
+    low = [noisy(0, rng, 10.0) for _ in range(2000)]
+    high = [noisy(998, rng, 10.0) for _ in range(2000)]
+    assert min(low) == 0 and 0.4 < low.count(0) / len(low) < 0.6  # half the draws fall below 0 (and 0.5 rounds to 0)
+    assert max(high) == 999 and 0.4 < high.count(999) / len(high) < 0.6
 
 
 def test_split_book_keeps_the_body_and_holds_out_the_last_chapter():

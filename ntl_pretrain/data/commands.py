@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from ntl_pretrain.errors import InputError, check_can_write
@@ -14,6 +15,9 @@ WORD_PROBLEM_SIZES = {"train": 5000, "validation": 500, "interpolation": 500, "e
 ADDITION_SIZES = {"train": 7000, "validation": 500, "interpolation": 1000, "extrapolation": 1000}
 # All 900 questions `a*b=` with a two-digit a and a one-digit b, split three ways; 500 with a three-digit a.
 MULTIPLICATION_SIZES = {"train": 600, "validation": 100, "interpolation": 200, "extrapolation": 500}
+# The noisy regression task `f(a,b)=` (a, b < 500): as many training records as the addition corpus; the answers of
+# train and validation carry noise, those of interpolation do not (ntl_pretrain/data/regression.py).
+REGRESSION_SIZES = {"train": 7000, "validation": 500, "interpolation": 1000}
 # The tiny tokenizer's training text. Fixed, so a set added later (addition) leaves the tokenizer as it is.
 TOKENIZER_SETS = ("arithmetic", "prose", "word_problems")
 MAX_SCALE = 1000  # 15M arithmetic records: beyond this a typo, not a corpus
@@ -23,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="corpus tools: generate, train the tiny tokenizer, preview")
     commands = data.add_subparsers(dest="data_command", required=True)
     _add_make_arithmetic(commands)
+    _add_make_regression(commands)
     _add_import_prose(commands)
     _add_train_tokenizer(commands)
     _add_preview(commands)
@@ -56,6 +61,37 @@ def run_make_arithmetic(args: argparse.Namespace) -> None:
         "multiplication": scaled(MULTIPLICATION_SIZES),
     }
     for path in make_arithmetic(args.out, sizes, args.seed):
+        print(path)
+
+
+def _add_make_regression(commands: argparse._SubParsersAction) -> None:
+    from ntl_pretrain.data.regression import NOISE_SD
+
+    parser = commands.add_parser(
+        "make-regression",
+        help="write the noisy regression task f(a,b)=a+b+noise as Q/A jsonl: train, validation, interpolation",
+    )
+    parser.add_argument("--out", type=Path, default=CORPUS, help="folder for regression/<split>.jsonl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--noise-sd", type=float, default=NOISE_SD, help="sd of the Gaussian noise on train and validation answers"
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every split size")
+    parser.set_defaults(func=run_make_regression)
+
+
+def run_make_regression(args: argparse.Namespace) -> None:
+    from ntl_pretrain.data.regression import OPERAND_MAX, make_regression
+
+    if not 0 < args.scale <= MAX_SCALE:
+        raise InputError(f"--scale: must be in (0, {MAX_SCALE}], got {args.scale}")
+    sizes = {split: max(1, round(size * args.scale)) for split, size in REGRESSION_SIZES.items()}
+    if sum(sizes.values()) > (OPERAND_MAX + 1) ** 2:
+        raise InputError(f"--scale: {sum(sizes.values())} questions, more than the {(OPERAND_MAX + 1) ** 2} there are")
+    if not (math.isfinite(args.noise_sd) and args.noise_sd >= 0):
+        raise InputError(f"--noise-sd: must be finite and >= 0, got {args.noise_sd}")
+    check_can_write("--out", args.out, folder=True)
+    for path in make_regression(args.out, sizes, args.seed, args.noise_sd):
         print(path)
 
 

@@ -1,0 +1,52 @@
+"""The regression pilot's recipes (recipes/study/regression/, issue 38): the arms differ only in the NTL term and where
+it acts, and the task differs from the 3-digit addition study only in its data and question sets."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ntl_pretrain.config import load_recipe
+from ntl_pretrain.evaluation.answers import read_qa_file
+from ntl_pretrain.tokenizer import resolve_path
+
+STUDY = Path(__file__).resolve().parent.parent / "recipes" / "study"
+ARMS = {"ce": (None, "all"), "ntl-was-answer": ("was", "answer"), "ntl-digits-answer": ("digits", "answer")}
+
+
+def without(recipe, *paths: str) -> dict:
+    fields = dataclasses.asdict(recipe)
+    for path in paths:
+        *parents, key = path.split(".")
+        holder = fields
+        for parent in parents:
+            holder = holder[parent]
+        del holder[key]
+    return fields
+
+
+def test_regression_arms_differ_only_in_the_ntl_term_and_its_labels() -> None:
+    recipes = {arm: load_recipe(STUDY / "regression" / f"{arm}.yaml") for arm in ARMS}
+    for arm, (kind, labels) in ARMS.items():
+        recipe = recipes[arm]
+        assert (recipe.loss.ntl.kind, recipe.loss.ntl.weight) == (kind, 0.3), arm
+        assert [(s.ce_labels, s.ntl_labels) for s in recipe.data.sources] == [("all", labels)], arm
+        assert recipe.train.output_dir == f"runs/study/regression/{arm}"
+    shared = [without(recipe, "loss", "train.output_dir") for recipe in recipes.values()]
+    for fields in shared:
+        fields["data"]["sources"][0].pop("ntl_labels")
+    assert shared[0] == shared[1] == shared[2]
+
+
+def test_regression_task_differs_from_the_three_digit_study_only_in_its_data() -> None:
+    regression, addition = load_recipe(STUDY / "regression" / "ce.yaml"), load_recipe(STUDY / "3digit" / "ce.yaml")
+    assert regression.tokenizer.path == addition.tokenizer.path == "pkg:ntl_pretrain/corpus/tiny-tokenizer-3digit"
+    differing = ("data.sources", "data.validation", "eval.qa_sets", "eval.max_new_tokens", "train.output_dir")
+    assert without(regression, *differing) == without(addition, *differing)
+    corpus = "pkg:ntl_pretrain/corpus/regression/"
+    assert [s.path for s in regression.data.sources] == [corpus + "train.jsonl"]
+    assert [s.path for s in regression.data.validation] == [corpus + "validation.jsonl"]
+    assert [s.path for s in regression.eval.qa_sets] == [corpus + "interpolation.jsonl"]
+    records = read_qa_file(resolve_path(regression.eval.qa_sets[0].path))
+    assert len(records) == 1000 and max(len(answer) for _, answer in records) == 3  # one token, then EOS
+    assert regression.eval.max_new_tokens >= 2
