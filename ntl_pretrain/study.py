@@ -142,7 +142,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"no report until every planned run is finished (exit code {EXIT_UNFINISHED})")  # fmt: skip
     parser.add_argument("--decide", nargs="?", const="v3", choices=list(RULES), metavar="RULE",
                         help="state the verdicts of a protocol's decision rule (study_decision.RULES: v3, the "
-                        "default, or v3-gpu) in the report, once every planned run is finished")  # fmt: skip
+                        "default, v3-gpu or v4) in the report, once every planned run is finished")  # fmt: skip
     parser.add_argument("--status", action="store_true", help="print how many planned runs are done, then exit")
     parser.set_defaults(func=run_study)
 

@@ -1,16 +1,21 @@
-"""A study's decision rule, fixed before the runs and applied by code: does each NTL variant help, hurt, or neither?
+"""A study's decision rule, fixed before the runs and applied by code: for each pre-registered hypothesis, does the
+variant help, hurt, or neither?
 
-The defaults are study v3's rule (docs/study-v3-protocol.md): the primary metric is log10(1 + |error|) on the
-held-out sums, `3digit/ntl-was` and `3digit/ntl-was-answer` are each compared with `3digit/ce` (paired by seed),
-with a two-sided paired t-test Holm-corrected over the comparisons at α 0.05 and the sign-flip permutation p
-(corrected the same way) beside it; RULES["v3-gpu"] is the protocol's GPU arm. In order:
+A hypothesis compares a variant with a baseline, paired by seed, on one effect per seed (`Effect`): the gain in one
+metric (variant − baseline, or baseline − variant for a lower-is-better metric, so + is better), or the gain in one
+metric minus the gain in another (study v4's H1: the gain on answers that are 2-digit tokens minus the gain on those
+that are 3-digit tokens). Per hypothesis, a two-sided paired t-test and the sign-flip permutation test, their p
+each corrected over the rule's hypotheses (Holm or Bonferroni) at α. In order:
 1. inconclusive when the t-test and the permutation test disagree on significance (corrected p < α);
-2. helps: significant, mean gain >= min_gain, and (where the rule has a guard) the 95% CI of the guard metric's
-   gain (exact match, variant − CE) has its lower bound above guard_ci_floor;
-3. hurts: significant, mean loss >= min_gain (a gain <= −min_gain);
-4. no useful effect: the 90% CI of the primary gain lies within ±no_effect_margin;
+2. helps: significant, mean effect >= min_gain, and (where the hypothesis has a guard) the 95% CI of the guard's
+   effect (exact match, variant − CE) has its lower bound above guard_ci_floor;
+3. hurts: significant, mean effect <= −min_gain;
+4. no useful effect: the 90% CI of the mean effect lies within ±no_effect_margin;
 5. otherwise inconclusive, with the CI.
-Gains are signed so that + is better: CE's log-error minus the variant's.
+
+RULES: `v3` (docs/study-v3-protocol.md: log-error, `3digit/ntl-was` and `3digit/ntl-was-answer` against
+`3digit/ce`, with an exact-match guard), `v3-gpu` (its GPU arm: exact match, Bonferroni) and `v4`
+(docs/study-v4-protocol.md: three hypotheses, each on its own exact-match effect).
 """
 
 from __future__ import annotations
@@ -19,39 +24,86 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ntl_pretrain.study_stats import PairedStats, bonferroni, holm, paired_gains, paired_stats
+from ntl_pretrain.study_stats import PairedStats, bonferroni, holm, paired_gains_by_seed, paired_stats
 
 HELPS, HURTS, NO_EFFECT, INCONCLUSIVE = "helps", "hurts", "no useful effect", "inconclusive"
 
 
 @dataclass(frozen=True)
+class Effect:
+    """What a hypothesis measures on each seed, signed so that + is better."""
+
+    metric: str
+    higher_is_better: bool = True
+    minus: str | None = None
+    """When set, the effect is the gain in `metric` minus the gain in `minus` (both signed alike): whether the
+    variant gains more on one part of the answers than on another."""
+
+    def per_seed(self, results: list[dict], baseline: list[dict]) -> list[float]:
+        """The effect on each seed where both lists measured every metric it needs, in seed order."""
+        gains = paired_gains_by_seed(results, baseline, self.metric, self.higher_is_better)
+        if self.minus is None:
+            return list(gains.values())
+        other = paired_gains_by_seed(results, baseline, self.minus, self.higher_is_better)
+        return [gain - other[seed] for seed, gain in gains.items() if seed in other]
+
+    def describe(self) -> str:
+        if self.minus is None:
+            return f"`{self.metric}`"
+        return f"the gain in `{self.metric}` minus the gain in `{self.minus}`"
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    variant: str
+    baseline: str
+    effect: Effect
+    min_gain: float
+    """Smallest mean effect that counts as helping (or, negated, hurting)."""
+    no_effect_margin: float
+    """"No useful effect": the 90% CI of the mean effect lies within ±this."""
+    guard: Effect | None = None
+    guard_ci_floor: float = -0.03
+    """"Helps" also needs the 95% CI of the guard's effect (when there is a guard) to lie above this."""
+    name: str = ""
+    """How the protocol calls it (`H1`); the report names it so."""
+    meaning: str = ""
+    """What a positive effect says, in words, for the report."""
+
+    def terms(self) -> tuple:
+        """Everything but the pair it compares: hypotheses with equal terms share one line of the report."""
+        return self.effect, self.min_gain, self.no_effect_margin, self.guard, self.guard_ci_floor
+
+
+@dataclass(frozen=True)
 class DecisionRule:
-    comparisons: tuple[tuple[str, str], ...] = (
-        ("3digit/ntl-was", "3digit/ce"),
-        ("3digit/ntl-was-answer", "3digit/ce"),
-    )
-    """(variant, baseline) pairs: the family that the correction spans."""
-    primary: str = "eval/addition_interpolation/log_mae"
-    primary_higher_is_better: bool = False
+    hypotheses: tuple[Hypothesis, ...]
+    """The family that the correction spans."""
     correction: Literal["holm", "bonferroni"] = "holm"
     alpha: float = 0.05
-    min_gain: float = 0.02
-    """Smallest mean gain in the primary metric that counts as helping (or, negated, hurting)."""
-    guard: str | None = "eval/addition_interpolation/exact_match"
-    guard_higher_is_better: bool = True
-    guard_ci_floor: float = -0.03
-    """"Helps" also needs the 95% CI of the guard metric's gain (when there is a guard) to lie above this."""
-    no_effect_margin: float = 0.02
-    """"No useful effect": the 90% CI of the primary gain lies within ±this."""
 
     def variants(self) -> set[str]:
-        return {name for pair in self.comparisons for name in pair}
+        return {name for h in self.hypotheses for name in (h.variant, h.baseline)}
+
+
+def same_effect_rule(
+    comparisons: tuple[tuple[str, str], ...],
+    effect: Effect,
+    min_gain: float,
+    no_effect_margin: float,
+    guard: Effect | None = None,
+    guard_ci_floor: float = -0.03,
+    correction: Literal["holm", "bonferroni"] = "holm",
+) -> DecisionRule:
+    """Every (variant, baseline) pair judged on the same effect with the same thresholds (studies v3 and v3-gpu)."""
+    hypotheses = tuple(Hypothesis(variant, baseline, effect, min_gain, no_effect_margin, guard, guard_ci_floor)
+                       for variant, baseline in comparisons)  # fmt: skip
+    return DecisionRule(hypotheses, correction)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    variant: str
-    baseline: str
+    hypothesis: Hypothesis
     outcome: str
     primary: PairedStats
     p_t_corrected: float
@@ -59,47 +111,53 @@ class Verdict:
     guard: PairedStats
     reason: str
 
+    @property
+    def variant(self) -> str:
+        return self.hypothesis.variant
+
+    @property
+    def baseline(self) -> str:
+        return self.hypothesis.baseline
+
 
 def decide(rule: DecisionRule, grouped: dict[str, list[dict]]) -> list[Verdict]:
-    """One verdict per comparison of `rule`, from each variant's evaluation results (one per seed, with `seed`)."""
+    """One verdict per hypothesis of `rule`, from each variant's evaluation results (one per seed, with `seed`)."""
     primaries, guards = [], []
-    for variant, baseline in rule.comparisons:
-        primaries.append(paired_stats(paired_gains(grouped[variant], grouped[baseline], rule.primary,
-                                                   rule.primary_higher_is_better)))  # fmt: skip
-        guard_gains = [] if rule.guard is None else paired_gains(grouped[variant], grouped[baseline], rule.guard,
-                                                                 rule.guard_higher_is_better)  # fmt: skip
-        guards.append(paired_stats(guard_gains))
+    for h in rule.hypotheses:
+        results, baseline = grouped[h.variant], grouped[h.baseline]
+        primaries.append(paired_stats(h.effect.per_seed(results, baseline)))
+        guards.append(paired_stats([] if h.guard is None else h.guard.per_seed(results, baseline)))
     correct = holm if rule.correction == "holm" else bonferroni
     corrected_t = correct([stats.p_t for stats in primaries])
     corrected_permutation = correct([stats.p_permutation for stats in primaries])
-    comparisons = zip(rule.comparisons, primaries, corrected_t, corrected_permutation, guards, strict=True)
     verdicts = []
-    for (variant, baseline), primary, p_t, p_permutation, guard in comparisons:
-        outcome, reason = _outcome(rule, primary, p_t, p_permutation, guard)
-        verdicts.append(Verdict(variant, baseline, outcome, primary, p_t, p_permutation, guard, reason))
+    for h, primary, p_t, p_permutation, guard in zip(rule.hypotheses, primaries, corrected_t, corrected_permutation,
+                                                     guards, strict=True):  # fmt: skip
+        outcome, reason = _outcome(h, rule.alpha, primary, p_t, p_permutation, guard)
+        verdicts.append(Verdict(h, outcome, primary, p_t, p_permutation, guard, reason))
     return verdicts
 
 
 def _outcome(
-    rule: DecisionRule, primary: PairedStats, p_t: float, p_permutation: float, guard: PairedStats
+    h: Hypothesis, alpha: float, primary: PairedStats, p_t: float, p_permutation: float, guard: PairedStats
 ) -> tuple[str, str]:
     """(outcome, why) by the steps of the module docstring, from corrected p values."""
-    t_significant, permutation_significant = p_t < rule.alpha, p_permutation < rule.alpha
+    t_significant, permutation_significant = p_t < alpha, p_permutation < alpha
     if t_significant != permutation_significant:
-        return INCONCLUSIVE, f"the t-test and the permutation test disagree on significance at α {rule.alpha:g}"
-    if t_significant and primary.mean >= rule.min_gain:
-        if rule.guard is None or guard.ci95[0] > rule.guard_ci_floor:
-            guarded = "" if rule.guard is None else f", guard CI above {_signed(rule.guard_ci_floor)}"
-            return HELPS, f"significant, mean gain >= {rule.min_gain:g}{guarded}"
-        floor = _signed(rule.guard_ci_floor)
+        return INCONCLUSIVE, f"the t-test and the permutation test disagree on significance at α {alpha:g}"
+    if t_significant and primary.mean >= h.min_gain:
+        if h.guard is None or guard.ci95[0] > h.guard_ci_floor:
+            guarded = "" if h.guard is None else f", guard CI above {_signed(h.guard_ci_floor)}"
+            return HELPS, f"significant, mean gain >= {h.min_gain:g}{guarded}"
+        floor = _signed(h.guard_ci_floor)
         return INCONCLUSIVE, f"the guard's 95% CI reaches {_signed(guard.ci95[0])}, not above {floor}"
-    if t_significant and primary.mean <= -rule.min_gain:
-        return HURTS, f"significant, mean loss >= {rule.min_gain:g}"
+    if t_significant and primary.mean <= -h.min_gain:
+        return HURTS, f"significant, mean loss >= {h.min_gain:g}"
     low, high = primary.ci90
-    if -rule.no_effect_margin <= low and high <= rule.no_effect_margin:
-        return NO_EFFECT, f"the 90% CI lies within ±{rule.no_effect_margin:g}"
-    return INCONCLUSIVE, f"90% CI [{_signed(low)}, {_signed(high)}] is not within ±{rule.no_effect_margin:g}" + (
-        "" if t_significant else f" and the difference is not significant at α {rule.alpha:g}"
+    if -h.no_effect_margin <= low and high <= h.no_effect_margin:
+        return NO_EFFECT, f"the 90% CI lies within ±{h.no_effect_margin:g}"
+    return INCONCLUSIVE, f"90% CI [{_signed(low)}, {_signed(high)}] is not within ±{h.no_effect_margin:g}" + (
+        "" if t_significant else f" and the difference is not significant at α {alpha:g}"
     )
 
 
@@ -108,37 +166,96 @@ def _signed(value: float) -> str:
 
 
 def verdict_lines(rule: DecisionRule, verdicts: list[Verdict]) -> list[str]:
-    """The report's section: the rule's parameters, then one line per comparison."""
-    guard = f" and the 95% CI of the `{rule.guard}` gain above {_signed(rule.guard_ci_floor)}" if rule.guard else ""
-    lines = ["## Decision (computed by the protocol's rule)", "",
-             f"Primary: `{rule.primary}`, gain signed so + is better; paired two-sided t-test and sign-flip "
-             f"permutation test, each {rule.correction.capitalize()}-corrected over the comparisons "
-             f"({len(rule.comparisons)}) at α {rule.alpha:g}. Helps: both significant, mean gain >= "
-             f"{rule.min_gain:g}{guard}; hurts: both significant, mean loss >= {rule.min_gain:g}; no useful effect: "
-             f"90% CI within ±{rule.no_effect_margin:g}; otherwise inconclusive.", ""]  # fmt: skip
-    for v in verdicts:
-        stats = v.primary
-        low, high = (_signed(bound) for bound in v.guard.ci95)
-        guarded = f"; guard gain 95% CI [{low}, {high}]" if rule.guard else ""
-        lines.append(
-            f"- `{v.variant}` vs `{v.baseline}`: **{v.outcome}** ({v.reason}). Mean gain {_signed(stats.mean)}, "
-            f"95% CI [{_signed(stats.ci95[0])}, {_signed(stats.ci95[1])}], 90% CI [{_signed(stats.ci90[0])}, "
-            f"{_signed(stats.ci90[1])}], corrected p(t) {v.p_t_corrected:.3g}, p(perm) "
-            f"{v.p_permutation_corrected:.3g}, n {stats.n}{guarded}."
-        )
-    return [*lines, ""]
+    """The report's section: the rule's terms, then one line per hypothesis. A rule whose hypotheses share their
+    terms (v3's) states them once."""
+    shared = len({h.terms() for h in rule.hypotheses}) == 1
+    lines = _shared_terms(rule) if shared else _family_terms(rule)
+    bullets = [_shared_bullet(v) if shared else _hypothesis_bullet(v) for v in verdicts]
+    return ["## Decision (computed by the protocol's rule)", "", *lines, "", *bullets, ""]
 
+
+def _correction_words(rule: DecisionRule, over: str) -> str:
+    return (f"paired two-sided t-test and sign-flip permutation test, each {rule.correction.capitalize()}-corrected "
+            f"over the {over} ({len(rule.hypotheses)}) at α {rule.alpha:g}")  # fmt: skip
+
+
+def _shared_terms(rule: DecisionRule) -> list[str]:
+    h = rule.hypotheses[0]
+    guard = f" and the 95% CI of the `{h.guard.metric}` gain above {_signed(h.guard_ci_floor)}" if h.guard else ""
+    return [f"Primary: {h.effect.describe()}, gain signed so + is better; {_correction_words(rule, 'comparisons')}. "
+            f"Helps: both significant, mean gain >= {h.min_gain:g}{guard}; hurts: both significant, mean loss >= "
+            f"{h.min_gain:g}; no useful effect: 90% CI within ±{h.no_effect_margin:g}; otherwise "
+            "inconclusive."]  # fmt: skip
+
+
+def _family_terms(rule: DecisionRule) -> list[str]:
+    return [f"Each hypothesis on its own effect per seed, signed so + is better, and its own thresholds; "
+            f"{_correction_words(rule, 'hypotheses')}. Helps: both significant, mean effect >= its minimum (and its "
+            "guard, where it has one); hurts: both significant, mean effect <= −its minimum; no useful effect: 90% "
+            "CI within ±its margin; otherwise inconclusive, also when the two tests disagree on "
+            "significance."]  # fmt: skip
+
+
+def _numbers(v: Verdict) -> str:
+    stats = v.primary
+    return (f"95% CI [{_signed(stats.ci95[0])}, {_signed(stats.ci95[1])}], 90% CI [{_signed(stats.ci90[0])}, "
+            f"{_signed(stats.ci90[1])}], corrected p(t) {v.p_t_corrected:.3g}, p(perm) "
+            f"{v.p_permutation_corrected:.3g}, n {stats.n}")  # fmt: skip
+
+
+def _guard_numbers(v: Verdict) -> str:
+    low, high = (_signed(bound) for bound in v.guard.ci95)
+    return f"; guard gain 95% CI [{low}, {high}]" if v.hypothesis.guard else ""
+
+
+def _shared_bullet(v: Verdict) -> str:
+    return (f"- `{v.variant}` vs `{v.baseline}`: **{v.outcome}** ({v.reason}). Mean gain {_signed(v.primary.mean)}, "
+            f"{_numbers(v)}{_guard_numbers(v)}.")  # fmt: skip
+
+
+def _hypothesis_bullet(v: Verdict) -> str:
+    h = v.hypothesis
+    meaning = f" (+: {h.meaning})" if h.meaning else ""
+    return (f"- {h.name or 'Hypothesis'}, `{h.variant}` vs `{h.baseline}` on {h.effect.describe()}{meaning}; minimum "
+            f"{h.min_gain:g}, margin ±{h.no_effect_margin:g}: **{v.outcome}** ({v.reason}). Mean "
+            f"{_signed(v.primary.mean)}, {_numbers(v)}{_guard_numbers(v)}.")  # fmt: skip
+
+
+INTERPOLATION = "eval/addition_interpolation"
+EXACT = f"{INTERPOLATION}/exact_match"
+EXACT_2DIGIT, EXACT_3DIGIT = f"{EXACT}_2digit_token", f"{EXACT}_3digit_token"  # study_token_classes.py
+# Study v4's thresholds (min_gain = margin): the smallest margin, in steps of 0.005, at which "no useful effect" has
+# a chance of at least 0.5 at a true effect of 0 with the sd at the 80% upper bound of v3's (bench/study_v4_power.py,
+# docs/study-v4-protocol.md).
+V4 = DecisionRule(
+    hypotheses=(
+        Hypothesis("3digit/ntl-was-answer", "3digit/ce", Effect(EXACT_2DIGIT, minus=EXACT_3DIGIT),
+                   min_gain=0.11, no_effect_margin=0.11, name="H1",
+                   meaning="CE + NTL-WAS gains more over CE on 2-digit-token answers than on 3-digit-token ones"),
+        Hypothesis("3digit/ntl-digits-answer", "3digit/ce", Effect(EXACT), min_gain=0.065, no_effect_margin=0.065,
+                   name="H2", meaning="CE + NTL-digits gets more sums exactly right than CE"),
+        Hypothesis("3digit/ntl-digits-answer", "3digit/ntl-was-answer", Effect(EXACT_3DIGIT), min_gain=0.075,
+                   no_effect_margin=0.075, name="H3",
+                   meaning="CE + NTL-digits gets more 3-digit-token sums exactly right than CE + NTL-WAS"),
+    ),
+)  # fmt: skip
 
 # The protocol's rules by name (`ntl-pretrain study --decide NAME`).
 RULES = {
-    "v3": DecisionRule(),
-    "v3-gpu": DecisionRule(
-        comparisons=(("ntl-was-lambda0.1", "ce"), ("ntl-was-lambda1", "ce"), ("ntl-was-answer", "ce")),
-        primary="eval/addition_interpolation/exact_match",
-        primary_higher_is_better=True,
-        correction="bonferroni",
-        min_gain=0.05,
-        guard=None,
-        no_effect_margin=0.05,
+    "v3": same_effect_rule(
+        comparisons=(("3digit/ntl-was", "3digit/ce"), ("3digit/ntl-was-answer", "3digit/ce")),
+        effect=Effect(f"{INTERPOLATION}/log_mae", higher_is_better=False),
+        min_gain=0.02,
+        no_effect_margin=0.02,
+        guard=Effect(EXACT),
+        guard_ci_floor=-0.03,
     ),
+    "v3-gpu": same_effect_rule(
+        comparisons=(("ntl-was-lambda0.1", "ce"), ("ntl-was-lambda1", "ce"), ("ntl-was-answer", "ce")),
+        effect=Effect(EXACT),
+        min_gain=0.05,
+        no_effect_margin=0.05,
+        correction="bonferroni",
+    ),
+    "v4": V4,
 }

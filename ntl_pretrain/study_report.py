@@ -19,6 +19,7 @@ from ntl_pretrain.plot import plot_runs, read_metrics
 from ntl_pretrain.study_decision import DecisionRule, decide, verdict_lines
 from ntl_pretrain.study_runs import BASELINE, StudyRun, baseline_of
 from ntl_pretrain.study_stats import paired_gains, paired_stats
+from ntl_pretrain.study_token_classes import class_title, labels_in
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Metric:
     title: str
     higher_is_better: bool
     digits: int
+    paired: bool = True
+    """False for a count the same in every run (questions per answer class): no paired statistics."""
 
 
 # Per question/answer set `<set>` (the labels of the recipe's eval.qa_sets, e.g. `addition_interpolation`).
@@ -42,9 +45,11 @@ VALIDATION_METRICS = (
     Metric("val_ce", "val CE", False, 3),
     Metric("val_number_ce", "val CE at number labels", False, 3),
     Metric("val_ntl_was", "val NTL-WAS", False, 3),
+    Metric("val_ntl_digits", "val NTL-digits", False, 3),
     Metric("val_ntl_number", "val NTL-number", False, 3),
     Metric("val_answer_ce", "val CE at answer labels", False, 3),
     Metric("val_answer_ntl_was", "val NTL-WAS at answer labels", False, 3),
+    Metric("val_answer_ntl_digits", "val NTL-digits at answer labels", False, 3),
 )
 # Per question set, from each run's answers (`error_profile`): wrong answers closer to the truth, higher is better.
 OFF_BY_ONE = Metric("errors/{set}/last_digit_off_by_one", "{set} wrong last digits off by 1", True, 3)
@@ -53,6 +58,17 @@ OFF_BY_ONE = Metric("errors/{set}/last_digit_off_by_one", "{set} wrong last digi
 def qa_sets(results: dict) -> list[str]:
     """The question/answer sets an evaluation scored, in its order (every set reports `eval/<set>/examples`)."""
     return [key.split("/")[1] for key in results if key.startswith("eval/") and key.endswith("/examples")]
+
+
+def token_class_metrics(qa_set: str, keys: set[str]) -> list[Metric]:
+    """Exact match per class of the answer's token (study_token_classes.py) that `keys` hold for `qa_set`, each
+    beside its number of questions."""
+    metrics = []
+    for label in labels_in(keys, qa_set):
+        title = f"{qa_set} {class_title(label)} answers"
+        metrics.append(Metric(f"eval/{qa_set}/exact_match_{label}_token", f"{title}: exact match", True, 3))
+        metrics.append(Metric(f"eval/{qa_set}/examples_{label}_token", f"{title}: count", True, 0, paired=False))
+    return metrics
 
 
 def generation_metrics(sets: list[str]) -> list[Metric]:
@@ -201,6 +217,7 @@ def per_run_table(runs: list[StudyRun], measured: list[dict], metrics: list[Metr
 def paired_section(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list[str]:
     """Per NTL variant, every metric's paired statistics against its CE baseline (`study_stats.paired_stats`)."""
     compared = [v for v in grouped if baseline_of(v) != v and baseline_of(v) in grouped]
+    metrics = [metric for metric in metrics if metric.paired]
     if not compared:
         return []
     lines = ["## Paired differences", "",
@@ -285,13 +302,16 @@ def low_accuracy_notes(grouped: dict[str, list[dict]], threshold: float = 0.05) 
 
 
 def present_metrics(grouped: dict[str, list[dict]]) -> list[Metric]:
-    """Generation metrics per question set, validation CE and NTL, then per-source validation CE
-    (`val/<source>/ce`): those that every run reports (runs evaluated by an older version lack newer metrics)."""
+    """Generation metrics per question set (exact match per answer token class after each set's own), validation
+    CE and NTL, then per-source validation CE (`val/<source>/ce`): those that every run reports (runs evaluated by
+    an older version lack newer metrics)."""
     keys = set.intersection(*(set(result) for results in grouped.values() for result in results))
     sources = sorted({key.split("/")[1] for key in keys if key.startswith("val/") and key.endswith("/ce")})
     extra = [Metric(f"val/{source}/ce", f"val CE {source}", False, 3) for source in sources]
-    fixed = [*generation_metrics(qa_sets(next(iter(grouped.values()))[0])), *VALIDATION_METRICS]
-    return [metric for metric in fixed if metric.key in keys] + extra
+    per_set = []
+    for qa_set in qa_sets(next(iter(grouped.values()))[0]):
+        per_set += [*generation_metrics([qa_set]), *token_class_metrics(qa_set, keys)]
+    return [metric for metric in [*per_set, *VALIDATION_METRICS] if metric.key in keys] + extra
 
 
 def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
@@ -396,6 +416,7 @@ def write_report(
             else "; with one seed, a difference says nothing about its spread over seeds."
         ),
         "",
+        *_token_class_note(metrics),
         *(["Caveats:", "", *notes, ""] if notes else []),
         f"![training curves and final metrics per run]({os.path.relpath(plot, doc.parent)})",
         "",
@@ -409,6 +430,14 @@ def write_report(
     ]
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))
+
+
+def _token_class_note(metrics: list[Metric]) -> list[str]:
+    if not any(metric.key.endswith("_token") for metric in metrics):
+        return []
+    return ["`k-digit-token answers`: the questions whose reference answer the run's tokenizer spells as one number "
+            "token of k digits (`multi-token`: anything else), exact match among them from each run's answers, and "
+            "how many there are (study_token_classes.py).", ""]  # fmt: skip
 
 
 def _protocol_lines(protocol: Path | None, doc: Path) -> list[str]:

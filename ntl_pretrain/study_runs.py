@@ -16,6 +16,7 @@ from ntl_pretrain.config import RecipeError
 from ntl_pretrain.evaluation.answers import error_profile
 from ntl_pretrain.metrics import written_records
 from ntl_pretrain.study_archive import is_complete, read_answers
+from ntl_pretrain.study_token_classes import exact_match_by_class, trained_tokenizer
 
 BASELINE = "ce"
 
@@ -79,11 +80,18 @@ class StudyRun:
         steps = [record.get("step", 0) for record in written_records(metrics) if "loss" in record]
         return min(max(steps, default=0) / max_steps, 1.0)
 
+    def exact_match_by_class(self) -> dict[str, float]:
+        """Exact match per class of the answer's token under the run's tokenizer (study_token_classes.py); {}
+        without answers or without a tokenizer named in the run's recipe."""
+        answers, tokenizer = self.answers(), trained_tokenizer(self.folder / "recipe.yaml")
+        return {} if not answers or tokenizer is None else exact_match_by_class(answers, *tokenizer)
+
     def measured(self) -> dict:
-        """Everything the run measured: its evaluation results, then `errors/<set>/<key>` from its answers."""
+        """Everything the run measured: its evaluation results, exact match per answer token class, then
+        `errors/<set>/<key>` from its answers."""
         profiles = self.error_profiles()
         errors = {f"errors/{qa_set}/{key}": value for qa_set, p in profiles.items() for key, value in p.items()}
-        return self.results() | errors
+        return self.results() | self.exact_match_by_class() | errors
 
 
 def plan(

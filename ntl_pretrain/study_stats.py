@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as scipy_stats
 
-EXACT_PERMUTATION_MAX_N = 20  # 2^20 sign patterns, 8 MiB of sums; beyond that a seeded sample of patterns
+# Exact up to 2^32 sign patterns, counted half against half (2 x 2^16 sums); beyond that a seeded sample of patterns.
+EXACT_PERMUTATION_MAX_N = 32
 PERMUTATION_SAMPLES = 100_000  # study v3's GPU arm (docs/study-v3-protocol.md): 64 seeds
 
 
@@ -44,13 +45,30 @@ def sign_flip_p(differences: list[float]) -> float:
     observed = abs(d.sum())
     slack = 1e-9 * np.abs(d).sum()  # the same |sum| reached in another order may differ in the last bits
     if d.size <= EXACT_PERMUTATION_MAX_N:
-        sums = np.zeros(1)
-        for value in d:
-            sums = np.concatenate([sums + value, sums - value])
-        return float(np.mean(np.abs(sums) >= observed - slack))
+        return _exact_sign_flip_p(d, observed - slack)
     signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(PERMUTATION_SAMPLES, d.size))
     extreme = int(np.sum(np.abs(signs @ d) >= observed - slack))
     return (1 + extreme) / (1 + PERMUTATION_SAMPLES)
+
+
+def _exact_sign_flip_p(d: np.ndarray, threshold: float) -> float:
+    """The share of all 2^n sign patterns whose |signed sum| >= threshold, counted without listing them: every
+    pattern is a sum a + b of one signed sum of each half, so per a the b with a + b >= threshold or
+    a + b <= -threshold are counted by binary search in the other half's sorted sums."""
+    if threshold <= 0:
+        return 1.0
+    first, second = _signed_sums(d[: d.size // 2]), np.sort(_signed_sums(d[d.size // 2 :]))
+    at_least = second.size - np.searchsorted(second, threshold - first, side="left")
+    at_most = np.searchsorted(second, -threshold - first, side="right")
+    return float((at_least.sum() + at_most.sum()) / (first.size * second.size))
+
+
+def _signed_sums(values: np.ndarray) -> np.ndarray:
+    """The 2^len(values) sums ±v_1 ± v_2 ..."""
+    sums = np.zeros(1)
+    for value in values:
+        sums = np.concatenate([sums + value, sums - value])
+    return sums
 
 
 @dataclass(frozen=True)
@@ -119,8 +137,13 @@ def paired_gains(results: list[dict], baseline: list[dict], key: str, higher_is_
     """Per seed that both lists of evaluation results (each with its run's `seed`) measured with a finite `key`,
     in seed order: variant − baseline, signed so that + is better (baseline − variant for a lower-is-better
     metric)."""
+    return list(paired_gains_by_seed(results, baseline, key, higher_is_better).values())
+
+
+def paired_gains_by_seed(results: list[dict], baseline: list[dict], key: str, higher_is_better: bool) -> dict:
+    """`paired_gains` keyed by seed (in seed order), for effects that combine two metrics' gains seed by seed."""
     sign = 1.0 if higher_is_better else -1.0
     ours = {r["seed"]: r.get(key, math.nan) for r in results}
     theirs = {r["seed"]: r.get(key, math.nan) for r in baseline}
-    gains = [sign * (ours[seed] - theirs[seed]) for seed in sorted(ours.keys() & theirs.keys())]
-    return [gain for gain in gains if math.isfinite(gain)]
+    gains = {seed: sign * (ours[seed] - theirs[seed]) for seed in sorted(ours.keys() & theirs.keys())}
+    return {seed: gain for seed, gain in gains.items() if math.isfinite(gain)}

@@ -22,7 +22,7 @@ from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.study import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
 from ntl_pretrain.study import main as study_command
 from ntl_pretrain.study_archive import ARCHIVED, archive_run
-from ntl_pretrain.study_decision import DecisionRule, decide
+from ntl_pretrain.study_decision import Effect, decide, same_effect_rule
 from ntl_pretrain.study_report import (
     VALIDATION_METRICS,
     _wall_clock,
@@ -235,14 +235,15 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     assert [record["set"] for record in run.answers()] == [SETS[0]] * 8 + [SETS[1]] * 8  # for error_profile
 
 
-def write_finished_run(run: StudyRun, results: dict, answers: list[dict]) -> None:
-    """What `execute` leaves in a run folder (without checkpoints): results, answers, the trainer's records."""
+def write_finished_run(run: StudyRun, results: dict, answers: list[dict], recipe: str = "{}") -> None:
+    """What `execute` leaves in a run folder (without checkpoints): results, answers, the trainer's records; the
+    recipe names no tokenizer unless `recipe` does (then the answers are also scored per token class)."""
     run.run_dir.mkdir(parents=True)
     (run.run_dir / "eval.json").write_text(json.dumps(results))
     (run.run_dir / "answers.jsonl").write_text("".join(json.dumps(record) + "\n" for record in answers))
     steps = [{"step": s, "loss": 2.0 / s, "ce": 2.0 / s, "ntl": 0.0} for s in (1, 2)]
     (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
-    (run.run_dir / "recipe.yaml").write_text("{}")
+    (run.run_dir / "recipe.yaml").write_text(recipe)
     timing = {"variant": run.variant, "seed": run.seed, "train_s": 60.0, "eval_s": 5.0, "started": 1e9 + 100 * run.seed,
               "finished": 1e9 + 100 * run.seed + 65}  # fmt: skip
     (run.run_dir / "study.json").write_text(json.dumps(timing))
@@ -276,7 +277,8 @@ def paired_study(tmp_path: Path, archive: Path | None = None) -> list[StudyRun]:
 def test_report_pairs_every_metric_writes_runs_csv_and_states_the_verdict(tmp_path: Path) -> None:
     runs = paired_study(tmp_path)
     doc, plot = tmp_path / "docs" / "study.md", tmp_path / "docs" / "study.png"
-    rule = DecisionRule(comparisons=(("ntl-was", "ce"),), primary=f"eval/{SETS[0]}/log_mae")
+    rule = same_effect_rule((("ntl-was", "ce"),), Effect(f"eval/{SETS[0]}/log_mae", higher_is_better=False), 0.02,
+                            0.02, guard=Effect(f"eval/{SETS[0]}/exact_match"))  # fmt: skip
     write_report(runs, doc, plot, "ntl-pretrain study", [], rule=rule)
     text = doc.read_text()
 
@@ -345,6 +347,80 @@ def test_archived_runs_are_done_and_report_without_their_run_folders(tmp_path: P
 
     (archive / "ce-seed3" / "study.json").unlink()  # an incomplete copy is not a finished run
     assert not plan(STUDY_RECIPES, ["ce"], [3], tmp_path / "runs", archive)[0].done
+
+
+THREE_DIGIT_RECIPE = "tokenizer: {path: pkg:ntl_pretrain/corpus/tiny-tokenizer-3digit}\ninit_from: null\n"
+
+
+def class_answers(right: dict[str, int]) -> list[dict]:
+    """Under tiny-tokenizer-3digit: two answers that are 2-digit tokens, three that are 3-digit tokens, one of two
+    tokens (1998 = 199, 8), and one in the other set; the first `right[class]` of each class answered right, the
+    others off by one."""
+    references = {"2digit": ["87", "42"], "3digit": ["161", "100", "198"], "multi": ["1998"]}
+    records = []
+    for label, answers in references.items():
+        for index, reference in enumerate(answers):
+            generated = reference if index < right[label] else str(int(reference) + 1)
+            records.append(answer(f"q{reference}=", reference, generated))
+    return [*records, answer("x=", "55", "55") | {"set": SETS[1]}]
+
+
+def test_exact_match_by_the_class_of_the_answers_token_under_the_runs_tokenizer(tmp_path: Path) -> None:
+    from ntl_pretrain.study_token_classes import answer_class
+
+    spec = "pkg:ntl_pretrain/corpus/tiny-tokenizer-3digit"
+    assert [answer_class(spec, text) for text in ("5", "87", "161", "007", "1998", "-5")] == [
+        "1digit", "2digit", "3digit", "3digit", "multi", "multi"]  # fmt: skip
+    run = StudyRun("3digit/ce", 0, STUDY_RECIPES / "3digit" / "ce.yaml", tmp_path / "runs" / "3digit-ce-seed0",
+                   tmp_path / "archive" / "3digit-ce-seed0")  # fmt: skip
+    write_finished_run(run, fake_results(0.5, 1.0, 0), class_answers({"2digit": 1, "3digit": 3, "multi": 0}),
+                       THREE_DIGIT_RECIPE)  # fmt: skip
+    archive_run(run.run_dir, run.archive)
+    shutil.rmtree(run.run_dir)  # read from the archive: answers.jsonl.gz and the saved recipe's tokenizer
+    measured = run.measured()
+    by_class = {key.removeprefix("eval/"): value for key, value in measured.items() if key.endswith("_token")}
+    assert by_class == {
+        f"{SETS[0]}/exact_match_2digit_token": 0.5, f"{SETS[0]}/examples_2digit_token": 2,
+        f"{SETS[0]}/exact_match_3digit_token": 1.0, f"{SETS[0]}/examples_3digit_token": 3,
+        f"{SETS[0]}/exact_match_multi_token": 0.0, f"{SETS[0]}/examples_multi_token": 1,
+        f"{SETS[1]}/exact_match_2digit_token": 1.0, f"{SETS[1]}/examples_2digit_token": 1,
+    }  # fmt: skip
+    (run.archive / "recipe.yaml").write_text("{}")  # a recipe that names no tokenizer: no classes, no error
+    assert not any(key.endswith("_token") for key in run.measured())
+
+
+def test_report_and_runs_csv_carry_exact_match_per_answer_token_class(tmp_path: Path) -> None:
+    # 2-digit answers right per seed: ce 0, 1, 1; ntl-was 2, 2, 1. 3-digit: ce 3, 3, 2; ntl-was 1, 2, 2.
+    right = {"3digit/ce": [(0, 3), (1, 3), (1, 2)], "3digit/ntl-was": [(2, 1), (2, 2), (1, 2)]}
+    runs = []
+    for variant, per_seed in right.items():
+        for seed, (two, three) in enumerate(per_seed):
+            run = StudyRun(variant, seed, STUDY_RECIPES / f"{variant}.yaml",
+                           tmp_path / "runs" / f"{variant.replace('/', '-')}-seed{seed}")  # fmt: skip
+            answers = class_answers({"2digit": two, "3digit": three, "multi": 1})
+            write_finished_run(run, fake_results(0.5, 1.0, seed), answers, THREE_DIGIT_RECIPE)
+            runs.append(run)
+    doc = tmp_path / "docs" / "study.md"
+    write_report(runs, doc, tmp_path / "docs" / "study.png", "ntl-pretrain study", [])
+    text = doc.read_text()
+    results = table_rows(section(text, "## Results"))
+    two_digit = results[f"{SETS[0]} 2-digit-token answers: exact match"]
+    # better on seeds 0 and 1, tied on seed 2 (left out of k/n)
+    assert two_digit[1:3] == ["0.333 ± 0.289", "0.833 ± 0.289"] and two_digit[3].rstrip(" |") == "+0.500 (2/2)"
+    three_digit = results[f"{SETS[0]} 3-digit-token answers: exact match"]
+    assert three_digit[3].rstrip(" |") == "−0.333 (0/2)"  # worse on seeds 0 and 1, tied on seed 2
+    assert results[f"{SETS[0]} 3-digit-token answers: count"][1] == "3 ± 0"
+    assert f"{SETS[0]} multi-token answers: exact match" in results
+    order = [title for title in results if title.startswith(SETS[0])]
+    assert order.index(f"{SETS[0]} wrong last digits off by 1") < order.index(f"{SETS[0]} 2-digit-token answers: "
+                                                                              "exact match")  # fmt: skip
+    paired = table_rows(section(text, "## Paired differences"))
+    assert paired[f"{SETS[0]} 2-digit-token answers: exact match"][1] == "+0.500"
+    assert f"{SETS[0]} 2-digit-token answers: count" not in paired  # the same in every run: nothing to pair
+    with (tmp_path / "docs" / "study-runs.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [float(row[f"eval/{SETS[0]}/exact_match_2digit_token"]) for row in rows] == [0, 0.5, 0.5, 1, 1, 0.5]
+    assert {row[f"eval/{SETS[0]}/examples_3digit_token"] for row in rows} == {"3.0"}
 
 
 def study_main(capsys, *argv: str) -> tuple[int, str, str]:

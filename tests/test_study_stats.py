@@ -7,6 +7,7 @@ import math
 import random
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
@@ -16,9 +17,17 @@ from ntl_pretrain.study_decision import (
     INCONCLUSIVE,
     NO_EFFECT,
     RULES,
-    DecisionRule,
+    Effect,
     decide,
     verdict_lines,
+)
+from ntl_pretrain.study_power import (
+    detectable_effect,
+    helps_probability,
+    margin_for,
+    paired_t_power,
+    sd_upper_bound,
+    within_margin_probability,
 )
 from ntl_pretrain.study_stats import (
     bonferroni,
@@ -72,11 +81,16 @@ def test_exact_sign_flip_p_counts_every_pattern() -> None:
     assert sign_flip_p([0.0] * 5) == 1.0 and math.isnan(sign_flip_p([]))
 
 
-def test_sign_flip_p_samples_patterns_beyond_twenty_seeds() -> None:
-    all_positive = sign_flip_p([0.05] * 25)
+def test_sign_flip_p_is_exact_to_32_seeds_and_samples_patterns_beyond() -> None:
+    assert sign_flip_p([0.05] * 24) == 2 / 2**24  # study v4's 24 seeds: only +...+ and -...- are as extreme
+    assert sign_flip_p([0.05] * 32) == 2 / 2**32
+    all_positive = sign_flip_p([0.05] * 33)
     assert all_positive == 1 / (1 + 100_000)  # only the observed pattern, among the samples, is as extreme
     symmetric = sign_flip_p([0.05, -0.05] * 12 + [0.0])  # mean 0: every pattern is at least as extreme
     assert symmetric == 1.0
+    rng = random.Random(4)
+    differences = [rng.gauss(0.01, 0.02) for _ in range(15)]
+    assert sign_flip_p(differences) == brute_force_sign_flip_p(differences)  # an odd n: halves of 7 and 8
     rng = random.Random(3)
     differences = [rng.gauss(0.004, 0.02) for _ in range(30)]
     # against the normal approximation of the sum of random signs, which is close at n = 30
@@ -108,8 +122,8 @@ def test_paired_gains_pair_by_seed_and_sign_so_plus_is_better() -> None:
     assert paired_gains(ntl, ce, "m", higher_is_better=True) == pytest.approx([0.05, -0.05])
 
 
-RULE = DecisionRule()
-PRIMARY, GUARD = RULE.primary, RULE.guard
+RULE = RULES["v3"]
+PRIMARY, GUARD = RULE.hypotheses[0].effect.metric, RULE.hypotheses[0].guard.metric
 
 
 def grouped_runs(gains: dict[str, list[float]], exact_gains: dict[str, list[float]] | None = None) -> dict:
@@ -170,7 +184,8 @@ def test_decision_is_inconclusive_when_the_tests_disagree() -> None:
 def test_decision_corrects_for_the_family() -> None:
     grouped = grouped_runs({"3digit/ntl-was": noisy(0.015, 0.03), "3digit/ntl-was-answer": noisy(0.01, 0.03, seed=7)})
     verdicts = decide(RULE, grouped)
-    raw = [paired_stats(paired_gains(grouped[v], grouped["3digit/ce"], PRIMARY, False)) for v, _ in RULE.comparisons]
+    ce = grouped["3digit/ce"]
+    raw = [paired_stats(paired_gains(grouped[h.variant], ce, PRIMARY, False)) for h in RULE.hypotheses]
     assert [v.p_t_corrected for v in verdicts] == holm([stats.p_t for stats in raw])
     assert [v.p_permutation_corrected for v in verdicts] == holm([stats.p_permutation for stats in raw])
     assert [v.primary for v in verdicts] == raw
@@ -179,17 +194,102 @@ def test_decision_corrects_for_the_family() -> None:
 def test_the_gpu_arms_rule_decides_on_exact_match_with_bonferroni() -> None:
     """Three arms against `ce`, exact match primary (+0.08 helps, −0.08 hurts, ±0.01 no useful effect), no guard."""
     rule = RULES["v3-gpu"]
+    primary = rule.hypotheses[0].effect.metric
     rng = random.Random(8)
-    ce = [{"seed": s, rule.primary: rng.uniform(0.1, 0.9)} for s in range(64)]
+    ce = [{"seed": s, primary: rng.uniform(0.1, 0.9)} for s in range(64)]
     grouped = {"ce": ce}
-    for (variant, _), gain in zip(rule.comparisons, (0.08, -0.08, 0.0), strict=True):
+    for h, gain in zip(rule.hypotheses, (0.08, -0.08, 0.0), strict=True):
         gains = noisy(gain, 0.04, n=64, seed=len(grouped))
-        grouped[variant] = [
-            {"seed": r["seed"], rule.primary: r[rule.primary] + g} for r, g in zip(ce, gains, strict=True)
-        ]
+        grouped[h.variant] = [{"seed": r["seed"], primary: r[primary] + g} for r, g in zip(ce, gains, strict=True)]
     verdicts = decide(rule, grouped)
     assert [v.outcome for v in verdicts] == [HELPS, HURTS, NO_EFFECT]
-    raw = [paired_stats(paired_gains(grouped[v], ce, rule.primary, True)) for v, _ in rule.comparisons]
+    raw = [paired_stats(paired_gains(grouped[h.variant], ce, primary, True)) for h in rule.hypotheses]
     assert [v.p_t_corrected for v in verdicts] == bonferroni([stats.p_t for stats in raw])
     assert verdicts[0].primary.p_permutation == pytest.approx(1 / 100_001)  # sampled: n = 64 > 20
     assert "guard" not in verdict_lines(rule, verdicts)[-2]
+
+
+V4 = RULES["v4"]
+EXACT = "eval/addition_interpolation/exact_match"
+EXACT_2, EXACT_3 = f"{EXACT}_2digit_token", f"{EXACT}_3digit_token"
+SHARE_2 = 0.41  # of the 1,000 interpolation answers, 410 are 2-digit tokens under tiny-tokenizer-3digit
+
+
+def v4_runs(gains: dict[str, tuple[float, float]], n: int = 24) -> dict[str, list[dict]]:
+    """CE runs with seed-dependent exact match per answer class, and each arm's runs better by its (2-digit, 3-digit)
+    gains plus a little noise; exact match over all answers is the 41/59 mix of the two, as in the real split."""
+    rng = random.Random(9)
+    ce = [(0.6 + 0.2 * rng.random(), 0.3 + 0.2 * rng.random()) for _ in range(n)]
+    grouped = {}
+    for variant, (gain_2, gain_3) in {"3digit/ce": (0.0, 0.0), **gains}.items():
+        noise = 0.0 if variant == "3digit/ce" else 0.01
+        runs = []
+        for seed, (exact_2, exact_3) in enumerate(ce):
+            two, three = exact_2 + gain_2 + rng.gauss(0, noise), exact_3 + gain_3 + rng.gauss(0, noise)
+            runs.append({"seed": seed, EXACT_2: two, EXACT_3: three, EXACT: SHARE_2 * two + (1 - SHARE_2) * three})
+        grouped[variant] = runs
+    return grouped
+
+
+def test_v4_decides_each_hypothesis_on_its_own_effect() -> None:
+    """By construction: NTL-WAS gains 0.20 on 2-digit answers and nothing on 3-digit ones (H1 helps); NTL-digits
+    gains 0.20 on 2-digit answers and loses 0.139 on 3-digit ones, which leaves all answers unchanged (H2, 0.41 x
+    0.20 = 0.59 x 0.139: no useful effect) and 3-digit answers 0.139 worse than NTL-WAS's (H3 hurts)."""
+    grouped = v4_runs({"3digit/ntl-was-answer": (0.20, 0.0), "3digit/ntl-digits-answer": (0.20, -0.139)})
+    verdicts = decide(V4, grouped)
+    assert [v.hypothesis.name for v in verdicts] == ["H1", "H2", "H3"]
+    assert [v.outcome for v in verdicts] == [HELPS, NO_EFFECT, HURTS]
+    assert [v.primary.mean for v in verdicts] == pytest.approx([0.20, 0.0, -0.139], abs=0.01)
+    pairs = [("3digit/ntl-was-answer", "3digit/ce"), ("3digit/ntl-digits-answer", "3digit/ce"),
+             ("3digit/ntl-digits-answer", "3digit/ntl-was-answer")]  # fmt: skip
+    assert [(v.variant, v.baseline) for v in verdicts] == pairs
+    raw = [paired_stats(h.effect.per_seed(grouped[h.variant], grouped[h.baseline])) for h in V4.hypotheses]
+    assert [v.p_t_corrected for v in verdicts] == holm([stats.p_t for stats in raw])  # Holm over the three
+    lines = verdict_lines(V4, verdicts)
+    assert "Holm-corrected over the hypotheses (3) at α 0.05" in lines[2]
+    assert lines[4].startswith(f"- H1, `3digit/ntl-was-answer` vs `3digit/ce` on the gain in `{EXACT_2}` minus the "
+                               f"gain in `{EXACT_3}`")  # fmt: skip
+    assert "minimum 0.11, margin ±0.11: **helps**" in lines[4] and "**hurts**" in lines[6]
+
+
+def test_v4_h1_is_the_2_digit_gain_minus_the_3_digit_gain() -> None:
+    """The same gains swapped between the classes turn H1 around; a seed missing a class's figure is left out."""
+    grouped = v4_runs({"3digit/ntl-was-answer": (0.0, 0.20), "3digit/ntl-digits-answer": (0.0, 0.0)})
+    h1 = V4.hypotheses[0]
+    ce, was = grouped["3digit/ce"], grouped["3digit/ntl-was-answer"]
+    expected = [(w[EXACT_2] - c[EXACT_2]) - (w[EXACT_3] - c[EXACT_3]) for w, c in zip(was, ce, strict=True)]
+    assert h1.effect.per_seed(was, ce) == pytest.approx(expected)
+    assert decide(V4, grouped)[0].outcome == HURTS
+    del was[3][EXACT_3]
+    assert len(h1.effect.per_seed(was, ce)) == 23
+    two_digit_gains = [w[EXACT_2] - c[EXACT_2] for w, c in zip(was, ce, strict=True)]
+    assert Effect(EXACT_2).per_seed(was, ce) == pytest.approx(two_digit_gains)  # a one-metric effect keeps seed 3
+
+
+def test_v4_is_inconclusive_between_its_margin_and_significance() -> None:
+    """H2 gains 0.05 over CE on every class with an sd of 0.15: neither shown nor within ±0.065."""
+    grouped = v4_runs({"3digit/ntl-was-answer": (0.0, 0.0), "3digit/ntl-digits-answer": (0.0, 0.0)})
+    for run, gain in zip(grouped["3digit/ntl-digits-answer"], noisy(0.05, 0.15, n=24), strict=True):
+        run[EXACT] += gain
+    verdict = decide(V4, grouped)[1]
+    assert verdict.outcome == INCONCLUSIVE and "not within ±0.065" in verdict.reason
+
+
+def test_power_of_the_paired_t_test_against_simulation() -> None:
+    """Normal theory against 20,000 simulated studies of 24 seeds (each figure within 0.015 of the simulation)."""
+    rng = np.random.default_rng(0)
+    n, sd, alpha = 24, 0.11, 0.05 / 3
+    assert paired_t_power(0.0, sd, n, alpha) == pytest.approx(alpha)
+    assert paired_t_power(detectable_effect(sd, n, alpha), sd, n, alpha) == pytest.approx(0.8)
+    critical = scipy_stats.t.ppf(1 - alpha / 2, n - 1)
+    for effect, margin in ((0.0, 0.065), (0.08, 0.065), (0.03, 0.075)):
+        d = rng.normal(effect, sd, size=(20_000, n))
+        mean, std = d.mean(axis=1), d.std(axis=1, ddof=1)
+        half = scipy_stats.t.ppf(0.95, n - 1) * std / math.sqrt(n)
+        within = np.mean((mean - half >= -margin) & (mean + half <= margin))
+        helps = np.mean((mean / (std / math.sqrt(n)) > critical) & (mean >= margin))
+        assert within_margin_probability(margin, sd, n, effect) == pytest.approx(within, abs=0.015)
+        assert helps_probability(effect, margin, sd, n, alpha) == pytest.approx(helps, abs=0.015)
+    assert within_margin_probability(margin_for(0.5, sd, n), sd, n) == pytest.approx(0.5)
+    # 16 seeds put the true sd below 1.206 x the sample's with 80% confidence (χ² with 15 df)
+    assert sd_upper_bound(0.1, 16) == pytest.approx(0.1 * math.sqrt(15 / scipy_stats.chi2.ppf(0.2, 15)))
