@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ntl_pretrain.config import Recipe, RecipeError, dump_recipe
-from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, check_can_write, run_reporting
+from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_reporting
+from ntl_pretrain.outputs import check_output
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 # Commands whose modules own them (each module has `register(subparsers)`).
@@ -94,12 +95,11 @@ def run_train(args: argparse.Namespace) -> int:
     from ntl_pretrain.supervisor import EXIT_MARGIN_S, supervise
 
     started = time.time()
-    code = supervise(command, env, grace_seconds=recipe.train.stop_grace_seconds + EXIT_MARGIN_S)
-    report_end(recipe, code, started)
-    return code
+    grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
+    return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
 
 
-def report_end(recipe: Recipe, code: int, started: float) -> None:
+def end_line(recipe: Recipe, code: int, started: float) -> str | None:
     """A run stopped by a signal, or failed inside, ends with one line of its own after the launcher's lines."""
     from pathlib import Path
 
@@ -111,8 +111,7 @@ def report_end(recipe: Recipe, code: int, started: float) -> None:
         line = stop_line(output_dir, recipe.train.max_steps)
     else:
         line = last_failure_line(output_dir, started) if code else None
-    if line is not None:
-        print(f"ntl-pretrain: {line} (exit code {code})", file=sys.stderr, flush=True)
+    return None if line is None else f"ntl-pretrain: {line} (exit code {code})"
 
 
 def launch_environment(device: str) -> dict[str, str]:
@@ -132,7 +131,7 @@ def run_export(args: argparse.Namespace) -> int:
     from ntl_pretrain.console import stdout_to_stderr
     from ntl_pretrain.export import export_checkpoint
 
-    check_can_write("out_dir", Path(args.out_dir), folder=True)
+    check_output("out_dir", Path(args.out_dir), [args.checkpoint_dir], args.overwrite, folder=True)
     with stdout_to_stderr():  # stdout carries the folder only
         folder = export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype)
     print(folder)
@@ -143,7 +142,8 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
     from ntl_pretrain.console import stdout_to_stderr
     from ntl_pretrain.export import convert_gguf
 
-    check_can_write("out_dir", Path(args.out_dir), folder=True)
+    gguf = [] if args.gguf.startswith("pkg:") else [args.gguf]
+    check_output("out_dir", Path(args.out_dir), gguf, args.overwrite, folder=True)
     with stdout_to_stderr():  # stdout carries the folder only
         folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype)
     print(folder)
@@ -208,6 +208,7 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     export = commands.add_parser("export", help="one checkpoint step folder -> HF folder (safetensors)")
     export.add_argument("checkpoint_dir", help="<output_dir>/checkpoints/step_<N>")
     export.add_argument("out_dir")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
     export.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto = the run's training precision")  # fmt: skip
     export.set_defaults(func=run_export)
@@ -215,6 +216,7 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     convert = commands.add_parser("convert-gguf", help="GGUF causal LM -> HF folder usable as init_from")
     convert.add_argument("gguf", help="file path or pkg:<package>/<file>.gguf")
     convert.add_argument("out_dir")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
     convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     convert.set_defaults(func=run_convert_gguf)
 

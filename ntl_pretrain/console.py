@@ -25,8 +25,16 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from ntl_pretrain.console_relay import CONSOLE_TTY_ENV
+
 PREFIX = "ntl-pretrain: "
 VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce", "val_answer_ce", "val_answer_ntl")
+
+
+def on_terminal(stream: TextIO) -> bool:
+    """Whether `stream` reaches a terminal: itself, or (a rank's stdout under `ntl-pretrain train`) through the
+    supervisor's console relay, which says so in the environment."""
+    return stream.isatty() or os.environ.get(CONSOLE_TTY_ENV) == "1"
 
 
 def startup_line(parameters: int, world_size: int, micro_batch: int, global_batch: int, grad_accum: int,
@@ -124,7 +132,7 @@ class RunConsole:
         self.last_validation: dict | None = None
         self.peak_mem_mib = 0.0
         self.bar = None
-        if enabled and progress_bar and self.stream.isatty():
+        if enabled and progress_bar and on_terminal(self.stream):
             self.bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, file=self.stream)
 
     def say(self, message: str) -> None:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+EXIT_CONSOLE_CLOSED = 141
+"""128 + SIGPIPE: what a command killed by its closed output pipe returns, without Python's traceback."""
 MAX_MESSAGE_CHARS = 600  # a line a terminal shows whole; the log file keeps everything
 
 
@@ -72,6 +74,9 @@ def run_reporting(command: str, run: Callable[[], int | None], verbose: bool = F
     """`run()`'s exit code; what it raises becomes one line on stderr and exit code 2 (bad input) or 1."""
     try:
         return run() or 0
+    except BrokenPipeError:  # the console stopped reading (`| head`): nothing left to say, and nowhere to say it
+        _detach_console()
+        return EXIT_CONSOLE_CLOSED
     except (InputError, *BAD_PATHS) as error:
         if verbose:
             traceback.print_exc()
@@ -88,6 +93,16 @@ def run_reporting(command: str, run: Callable[[], int | None], verbose: bool = F
             traceback.print_exc()
         _say(command, f"failed: {type(error).__name__}: {' '.join(str(error).split())}", f" ({where})")
         return EXIT_FAILED
+
+
+def _detach_console() -> None:
+    """Point stdout and stderr at /dev/null, so that Python's flush at exit does not fail on the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
 
 
 def describe(error: Exception) -> str:

@@ -23,6 +23,7 @@ from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER, verify_before_reading
 from ntl_pretrain.config import read_yaml_file
 from ntl_pretrain.errors import InputError
 from ntl_pretrain.heads import saved_output_matrix
+from ntl_pretrain.outputs import write_folder
 from ntl_pretrain.tokenizer import resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -115,11 +116,15 @@ def _resolve_dtype(dtype: str, folder: Path) -> str:
 
 
 def _save(model: PreTrainedModel, tokenizer, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    _readable_as_umask_allows(out_dir)
-    return out_dir
+    """Written beside `out_dir` and renamed into place: an export killed mid-write leaves no HF-looking folder
+    without its weights (outputs.write_folder)."""
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        _readable_as_umask_allows(folder)
+
+    return write_folder(out_dir, save)
 
 
 def _readable_as_umask_allows(folder: Path) -> None:

@@ -22,7 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
+from ntl_pretrain.errors import InputError, add_verbose, run_reporting
+from ntl_pretrain.outputs import IMAGE_METADATA, SIGNATURE, check_output, starts_with, write_file
 
 TRAIN_PANELS = {
     "loss": "train loss (CE + λ·NTL)",
@@ -65,17 +66,19 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     with opener(path, "rt", encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, start=1):
             if line.strip():
-                records += _record(line, path, number)
+                records += _record(line, path, number, last=not line.endswith("\n"))
     return current_records(records)
 
 
-def _record(line: str, path: Path, number: int) -> list[dict]:
-    """[the line's record], or [] for a record cut short: JSON that ran out of text (`metrics.open_for_append` ends
-    such a line before the next record is appended)."""
+def _record(line: str, path: Path, number: int, last: bool = False) -> list[dict]:
+    """[the line's record], or [] for a record cut short: the file's unfinished last line (a kill or a full disk
+    while it was written; cut anywhere, inside a string or a number too), or an earlier line of JSON that ran out of
+    text (`metrics.open_for_append` ends such a line before the next record is appended)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        if line.lstrip().startswith("{") and error.pos >= len(line.rstrip()):
+        ran_out = error.pos >= len(line.rstrip())
+        if line.lstrip().startswith("{") and (last or ran_out):
             print(f"ntl-pretrain: {path}: line {number}: skipped a record cut short ({line.strip()[:60]!r})",
                   file=sys.stderr)  # fmt: skip
             return []
@@ -155,7 +158,9 @@ def plot_runs(
     figure = draw_figure(runs, list(groups) if groups else labels, [str(d) for d in run_dirs])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
+    image_format = out.suffix.lstrip(".").lower() or "png"
+    metadata = IMAGE_METADATA if image_format == "png" else None  # PNG's text chunk: `plot` knows its own images
+    write_file(out, lambda partial: figure.savefig(partial, dpi=110, format=image_format, metadata=metadata))
     plt.close(figure)
     return out
 
@@ -239,6 +244,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("-o", "--out", type=Path, required=True, help="PNG to write")
     parser.add_argument("--labels", nargs="+", default=None, help="legend label per run (default: folder name)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing -o file that `plot` did not write (its own it replaces)")  # fmt: skip
     parser.set_defaults(func=run_plot)
 
 
@@ -247,7 +254,7 @@ def run_plot(args: argparse.Namespace) -> int:
         raise InputError(f"--labels: {len(args.labels)} labels for {len(args.run_dirs)} runs")
     if args.out.is_dir():
         raise InputError(f"-o: {args.out} is a folder; name the image to write, e.g. {args.out / 'metrics.png'}")
-    check_can_write("-o", args.out)
+    check_output("-o", args.out, args.run_dirs, args.overwrite, ours=starts_with(SIGNATURE.encode()))
     if args.out.suffix.lower().lstrip(".") not in IMAGE_FORMATS:
         raise InputError(f"-o: {args.out}: name an image file ending in one of .{', .'.join(IMAGE_FORMATS)}")
     print(plot_runs(args.run_dirs, args.out, labels=args.labels))

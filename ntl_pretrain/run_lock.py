@@ -35,8 +35,9 @@ class RunLocked(RecipeError):
 
 def lock_path(output_dir: str | Path) -> Path:
     """`<output_dir>.lock`, beside the folder: taking the lock neither creates nor changes the run's folder, so a
-    run that dies before its first step leaves it as it was."""
-    folder = Path(output_dir).expanduser().absolute()
+    run that dies before its first step leaves it as it was. Of the resolved folder: two spellings of one folder (a
+    symlink, `..`) are one lock."""
+    folder = Path(output_dir).expanduser().resolve()
     return folder.with_name(folder.name + LOCK_SUFFIX)
 
 

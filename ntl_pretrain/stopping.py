@@ -1,4 +1,4 @@
-"""A graceful stop for training ranks: SIGTERM, SIGINT or SIGUSR1 saves a checkpoint at the next step boundary.
+"""A graceful stop for training ranks: SIGTERM, SIGINT, SIGUSR1 or SIGHUP saves a checkpoint at the next step boundary.
 
 The first signal only sets a flag. After every step the ranks agree on it (`Trainer`: one small all-reduce, so a
 signal to any rank stops them all at the same step), save a checkpoint of the step just finished, flush the
@@ -22,7 +22,9 @@ import time
 
 EXIT_STOPPED = 75
 """Exit code of a run stopped by a signal before train.max_steps (EX_TEMPFAIL: run the same command again)."""
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+"""SIGHUP too: a closed terminal or a dropped ssh session should save and stop, not lose the steps since the last
+checkpoint."""
 DUPLICATE_WINDOW_S = 2.0
 
 

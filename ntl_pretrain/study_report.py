@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ntl_pretrain.outputs import write_file, write_text
 from ntl_pretrain.plot import plot_runs, read_metrics
 from ntl_pretrain.study_decision import DecisionRule, decide, verdict_lines
 from ntl_pretrain.study_runs import BASELINE, StudyRun, baseline_of
@@ -254,14 +255,17 @@ def _p(p: float) -> str:
 def write_runs_csv(runs: list[StudyRun], measured: list[dict], path: Path) -> None:
     """One row per run: variant, seed, every evaluation result and error-profile key any run has, timing."""
     keys = list(dict.fromkeys(key for results in measured for key in results))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(["run", "variant", "seed", *keys, "train_s", "eval_s"])
-        for run, results in zip(runs, measured, strict=True):
-            timing = run.timing()
-            values = [results.get(key, "") for key in keys]
-            writer.writerow([run.name, run.variant, run.seed, *values, timing["train_s"], timing["eval_s"]])
+
+    def write(partial: Path) -> None:
+        with partial.open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["run", "variant", "seed", *keys, "train_s", "eval_s"])
+            for run, results in zip(runs, measured, strict=True):
+                timing = run.timing()
+                values = [results.get(key, "") for key in keys]
+                writer.writerow([run.name, run.variant, run.seed, *values, timing["train_s"], timing["eval_s"]])
+
+    write_file(path, write)
 
 
 def _compare(metric: Metric, results: list[dict], baseline: list[dict]) -> str:
@@ -428,8 +432,7 @@ def write_report(
         *per_run_table(runs, measured, metrics),
         "",
     ]
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text("\n".join(lines))
+    write_text(doc, "\n".join(lines))
 
 
 def _token_class_note(metrics: list[Metric]) -> list[str]:

@@ -15,6 +15,10 @@ run its signal handler (frozen in a collective or in I/O).
 The ranks die with the supervisor whatever ends it, and report to it whether they finished or stopped with a
 checkpoint, so that the supervisor exits with 0 or `EXIT_STOPPED` also when the signal reached DeepSpeed's
 launchers, which then exit 143 or 1 (`lifeline.py`).
+
+The launcher's stdout and stderr reach the console through `console_relay.py`, so a console that stops reading (a
+full pipe, `| head`, a closed terminal) drops lines instead of freezing or killing a rank; SIGHUP (the terminal went
+away) stops the run like SIGTERM.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
 from ntl_pretrain import lifeline
+from ntl_pretrain.console_relay import CONSOLE_TTY_ENV, ConsoleRelay, console_is_terminal
 from ntl_pretrain.stopping import EXIT_STOPPED, STOP_SIGNALS
 
 RANK_MODULE = "ntl_pretrain.train"
@@ -39,6 +45,8 @@ RANK_MODULE = "ntl_pretrain.train"
 # so that the supervisor still finds the frozen rank to name it.
 EXIT_MARGIN_S = 15.0
 DEFAULT_GRACE_SECONDS = 300.0 + EXIT_MARGIN_S  # train.stop_grace_seconds' default
+# After the launcher's session is gone, how long the relay may still be copying its last output.
+RELAY_DRAIN_S = 5.0
 
 
 def training_ranks(launcher: psutil.Process) -> list[psutil.Process]:
@@ -61,23 +69,54 @@ def _is_rank(process: psutil.Process | None) -> bool:
     return any(option == "-m" and module == RANK_MODULE for option, module in zip(command, command[1:], strict=False))
 
 
-def supervise(command: list[str], env: dict | None = None, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
+def supervise(
+    command: list[str],
+    env: dict | None = None,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    last_line: Callable[[int], str | None] | None = None,
+) -> int:
     """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns 0 when the
     ranks reported that they finished, `EXIT_STOPPED` when they stopped on a signal with a checkpoint, else the
-    command's exit code (128 + signal when a signal ended it)."""
+    command's exit code (128 + signal when a signal ended it). `last_line(code)`: a line for stderr after the run's
+    own output (through the same relay, so that it cannot block either)."""
     handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
     os.close(handle)
     outcome_file = Path(name)
+    relays = ConsoleRelay(sys.stdout.fileno()), ConsoleRelay(sys.stderr.fileno())
+    terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(sys.stderr.fileno()) else {}
     try:
-        code = _run(command, {**(env or os.environ), **lifeline.environment(outcome_file)}, grace_seconds)
+        env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
+        code = _run(command, env, grace_seconds, relays)
         outcome = lifeline.reported_outcome(outcome_file)
-        return {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED}.get(outcome, code)
+        code = {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED}.get(outcome, code)
+        line = last_line(code) if last_line is not None else None
+        _close_relays(relays, line)
+        return code
     finally:
         outcome_file.unlink(missing_ok=True)
 
 
-def _run(command: list[str], env: dict, grace_seconds: float) -> int:
-    launcher = subprocess.Popen(command, env=env, start_new_session=True)
+def _close_relays(relays: tuple[ConsoleRelay, ConsoleRelay], line: str | None) -> None:
+    """Copy what is left of the run's output, then the last line and a count of what the console did not take."""
+    for relay in relays:
+        relay.wait_for_child_output(RELAY_DRAIN_S)
+    stdout, stderr = relays
+    if line is not None:
+        stderr.say(line)
+    dropped = stdout.dropped_bytes + stderr.dropped_bytes
+    if dropped:
+        stderr.say(f"ntl-pretrain: the console did not take {dropped:,} bytes of the run's output (metrics.jsonl "
+                   f"has every record)")  # fmt: skip
+    for relay in relays:
+        relay.close()
+
+
+def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[ConsoleRelay, ConsoleRelay]) -> int:
+    stdout, stderr = relays
+    launcher = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout.write_fd,
+                                stderr=stderr.write_fd)  # fmt: skip
+    for relay in relays:
+        relay.start()
     first_signal: list[tuple[float, str]] = []
 
     def forward(signum: int, _frame) -> None:
@@ -95,7 +134,7 @@ def _run(command: list[str], env: dict, grace_seconds: float) -> int:
     try:
         while launcher.poll() is None:
             if first_signal and time.monotonic() - first_signal[0][0] > grace_seconds:
-                _name_frozen_ranks(launcher, grace_seconds, first_signal[0][1])
+                _name_frozen_ranks(launcher, grace_seconds, first_signal[0][1], stderr.say)
                 _signal_session(launcher.pid, signal.SIGKILL)
                 launcher.wait()
                 break
@@ -109,7 +148,9 @@ def _run(command: list[str], env: dict, grace_seconds: float) -> int:
     return 128 - code if code < 0 else code
 
 
-def _name_frozen_ranks(launcher: subprocess.Popen, grace_seconds: float, signal_name: str) -> None:
+def _name_frozen_ranks(
+    launcher: subprocess.Popen, grace_seconds: float, signal_name: str, say: Callable[[str], None]
+) -> None:
     """One line per rank that outlived the grace: it never ran its signal handler, so it is stuck where Python
     cannot interrupt it (a collective whose peer is gone, a hung file system)."""
     for rank in training_ranks(psutil.Process(launcher.pid)):
@@ -117,9 +158,9 @@ def _name_frozen_ranks(launcher: subprocess.Popen, grace_seconds: float, signal_
             number, status = rank.environ().get("RANK", "?"), rank.status()
         except psutil.Error:
             continue
-        print(f"ntl-pretrain: supervisor: rank {number} (pid {rank.pid}, {status}) has not stopped {grace_seconds:g} s "
-              f"after {signal_name}: frozen where it cannot run its signal handler (a collective whose peer is gone, "
-              f"a hung file system); killing the run", file=sys.stderr, flush=True)  # fmt: skip
+        say(f"ntl-pretrain: supervisor: rank {number} (pid {rank.pid}, {status}) has not stopped {grace_seconds:g} s "
+            f"after {signal_name}: frozen where it cannot run its signal handler (a collective whose peer is gone, "
+            f"a hung file system); killing the run")  # fmt: skip
 
 
 def _signal_session(session_id: int, signum: int) -> None:

@@ -26,14 +26,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--safe_serialization", action="store_true",
                         help="accepted for DeepSpeed's command line: the weights are always safetensors")  # fmt: skip
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUTPUT_DIR")
     args = parser.parse_args(argv)
     try:
+        from ntl_pretrain.errors import InputError
         from ntl_pretrain.export import export_checkpoint
+        from ntl_pretrain.outputs import check_output
     except ImportError:
         message = "this checkpoint was written by ntl_pretrain: install it (pip install ntl_pretrain) to convert it"
         print(f"zero_to_fp32.py: {message}", file=sys.stderr)
         return 1
-    print(export_checkpoint(step_folder(Path(args.checkpoint_dir), args.tag), args.output_dir, dtype=args.dtype))
+    step = step_folder(Path(args.checkpoint_dir), args.tag)
+    try:  # the folder is written whole and renamed into place: an existing one would be replaced, not merged
+        check_output("output_dir", Path(args.output_dir), [step], args.overwrite, folder=True)
+    except InputError as error:
+        print(f"zero_to_fp32.py: {error}", file=sys.stderr)
+        return 2
+    print(export_checkpoint(step, args.output_dir, dtype=args.dtype))
     return 0
 
 

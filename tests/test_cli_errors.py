@@ -158,6 +158,67 @@ ROWS = [
     ("study-stop-after", ["study", "--stop-after", "-5"], 2, ["--stop-after", "-5"]),
     ("study-protocol-missing", ["study", "--protocol", "{tmp}/none.md"], 2, ["--protocol", "none.md"]),
     ("doctor-busbw", ["doctor", "--expected-busbw", "-5"], 2, ["ntl-pretrain doctor:", "--expected-busbw", "-5"]),
+    # issue 42: nothing a user did not name is replaced (an input, a symlink, a file a command did not write)
+    (
+        "eval-out-model-config",
+        ["eval", "{tmp}/hf", "--out", "{tmp}/hf/config.json"],
+        2,
+        ["--out", "exists", "--overwrite"],
+    ),
+    (
+        "eval-answers-is-qa",
+        ["eval", "{tmp}/hf-64", "--qa", "{tmp}/qa.jsonl", "--answers", "{tmp}/qa.jsonl", "--overwrite"],
+        2,
+        ["--answers", "qa.jsonl is (or holds) the input"],
+    ),
+    (
+        "eval-out-is-answers",
+        ["eval", "{tmp}/hf", "--out", "{tmp}/r.json", "--answers", "{tmp}/r.json"],
+        2,
+        ["also --out"],
+    ),
+    (
+        "export-existing-folder",
+        ["export", "{tmp}/nope", "{tmp}/hf"],
+        2,
+        ["out_dir", "hf exists (folder)", "--overwrite"],
+    ),
+    (
+        "export-into-checkpoint",
+        ["export", "{tmp}/alias-run", "{tmp}/alias-run", "--overwrite"],
+        2,
+        ["is (or holds) the input"],
+    ),
+    ("gguf-existing-folder", ["convert-gguf", "{tmp}/cut.gguf", "{tmp}/hf"], 2, ["out_dir", "exists (folder)"]),
+    (
+        "plot-through-symlink",
+        ["plot", "{tmp}/bare-run", "-o", "{tmp}/link.png"],
+        2,
+        ["-o", "is a symlink", "alias.yaml"],
+    ),
+    ("plot-user-image", ["plot", "{tmp}/bare-run", "-o", "{tmp}/photo.png"], 2, ["-o", "photo.png exists (file)"]),
+    (
+        "arithmetic-existing",
+        ["data", "make-arithmetic", "--out", "{tmp}/corpus"],
+        2,
+        ["--out", "train.jsonl exists", "--overwrite"],
+    ),
+    ("regression-existing", ["data", "make-regression", "--out", "{tmp}/corpus"], 2, ["regression/train.jsonl exists"]),
+    ("prose-existing", ["data", "import-prose", "{tmp}/file.txt", "--out", "{tmp}/corpus/addition"], 2, ["exists"]),
+    ("tokenizer-existing", ["data", "train-tokenizer", "--corpus", "{tmp}/corpus", "--out", "{tmp}/hf"], 2, ["exists"]),
+    ("study-doc-is-plot", ["study", "--doc", "{tmp}/r.md", "--plot", "{tmp}/r.md"], 2, ["--plot", "also --doc"]),
+    (
+        "study-doc-user-file",
+        ["study", "--doc", "{tmp}/file.txt"],
+        2,
+        ["--doc", "file.txt exists (file)", "--overwrite"],
+    ),
+    (
+        "study-doc-is-protocol",
+        ["study", "--doc", "{tmp}/alias.yaml", "--protocol", "{tmp}/alias.yaml"],
+        2,
+        ["--doc", "is (or holds) the input"],
+    ),
 ]
 
 
@@ -177,6 +238,12 @@ def workspace(tmp_path):
     model_folders(tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05")  # the magic, then a header cut short
+    (tmp_path / "link.png").symlink_to(tmp_path / "alias.yaml")
+    (tmp_path / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n a user's own picture")
+    (tmp_path / "qa.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    for name in ("addition", "regression", "arithmetic", "prose", "word_problems"):
+        (tmp_path / "corpus" / name).mkdir(parents=True)
+        (tmp_path / "corpus" / name / "train.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
     (tmp_path / "text-run").mkdir()
     (tmp_path / "text-run" / "metrics.jsonl").write_text('{"step": "one", "loss": "low"}\n')
     step = tmp_path / "alias-run" / "checkpoints" / "step_1"

@@ -139,3 +139,14 @@ def test_a_torn_last_record_survives_the_next_resume_and_plot(tmp_path: Path, ca
     assert f"{run / 'metrics.jsonl'}: line 4: skipped a record cut short" in capsys.readouterr().err
     out = tmp_path / "run.png"
     assert main([str(run), "-o", str(out)]) == 0 and out.is_file()
+
+
+def test_a_last_record_cut_at_any_position_is_skipped_not_refused(tmp_path: Path, capsys) -> None:
+    """Issue 42: a kill may cut the last line anywhere (inside a string, inside a number); `plot` keeps the run."""
+    run = write_run(tmp_path / "run", training_records(2, 1.0))
+    whole = (run / "metrics.jsonl").read_text()
+    last = json.dumps({"step": 3, "loss": 0.7512, "split": "train", "lr": 1.5e-4, "data/source/addition/weight": 1.0})
+    for cut in range(1, len(last)):
+        (run / "metrics.jsonl").write_text(whole + last[:cut])
+        assert [record["step"] for record in read_metrics(run)] == [1, 2], last[:cut]
+    assert "line 3: skipped a record cut short" in capsys.readouterr().err

@@ -68,3 +68,35 @@ def test_a_live_or_unknown_holder_is_refused_naming_it_and_the_way_out(case, tmp
     assert run_lock.lock_path(tmp_path).read_text() == text  # untouched
     run_lock.release(run_lock.lock_path(tmp_path))  # not ours: kept
     assert run_lock.lock_path(tmp_path).read_text() == text
+
+
+def test_one_folder_is_one_lock_however_it_is_spelled(tmp_path):
+    """Issue 42: a second run through a symlink (or `..`) to a live run's folder is refused like the same spelling."""
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(folder)
+    path = run_lock.acquire(folder)
+    try:
+        for spelling in (tmp_path / "link", tmp_path / "runs" / ".." / "runs" / "a"):
+            assert run_lock.lock_path(spelling) == path
+            with pytest.raises(run_lock.RunLocked, match="is in use by another run"):
+                run_lock.check_free(spelling)
+    finally:
+        run_lock.release(path)
+
+
+def test_a_study_never_deletes_a_run_folder_that_a_live_run_holds(tmp_path):
+    """Issue 42: a second `study` on the same --runs-dir refused, the first one's live run folder left whole."""
+    from ntl_pretrain.study import run_all
+    from ntl_pretrain.study_runs import StudyRun
+
+    run = StudyRun("ce", 0, tmp_path / "ce.yaml", tmp_path / "runs" / "ce-seed0")
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    path = run_lock.acquire(run.run_dir)  # the first study's training rank holds it
+    try:
+        with pytest.raises(run_lock.RunLocked, match="is in use by another run"):
+            run_all([run], [], [], jobs=1, env={}, logs=tmp_path / "logs")
+    finally:
+        run_lock.release(path)
+    assert (run.run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
+from ntl_pretrain.outputs import write_text
+
 Example = dict[str, str]
 
 
@@ -236,10 +238,8 @@ def make_set(set_name: str, sizes: dict[str, int], seed: int) -> dict[str, list[
 
 
 def write_jsonl(path: Path, examples: list[Example]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for example in examples:
-            out.write(json.dumps(example, ensure_ascii=False) + "\n")
+    """Written beside `path` and renamed into place (outputs.py): never half a file, never through a symlink."""
+    write_text(path, "".join(json.dumps(example, ensure_ascii=False) + "\n" for example in examples))
 
 
 def make_arithmetic(out_dir: Path, sizes: dict[str, dict[str, int]], seed: int) -> list[Path]:

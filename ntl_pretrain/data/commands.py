@@ -6,7 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
-from ntl_pretrain.errors import InputError, check_can_write
+from ntl_pretrain.errors import InputError
+from ntl_pretrain.outputs import check_output, check_outputs_in
 
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 ARITHMETIC_SIZES = {"train": 15000, "validation": 1000, "interpolation": 1000, "extrapolation": 1000}
@@ -41,6 +42,7 @@ def _add_make_arithmetic(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, default=CORPUS, help="folder for <set>/<split>.jsonl")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every split size")
+    parser.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     parser.set_defaults(func=run_make_arithmetic)
 
 
@@ -49,7 +51,6 @@ def run_make_arithmetic(args: argparse.Namespace) -> None:
 
     if not 0 < args.scale <= MAX_SCALE:
         raise InputError(f"--scale: must be in (0, {MAX_SCALE}], got {args.scale}")
-    check_can_write("--out", args.out, folder=True)
 
     def scaled(sizes: dict[str, int]) -> dict[str, int]:
         return {split: max(1, round(size * args.scale)) for split, size in sizes.items()}
@@ -60,6 +61,8 @@ def run_make_arithmetic(args: argparse.Namespace) -> None:
         "addition": scaled(ADDITION_SIZES),
         "multiplication": scaled(MULTIPLICATION_SIZES),
     }
+    names = [f"{name}/{split}.jsonl" for name, splits in sizes.items() for split in splits]
+    check_outputs_in("--out", args.out, names, args.overwrite)
     for path in make_arithmetic(args.out, sizes, args.seed):
         print(path)
 
@@ -77,6 +80,7 @@ def _add_make_regression(commands: argparse._SubParsersAction) -> None:
         "--noise-sd", type=float, default=NOISE_SD, help="sd of the Gaussian noise on train and validation answers"
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every split size")
+    parser.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     parser.set_defaults(func=run_make_regression)
 
 
@@ -90,7 +94,7 @@ def run_make_regression(args: argparse.Namespace) -> None:
         raise InputError(f"--scale: {sum(sizes.values())} questions, more than the {(OPERAND_MAX + 1) ** 2} there are")
     if not (math.isfinite(args.noise_sd) and args.noise_sd >= 0):
         raise InputError(f"--noise-sd: must be finite and >= 0, got {args.noise_sd}")
-    check_can_write("--out", args.out, folder=True)
+    check_outputs_in("--out", args.out, [f"regression/{split}.jsonl" for split in sizes], args.overwrite)
     for path in make_regression(args.out, sizes, args.seed, args.noise_sd):
         print(path)
 
@@ -102,6 +106,7 @@ def _add_import_prose(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("book", type=Path, help="plain-text Gutenberg book, e.g. sentencepiece's botchan.txt")
     parser.add_argument("--out", type=Path, default=CORPUS / "prose")
     parser.add_argument("--lines-per-document", type=int, default=20)
+    parser.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     parser.set_defaults(func=run_import_prose)
 
 
@@ -110,7 +115,7 @@ def run_import_prose(args: argparse.Namespace) -> None:
 
     if args.lines_per_document < 1:
         raise InputError(f"--lines-per-document: must be >= 1, got {args.lines_per_document}")
-    check_can_write("--out", args.out, folder=True)
+    check_outputs_in("--out", args.out, ["train.jsonl", "validation.jsonl"], args.overwrite)
     for path in import_book(args.book, args.out, args.lines_per_document):
         print(path)
 
@@ -130,6 +135,7 @@ def _add_train_tokenizer(commands: argparse._SubParsersAction) -> None:
         metavar="{1..4}",
         help="numbers in chunks of at most this many digits, left to right (1: single digits; 3: as Llama-3)",
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     parser.set_defaults(func=run_train_tokenizer)
 
 
@@ -143,7 +149,7 @@ def run_train_tokenizer(args: argparse.Namespace) -> None:
     if args.vocab_size < 1:
         raise InputError(f"--vocab-size: must be >= 1, got {args.vocab_size}")
     out = args.out or CORPUS / tokenizer_folder(args.max_digits)
-    check_can_write("--out", out, folder=True)
+    check_output("--out", out, files, args.overwrite, folder=True)
     tokenizer = train_and_save(files, out, args.vocab_size, args.max_digits)
     print(f"{out}: vocab {len(tokenizer)} trained on {', '.join(str(f) for f in files)}")
 

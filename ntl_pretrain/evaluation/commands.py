@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ntl_pretrain.checkpoint import verify_before_reading
 from ntl_pretrain.console import stdout_to_stderr
 from ntl_pretrain.data.config import DataConfig, SourceConfig
-from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
+from ntl_pretrain.errors import InputError, add_verbose, run_reporting
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
@@ -36,6 +36,7 @@ from ntl_pretrain.evaluation.model_folder import (
 )
 from ntl_pretrain.evaluation.validation import validation_metrics
 from ntl_pretrain.metrics import open_for_append
+from ntl_pretrain.outputs import check_output, write_text
 from ntl_pretrain.process_group import bind_local_device, default_backend
 from ntl_pretrain.tokenizer import resolve_path
 
@@ -90,7 +91,7 @@ def _write_answers(answered: dict, path: Path) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(record) + "\n" for record in answer_records(answered)))
+    write_text(path, "".join(json.dumps(record) + "\n" for record in answer_records(answered)))
 
 
 def _export_on_rank0(target: Target, scratch: Path) -> Target:
@@ -155,6 +156,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-metrics", action="store_true", help="append the record to the run's metrics.jsonl")
     parser.add_argument("--answers", type=Path, default=None, metavar="JSONL",
                         help="also write every question, reference and generated answer to this file")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out / --answers file (never one of the inputs)")  # fmt: skip
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
     parser.set_defaults(func=run_eval)
 
@@ -193,9 +196,12 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
         value = getattr(args, name)
         if value is not None and value < least:
             raise InputError(f"--{name.replace('_', '-')}: must be >= {least}, got {value}")
+    inputs = [args.target, *(args.qa or []), *(args.validation or [])]
     for option in ("out", "answers"):
         if getattr(args, option) is not None:
-            check_can_write(f"--{option}", getattr(args, option))
+            check_output(f"--{option}", getattr(args, option), inputs, args.overwrite)
+    if args.out is not None and args.answers is not None and args.out.resolve() == args.answers.resolve():
+        raise InputError(f"--answers: {args.answers} is also --out; name two files")
     if args.template is not None and not args.validation:
         raise InputError("--template: formats the --validation records; give --validation too")
     target = resolve_target(args.target)
@@ -246,8 +252,7 @@ def _publish(record: dict, args: argparse.Namespace) -> None:
     text = json.dumps(record)
     print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        write_text(args.out, json.dumps(record, indent=1) + "\n")
     if args.log_metrics:
         run_dir = resolve_target(args.target).run_dir
         with open_for_append(run_dir / "metrics.jsonl") as metrics:

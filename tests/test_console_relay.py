@@ -1,0 +1,123 @@
+"""The console can neither freeze nor kill a run (issue 42): the supervisor relays the launcher's output, drops what a
+console does not take, and stops the run on SIGHUP like on SIGTERM.
+
+The launcher here is a small Python program (no DeepSpeed): what is tested is the supervisor between a run and its
+console. Each case runs the supervisor in a process of its own whose stdout is a pipe nobody reads, or a pipe whose
+reader has gone (`| head`), and checks that the "run" writes everything it means to and finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ntl_pretrain.console_relay import CONSOLE_TTY_ENV
+from ntl_pretrain.stopping import EXIT_STOPPED, STOP_SIGNALS, StopRequest
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 60
+# Writes 8 MiB to stdout (128x a pipe's buffer) in lines, then a marker file: a rank logging while nobody reads.
+NOISY_RUN = """
+import sys, pathlib
+line = "x" * 1023 + "\\n"
+for _ in range(8 * 1024):
+    sys.stdout.write(line)
+sys.stdout.flush()
+print("run: finished", file=sys.stderr, flush=True)
+pathlib.Path(sys.argv[1]).write_text("done")
+"""
+# Waits for a stop signal, as a rank does, and records which one came.
+STOPPABLE_RUN = """
+import os, signal, sys, time, pathlib
+from ntl_pretrain.stopping import STOP_SIGNALS
+def stop(signum, _frame):
+    pathlib.Path(sys.argv[1]).write_text(signal.Signals(signum).name)
+    sys.exit(75)
+for signum in STOP_SIGNALS:
+    signal.signal(signum, stop)
+pathlib.Path(sys.argv[1] + ".ready").write_text(os.environ.get("NTL_PRETRAIN_CONSOLE_TTY", ""))
+time.sleep(120)
+"""
+
+
+def supervised(program: str, marker: Path, stdout, stderr, **popen) -> subprocess.Popen:
+    """The supervisor, in a process of its own, running `program` as its launcher."""
+    launcher = [sys.executable, "-c", program, str(marker)]
+    supervisor = "import sys; from ntl_pretrain.supervisor import supervise; " \
+        f"sys.exit(supervise({launcher!r}, grace_seconds=30))"  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", supervisor], stdout=stdout, stderr=stderr, env=env, **popen)
+
+
+def test_a_console_nobody_reads_neither_blocks_the_run_nor_keeps_its_supervisor(tmp_path):
+    marker, errors = tmp_path / "marker", tmp_path / "stderr.txt"
+    read_end, write_end = os.pipe()  # nobody reads: 64 KiB fill it, and a plain child would block at once
+    try:
+        with errors.open("wb") as stderr:
+            process = supervised(NOISY_RUN, marker, write_end, stderr)
+            started = time.monotonic()
+            assert process.wait(timeout=TIMEOUT_S) == 0
+        elapsed = time.monotonic() - started
+    finally:
+        os.close(write_end)
+        os.close(read_end)
+    assert marker.read_text() == "done", "the run must write everything it means to"
+    said = errors.read_text()
+    assert "run: finished" in said
+    assert "the console did not take" in said and "metrics.jsonl has every record" in said
+    assert elapsed < 30, f"the supervisor waited {elapsed:.0f} s for a console that does not read"
+
+
+def test_a_closed_console_drops_the_output_and_the_run_ends_normally(tmp_path):
+    marker, errors = tmp_path / "marker", tmp_path / "stderr.txt"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head` has exited: every write to the pipe fails with EPIPE
+    try:
+        with errors.open("wb") as stderr:
+            process = supervised(NOISY_RUN, marker, write_end, stderr)
+            assert process.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        os.close(write_end)
+    assert marker.read_text() == "done"
+    said = errors.read_text()
+    assert "BrokenPipeError" not in said and "Traceback" not in said, said[-2000:]
+    assert f"{8 * 1024 * 1024:,} bytes" in said, said[-2000:]  # all of stdout, counted
+
+
+def test_sighup_reaches_the_run_as_a_stop_signal_and_the_terminal_is_announced(tmp_path):
+    import pty
+
+    marker = tmp_path / "marker"
+    terminal, terminal_peer = pty.openpty()  # the supervisor's stderr is a terminal, its stdout a file
+    try:
+        with (tmp_path / "stdout.txt").open("wb") as stdout:
+            process = supervised(STOPPABLE_RUN, marker, stdout, terminal_peer, start_new_session=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # fmt: skip
+            deadline = time.monotonic() + TIMEOUT_S
+            while not Path(f"{marker}.ready").exists():
+                assert process.poll() is None and time.monotonic() < deadline, "the run did not start"
+                time.sleep(0.1)
+            process.send_signal(signal.SIGHUP)  # the terminal closed
+            assert process.wait(timeout=TIMEOUT_S) == EXIT_STOPPED
+    finally:
+        os.close(terminal)
+        os.close(terminal_peer)
+    assert marker.read_text() == "SIGHUP"
+    assert Path(f"{marker}.ready").read_text() == "1", f"{CONSOLE_TTY_ENV} tells the ranks their console is a terminal"
+
+
+def test_a_rank_takes_sighup_as_a_request_to_save_and_stop():
+    assert signal.SIGHUP in STOP_SIGNALS
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:
+        stop = StopRequest(grace_seconds=60)
+        stop.install()
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.requested and stop.signal_name == "SIGHUP"
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
