@@ -382,6 +382,10 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str
     return merged, origins
 
 
+YAML11_BOOL_WORDS = ("yes", "no", "on", "off")
+"""Words YAML 1.1 reads as booleans; a recipe spells booleans `true`/`false`, so these are refused, not guessed."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one silently) and every
     alias: a few hundred bytes of nested aliases expand to gigabytes, and a recipe has no need to repeat a value
@@ -394,6 +398,27 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                               f"allowed; write the value out")  # fmt: skip
         return super().compose_node(parent, index)
 
+    def construct_yaml_int(self, node):
+        return self._not_base_60(node, super().construct_yaml_int(node))
+
+    def construct_yaml_float(self, node):
+        return self._not_base_60(node, super().construct_yaml_float(node))
+
+    def construct_yaml_bool(self, node):
+        value = super().construct_yaml_bool(node)
+        if node.value.lower() in YAML11_BOOL_WORDS:
+            raise RecipeError(f"line {node.start_mark.line + 1}: {node.value!r} reads as {value} in YAML 1.1; write "
+                              f"{str(value).lower()}, or quote it for the text")  # fmt: skip
+        return value
+
+    @staticmethod
+    def _not_base_60(node, value):
+        """YAML 1.1 reads `1:30` as 90 (base 60): a typo'd duration or ratio would train for a surprising length."""
+        if ":" in node.value:
+            raise RecipeError(f"line {node.start_mark.line + 1}: {node.value!r} reads as the base-60 number {value} "
+                              f"in YAML 1.1; write the number, or quote it for the text")  # fmt: skip
+        return value
+
     def construct_mapping(self, node, deep=False):
         seen: dict[object, int] = {}
         for key_node, _ in node.value:
@@ -405,6 +430,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise RecipeError(f"line {line}: duplicate key {key!r} (first at line {seen[key]})")
             seen[key] = line
         return super().construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.construct_yaml_bool)
 
 
 def read_yaml_file(path: Path) -> object:

@@ -72,6 +72,23 @@ ROWS = [
     ("typo-override", CHILD, ["trian.max_steps=5"], [], ["command-line override", "trian: unknown key", "'train'"]),
     ("typo-override-leaf", CHILD, ["train.max_step=5"], [], ["command-line override", "'max_steps'"]),
     ("section-not-mapping", CHILD + "model: 5\n", [], [], ["r.yaml", "model: expected a mapping"]),
+    # YAML 1.1 surprises (issue 42): refused, never read as something else
+    (
+        "yaml11-base-60",
+        CHILD + "train: {max_steps: 1:30}\n",
+        [],
+        [],
+        ["r.yaml", "line 2", "'1:30'", "base-60 number 90"],
+    ),
+    ("yaml11-base-60-override", CHILD, ["train.max_steps=1:30"], [], ["command-line override", "base-60"]),
+    (
+        "yaml11-yes",
+        CHILD + "logging: {wandb: yes}\n",
+        [],
+        [],
+        ["r.yaml", "line 2", "'yes' reads as True", "write true"],
+    ),
+    ("prompt-with-answer", CHILD + "eval: {prompt_template: '{question}{answer}'}\n", [], [], ["not {answer}"]),
     # override syntax
     ("override-unclosed", CHILD, ["data.sources=[{"], [], ["command-line override", "data.sources", "not valid YAML"]),
     ("override-empty", CHILD, ["loss.ntl.kind="], [], ["command-line override", "loss.ntl.kind", "null"]),

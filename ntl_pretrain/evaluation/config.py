@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,14 @@ class EvalConfig:
             raise ValueError("every_steps: must be >= 1")
         if "{question}" not in self.prompt_template:
             raise ValueError(f"prompt_template: {self.prompt_template!r} must contain {{question}}")
+        try:
+            fields = {field for _, field, _, _ in string.Formatter().parse(self.prompt_template) if field is not None}
+        except ValueError as error:
+            raise ValueError(f"prompt_template: {self.prompt_template!r}: {error} (write {{{{ for a brace)") from error
+        if fields - {"question"}:
+            extra = ", ".join(f"{{{field}}}" for field in sorted(fields - {"question"}))
+            raise ValueError(f"prompt_template: {self.prompt_template!r} may hold only {{question}}, not {extra} (the "
+                             f"answer must not be in the prompt; write {{{{ for a brace)")  # fmt: skip
         if self.max_examples is not None and self.max_examples < 1:
             raise ValueError("max_examples: must be >= 1")
         if self.max_new_tokens < 1:
