@@ -9,9 +9,10 @@ import importlib.util
 import inspect
 import os
 import socket
+import sys
 from pathlib import Path
 
-from ntl_pretrain import checkpoint, run_lock
+from ntl_pretrain import checkpoint, flash_attention, run_lock
 from ntl_pretrain.config import Recipe, RecipeError
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
@@ -171,22 +172,45 @@ def check_attention(recipe: Recipe) -> None:
         if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
             raise RecipeError(f"model.attention: sdpa: transformers runs {model_class.__name__} without SDPA; use "
                               f"auto (which picks eager for it) or eager")  # fmt: skip
+    if attention == "auto":
+        check_auto_attention(recipe)
     if attention != "flash_attention_2":
         return
     import torch
 
-    if importlib.util.find_spec("flash_attn") is None:
+    if not flash_attention.installed():
         raise RecipeError("model.attention: flash_attention_2 needs the flash-attn package (pip install "
                           "'ntl_pretrain[flash]' on a CUDA machine); use auto or sdpa")  # fmt: skip
     if not torch.cuda.is_available():
         raise RecipeError("model.attention: flash_attention_2 runs on CUDA GPUs and this machine has none visible; "
                           "use auto or sdpa")  # fmt: skip
+    error = flash_attention.import_error_in_child()
+    if error is not None:
+        raise RecipeError(f"model.attention: flash_attention_2: flash-attn is installed but does not import: {error}; "
+                          f"install a build for torch {torch.__version__} (CUDA {torch.version.cuda}), or use auto "
+                          f"or sdpa")  # fmt: skip
     if recipe.data.per_document_attention and not transformers_takes_varlen_arguments():
         import transformers
 
         raise RecipeError(f"data.per_document_attention: flash_attention_2 keeps attention inside documents only "
                           f"through the varlen arguments, which transformers {transformers.__version__} does not "
                           f"take; use model.attention: sdpa, or a newer transformers")  # fmt: skip
+
+
+def check_auto_attention(recipe: Recipe) -> None:
+    """`auto` on a GPU with flash-attn installed would pick it: import it once here, in a child process, and when it
+    does not import say why and tell the ranks to use SDPA (`flash_attention.UNAVAILABLE`), instead of every rank
+    crashing at model build."""
+    import torch
+
+    bf16_on_gpu = recipe.train.device != "cpu" and recipe.train.precision == "bf16" and torch.cuda.is_available()
+    if not bf16_on_gpu or not flash_attention.installed():
+        return
+    error = flash_attention.import_error_in_child()
+    if error is not None:
+        os.environ[flash_attention.UNAVAILABLE] = error  # the ranks' environment is copied from this one
+        print(f"ntl-pretrain: model.attention: auto: flash-attn is installed but does not import ({error}); the "
+              f"ranks use sdpa", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def check_optional_packages(recipe: Recipe) -> None:

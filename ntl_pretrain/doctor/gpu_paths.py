@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import torch
@@ -121,8 +120,10 @@ def flash_documents_check(device: torch.device) -> Check:
     name = "flash-attention documents"
     if device.type != "cuda":
         return Check(name, None, "GPU only")
-    if importlib.util.find_spec("flash_attn") is None:
-        return Check(name, None, "flash-attn not installed")
+    from ntl_pretrain import flash_attention
+
+    if (error := flash_attention.import_error()) is not None:
+        return Check(name, None if not flash_attention.installed() else False, f"flash-attn: {error}")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ntl_pretrain.document_attention import varlen_arguments
