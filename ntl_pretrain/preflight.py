@@ -7,9 +7,11 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import netrc
 import os
 import socket
 import sys
+import urllib.parse
 from pathlib import Path
 
 from ntl_pretrain import checkpoint, flash_attention, run_lock
@@ -18,6 +20,9 @@ from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
 from ntl_pretrain.preflight_model import check_given_sizes, check_model, position_limits
 from ntl_pretrain.tokenizer import resolve_path
+
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")  # WANDB_MODE values that need neither key nor network
+WANDB_CONNECT_TIMEOUT_S = 5.0
 
 
 def check_world(recipe: Recipe, master_port: int | None) -> None:
@@ -217,9 +222,43 @@ def check_optional_packages(recipe: Recipe) -> None:
     """The extras a recipe asks for, found before launch: without wandb every rank failed at its first log, minutes
     in. (flash-attn: `check_attention`; zstandard and datasets, for `.zst` and parquet/arrow/hub sources, are
     dependencies of the package itself.)"""
-    if recipe.logging.wandb and not installed("wandb"):
-        raise RecipeError("logging.wandb: true needs the wandb package, which is not installed: pip install "
-                          "'ntl_pretrain[wandb]' (or set logging.wandb=false)")  # fmt: skip
+    setting = recipe.logging.wandb
+    if setting is not False and not installed("wandb"):
+        raise RecipeError(f"logging.wandb: {str(setting).lower()} needs the wandb package, which is not installed: pip "
+                          f"install 'ntl_pretrain[wandb]' (or set logging.wandb=false)")  # fmt: skip
+    if setting is True:
+        check_wandb_can_log()
+
+
+def check_wandb_can_log() -> None:
+    """`logging.wandb: true` logs online unless WANDB_MODE says otherwise: without an API key, or without a route
+    to the server, `wandb.init` failed minutes in, after the model had loaded."""
+    if os.environ.get("WANDB_MODE", "").lower() in WANDB_LOCAL_MODES:
+        return
+    server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    address = urllib.parse.urlparse(server)
+    host, port = address.hostname or server, address.port or (80 if address.scheme == "http" else 443)
+    if not os.environ.get("WANDB_API_KEY") and not netrc_has(host):
+        raise RecipeError(f"logging.wandb: true, but W&B has no API key here (WANDB_API_KEY, or `wandb login`'s "
+                          f"entry for {host} in ~/.netrc) and WANDB_MODE is not offline or disabled; log in, or set "
+                          f"logging.wandb: offline (logs in <output_dir>/wandb, `wandb sync` later) or "
+                          f"false")  # fmt: skip
+    try:
+        socket.create_connection((host, port), timeout=WANDB_CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise RecipeError(f"logging.wandb: true, but the W&B server {server} cannot be reached from here ({error}); "
+                          f"set logging.wandb: offline (logs in <output_dir>/wandb, `wandb sync` later) or "
+                          f"false") from error  # fmt: skip
+
+
+def netrc_has(host: str) -> bool:
+    """Whether the netrc file (NETRC, else ~/.netrc) holds a password for `host`: where `wandb login` keeps the key."""
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return entry is not None and bool(entry[2])
 
 
 def installed(package: str) -> bool:

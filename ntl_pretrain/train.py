@@ -287,6 +287,7 @@ class Trainer:
             "name": logging.wandb_run_name,
             "dir": str(self.output_dir),
             "config": dataclasses.asdict(self.recipe),
+            **({"mode": "offline"} if logging.wandb == "offline" else {}),
         }
 
     # ---- step ----------------------------------------------------------------------------------------------
