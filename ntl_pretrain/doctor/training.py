@@ -184,7 +184,7 @@ def throughput_check(device: torch.device, work_dir: Path, recipe: Path = TINY_R
     # The measured matmul rate as the run's peak: its `mfu` is then the model's share of what this GPU delivers.
     extra = (*THROUGHPUT_MODEL, "data.seq_len=2048", "train.micro_batch_size=4", "train.eval_every_steps=null",
              f"train.global_batch_size={4 * local_ranks()}", "checkpoint.every_steps=null",
-             f"data.num_workers={THROUGHPUT_WORKERS}", f"logging.peak_flops_per_device={matmul}")  # fmt: skip
+             f"data.num_workers={THROUGHPUT_WORKERS}", f"logging.peak_flops_per_device={matmul:.6e}")  # fmt: skip
     train(recipe, output_dir, device, 12, extra)
     last = [records(output_dir)[step] for step in range(3, 13)]
     attention = started_with(work_dir / "throughput.log")
