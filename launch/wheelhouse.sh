@@ -3,13 +3,16 @@
 # machine without internet, except torch and what only torch needs (nvidia-*, triton, ...): the cluster keeps the
 # torch build that matches its CUDA, installed first. Run it where PyPI is reachable:
 #   launch/wheelhouse.sh OUT_DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64] [--torch-version 2.13.0]
+#   launch/wheelhouse.sh OUT_DIR --only PINS [--python-version 3.12] [--platform ...]
 # Without --python-version / --platform the wheels are for this interpreter and machine ($PYTHON, default python3);
 # --platform may be given more than once. --torch-version is the torch the cluster has: dependencies that bound
 # torch are resolved against it (default 2.13.0, the tested one). docs/multinode.md, "Air-gapped clusters", lists
-# what the wheelhouse holds and its size.
+# what the wheelhouse holds and its size. --only PINS fetches just the wheels a file of `name==version` lines
+# names (no dependencies resolved), DeepSpeed built as below: for a machine that has most of the stack already
+# (launch/gpu-wheels.txt, the GPU machine's; docs/doctor.md, "The first GPU").
 set -euo pipefail
 
-usage="usage: launch/wheelhouse.sh OUT_DIR [--python-version X.Y] [--platform TAG]... [--torch-version V]"
+usage="usage: launch/wheelhouse.sh OUT_DIR [--only PINS] [--python-version X.Y] [--platform TAG]... [--torch-version V]"
 fail() { echo "wheelhouse.sh: $1" >&2; exit 2; }
 usage_error() { fail "$1"$'\n'"$usage"; }
 
@@ -30,13 +33,14 @@ platform_tags() {
   done
 }
 
-out_dir="" torch_version="2.13.0" target=()
+out_dir="" torch_version="2.13.0" target=() only=""
 while (( $# > 0 )); do
   case $1 in
-    --python-version|--platform|--torch-version)
+    --python-version|--platform|--torch-version|--only)
       (( $# > 1 )) && [[ $2 != --* ]] || usage_error "$1 needs a value"
       case $1 in
         --torch-version) torch_version=$2 ;;
+        --only) only=$2 ;;
         --platform) for tag in $(platform_tags "$2"); do target+=(--platform "$tag"); done ;;
         *) target+=("$1" "$2") ;;
       esac
@@ -51,6 +55,19 @@ done
 # A fresh folder: wheels left from another target or version would be listed and counted as this one's.
 [[ ! -d $out_dir || -z $(ls -A "$out_dir") ]] || fail "$out_dir is not empty; give a new or empty folder"
 
+# The pins: `name==version` a line, comments after `#`; checked before anything is fetched.
+pins=()
+if [[ -n $only ]]; then
+  [[ -f $only ]] || fail "--only: $only is not a file"
+  while read -r line; do
+    line=${line%%#*} line=${line//[[:space:]]/}
+    [[ -z $line ]] && continue
+    [[ $line =~ ^[A-Za-z0-9._-]+==[A-Za-z0-9.+!_-]+$ ]] || fail "--only: $only: '$line' is not name==version"
+    pins+=("$line")
+  done < "$only"
+  (( ${#pins[@]} > 0 )) || fail "--only: $only names no wheel"
+fi
+
 python=${PYTHON:-python3}
 pip=("$python" -m pip --disable-pip-version-check)
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -58,6 +75,29 @@ mkdir -p "$out_dir"
 out_dir=$(cd "$out_dir" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+
+list_wheels() {
+  (cd "$out_dir" && stat -c '%s %n' -- *.whl) | sort -k2 | awk '
+    { total += $1; printf "%9.1f MB  %s\n", $1 / 1e6, $2 }
+    END { printf "%9.1f MB  total, %d wheels\n", total / 1e6, NR }'
+}
+
+if [[ -n $only ]]; then
+  echo "== the wheels $only pins (no dependencies resolved)"
+  others=()
+  for pin in "${pins[@]}"; do
+    if [[ ${pin%%==*} == deepspeed ]]; then  # an sdist on PyPI: built as below, pure Python
+      DS_BUILD_OPS=0 "${pip[@]}" wheel -q --no-deps --wheel-dir "$out_dir" "$pin"
+    else
+      others+=("$pin")
+    fi
+  done
+  (( ${#others[@]} == 0 )) || "${pip[@]}" download -q --no-deps --only-binary=:all: --dest "$out_dir" \
+    ${target[@]+"${target[@]}"} "${others[@]}"
+  echo "== $out_dir"
+  list_wheels
+  exit 0
+fi
 
 echo "== ntl_pretrain wheel"
 # Built from a copy of what the package is made of: setuptools' build/ folder in the checkout may still hold
@@ -116,7 +156,5 @@ echo "== check: resolved with no index, every requirement (torch aside) has its 
 rm -f "$out_dir"/torch-*+wheelhouse-*.whl
 
 echo "== $out_dir"
-(cd "$out_dir" && stat -c '%s %n' -- *.whl) | sort -k2 | awk '
-  { total += $1; printf "%9.1f MB  %s\n", $1 / 1e6, $2 }
-  END { printf "%9.1f MB  total, %d wheels\n", total / 1e6, NR }'
+list_wheels
 echo "offline install, after torch: pip install --no-index --find-links $out_dir ntl_pretrain"

@@ -268,8 +268,10 @@ class LoggingConfig:
     verbose: bool = False
     """Console: false shows the progress bar, rank 0's lines and warnings, and errors from every rank; true also
     shows the launcher's INFO lines, the other ranks' warnings and DeepSpeed's use of deprecated torch collectives."""
-    wandb: bool = False
-    """Also log to Weights & Biases (needs the `wandb` extra; honours WANDB_MODE=offline)."""
+    wandb: bool | Literal["offline"] = False
+    """Also log to Weights & Biases (needs the `wandb` extra). true: online, which the pre-flight checks before launch
+    (an API key, the server reachable; or WANDB_MODE offline/disabled); offline: into <output_dir>/wandb without a
+    key or network (`wandb sync` later)."""
     wandb_project: str = "ntl_pretrain"
     """W&B project name."""
     wandb_run_name: str | None = None

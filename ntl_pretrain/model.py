@@ -6,7 +6,6 @@ Shapes: B batch, T sequence, H hidden size, V model vocabulary (may exceed the t
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from transformers import (
 )
 from transformers.integrations import HfDeepSpeedConfig
 
+from ntl_pretrain import flash_attention
 from ntl_pretrain.config import Recipe
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
@@ -67,16 +67,18 @@ class BuiltModel:
 def attention_backend(
     requested: str, config: PretrainedConfig, dtype: torch.dtype, per_document_attention: bool = False
 ) -> str:
-    """`auto`: flash-attention-2 where it can run (the flash_attn package, CUDA, bf16/fp16, an architecture that
-    supports it, and for per-document attention a transformers that takes the varlen arguments), else PyTorch SDPA,
-    else eager for architectures without SDPA (Gemma-2 in transformers 5)."""
+    """`auto`: flash-attention-2 where it can run (CUDA, bf16/fp16, an architecture that supports it, for
+    per-document attention a transformers that takes the varlen arguments, and the flash_attn package imports: found
+    is not enough, flash_attention.py), else PyTorch SDPA, else eager for architectures without SDPA (Gemma-2 in
+    transformers 5)."""
     if requested != "auto":
         return requested
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     supports = lambda feature: model_class is None or bool(getattr(model_class, feature, False))  # noqa: E731
-    flash_runs = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    flash_runs = torch.cuda.is_available() and dtype in (torch.bfloat16, torch.float16)
+    flash_runs = flash_runs and supports("_supports_flash_attn")
     flash_runs = flash_runs and (not per_document_attention or transformers_takes_varlen_arguments())
-    if flash_runs and dtype in (torch.bfloat16, torch.float16) and supports("_supports_flash_attn"):
+    if flash_runs and flash_attention.import_error() is None:
         return "flash_attention_2"
     return "sdpa" if supports("_supports_sdpa") else "eager"
 

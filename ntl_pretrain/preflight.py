@@ -7,16 +7,22 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import netrc
 import os
 import socket
+import sys
+import urllib.parse
 from pathlib import Path
 
-from ntl_pretrain import checkpoint, run_lock
+from ntl_pretrain import checkpoint, flash_attention, run_lock
 from ntl_pretrain.config import Recipe, RecipeError
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
 from ntl_pretrain.preflight_model import check_given_sizes, check_model, position_limits
 from ntl_pretrain.tokenizer import resolve_path
+
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")  # WANDB_MODE values that need neither key nor network
+WANDB_CONNECT_TIMEOUT_S = 5.0
 
 
 def check_world(recipe: Recipe, master_port: int | None) -> None:
@@ -171,16 +177,23 @@ def check_attention(recipe: Recipe) -> None:
         if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
             raise RecipeError(f"model.attention: sdpa: transformers runs {model_class.__name__} without SDPA; use "
                               f"auto (which picks eager for it) or eager")  # fmt: skip
+    if attention == "auto":
+        check_auto_attention(recipe)
     if attention != "flash_attention_2":
         return
     import torch
 
-    if importlib.util.find_spec("flash_attn") is None:
+    if not flash_attention.installed():
         raise RecipeError("model.attention: flash_attention_2 needs the flash-attn package (pip install "
                           "'ntl_pretrain[flash]' on a CUDA machine); use auto or sdpa")  # fmt: skip
     if not torch.cuda.is_available():
         raise RecipeError("model.attention: flash_attention_2 runs on CUDA GPUs and this machine has none visible; "
                           "use auto or sdpa")  # fmt: skip
+    error = flash_attention.import_error_in_child()
+    if error is not None:
+        raise RecipeError(f"model.attention: flash_attention_2: flash-attn is installed but does not import: {error}; "
+                          f"install a build for torch {torch.__version__} (CUDA {torch.version.cuda}), or use auto "
+                          f"or sdpa")  # fmt: skip
     if recipe.data.per_document_attention and not transformers_takes_varlen_arguments():
         import transformers
 
@@ -189,13 +202,63 @@ def check_attention(recipe: Recipe) -> None:
                           f"take; use model.attention: sdpa, or a newer transformers")  # fmt: skip
 
 
+def check_auto_attention(recipe: Recipe) -> None:
+    """`auto` on a GPU with flash-attn installed would pick it: import it once here, in a child process, and when it
+    does not import say why and tell the ranks to use SDPA (`flash_attention.UNAVAILABLE`), instead of every rank
+    crashing at model build."""
+    import torch
+
+    bf16_on_gpu = recipe.train.device != "cpu" and recipe.train.precision == "bf16" and torch.cuda.is_available()
+    if not bf16_on_gpu or not flash_attention.installed():
+        return
+    error = flash_attention.import_error_in_child()
+    if error is not None:
+        os.environ[flash_attention.UNAVAILABLE] = error  # the ranks' environment is copied from this one
+        print(f"ntl-pretrain: model.attention: auto: flash-attn is installed but does not import ({error}); the "
+              f"ranks use sdpa", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def check_optional_packages(recipe: Recipe) -> None:
     """The extras a recipe asks for, found before launch: without wandb every rank failed at its first log, minutes
     in. (flash-attn: `check_attention`; zstandard and datasets, for `.zst` and parquet/arrow/hub sources, are
     dependencies of the package itself.)"""
-    if recipe.logging.wandb and not installed("wandb"):
-        raise RecipeError("logging.wandb: true needs the wandb package, which is not installed: pip install "
-                          "'ntl_pretrain[wandb]' (or set logging.wandb=false)")  # fmt: skip
+    setting = recipe.logging.wandb
+    if setting is not False and not installed("wandb"):
+        raise RecipeError(f"logging.wandb: {str(setting).lower()} needs the wandb package, which is not installed: pip "
+                          f"install 'ntl_pretrain[wandb]' (or set logging.wandb=false)")  # fmt: skip
+    if setting is True:
+        check_wandb_can_log()
+
+
+def check_wandb_can_log() -> None:
+    """`logging.wandb: true` logs online unless WANDB_MODE says otherwise: without an API key, or without a route
+    to the server, `wandb.init` failed minutes in, after the model had loaded."""
+    if os.environ.get("WANDB_MODE", "").lower() in WANDB_LOCAL_MODES:
+        return
+    server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    address = urllib.parse.urlparse(server)
+    host, port = address.hostname or server, address.port or (80 if address.scheme == "http" else 443)
+    if not os.environ.get("WANDB_API_KEY") and not netrc_has(host):
+        raise RecipeError(f"logging.wandb: true, but W&B has no API key here (WANDB_API_KEY, or `wandb login`'s "
+                          f"entry for {host} in ~/.netrc) and WANDB_MODE is not offline or disabled; log in, or set "
+                          f"logging.wandb: offline (logs in <output_dir>/wandb, `wandb sync` later) or "
+                          f"false")  # fmt: skip
+    try:
+        socket.create_connection((host, port), timeout=WANDB_CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise RecipeError(f"logging.wandb: true, but the W&B server {server} cannot be reached from here ({error}); "
+                          f"set logging.wandb: offline (logs in <output_dir>/wandb, `wandb sync` later) or "
+                          f"false") from error  # fmt: skip
+
+
+def netrc_has(host: str) -> bool:
+    """Whether the netrc file (NETRC, else ~/.netrc) holds a password for `host`: where `wandb login` keeps the key."""
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return entry is not None and bool(entry[2])
 
 
 def installed(package: str) -> bool:

@@ -287,6 +287,7 @@ class Trainer:
             "name": logging.wandb_run_name,
             "dir": str(self.output_dir),
             "config": dataclasses.asdict(self.recipe),
+            **({"mode": "offline"} if logging.wandb == "offline" else {}),
         }
 
     # ---- step ----------------------------------------------------------------------------------------------
@@ -319,9 +320,13 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(num_inputs)
         self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
-        seconds = time.perf_counter() - started + data_seconds
+        step_seconds = time.perf_counter() - started
+        seconds = step_seconds + data_seconds
         record = self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
-        return {**record, "peak_mem_mib": self._peak_memory_mib()}
+        # Both parts of the step's time (rank 0's): the doctor's throughput row judges the model step apart from
+        # a loader that cannot keep up.
+        timing = {"step_seconds": step_seconds, "data_seconds": data_seconds}
+        return {**record, **timing, "peak_mem_mib": self._peak_memory_mib()}
 
     def _peak_memory_mib(self) -> float:
         """The largest of the ranks' peaks (`metrics.peak_memory_mib`)."""

@@ -44,7 +44,7 @@ def test_one_process_passes_on_cpu(tmp_path):
     skipped = {name for name, check in checks.items() if check["status"] == "skip"}
     assert skipped == {"all-reduce bandwidth", "network", "loss vocab-parallel fp32", "reduce-scatter fp32 / bf16",
                        "flash-attention documents", "throughput"}  # fmt: skip
-    assert "16.937500, exact 16.937500" in checks["bf16 gradient accumulation"]["figure"]
+    assert "32.937500, exact 32.937500" in checks["bf16 gradient accumulation"]["figure"]
     assert "upcast path" in checks["chunked head fp32 accumulation"]["figure"]  # no CPU kernel for out_dtype
     assert "1 rank(s), fp32, attention sdpa, AdamW default" in checks["train"]["figure"]
     assert checks["train resume"]["detail"]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
@@ -113,6 +113,52 @@ def test_a_planted_fault_fails_its_check_and_names_the_rank(monkeypatch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     run_distributed(planted_faults, 2)
+
+
+def accumulation_on_every_rank() -> None:
+    """Every rank holds real elements of the checked weight and passes; with DeepSpeed's bf16 sums every rank fails."""
+    from ntl_pretrain import deepspeed_config
+    from ntl_pretrain.doctor.gpu_paths import ELEMENTS_PER_RANK, gradient_accumulation_check
+
+    exact = gradient_accumulation_check(torch.device("cpu"))
+    assert exact.ok and f"over {ELEMENTS_PER_RANK} elements" in exact.figure, f"rank {dist.get_rank()}: {exact.figure}"
+    deepspeed_config.set_bf16_gradient_dtypes = lambda config: None  # DeepSpeed's default: bf16 sums
+    rounded = gradient_accumulation_check(torch.device("cpu"))
+    assert rounded.ok is False and "bfloat16 accumulator" in rounded.figure, f"rank {dist.get_rank()}: {rounded.figure}"
+
+
+@pytest.mark.parametrize("world_size", [5, 8])
+def test_gradient_accumulation_passes_on_every_rank_of_5_and_8(world_size, monkeypatch):
+    """At 5+ ranks a 4-element weight left ranks 4+ with padding only: they failed with an exact setup."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    run_distributed(accumulation_on_every_rank, world_size)
+
+
+def test_the_throughput_row_fails_for_each_reason_it_names():
+    from ntl_pretrain.doctor.training import throughput_verdict
+
+    def steps(step_seconds: float, data_seconds: float, model_share: float) -> list[dict]:
+        """10 steps whose model step runs at `model_share` of the matmul rate (their mfu counts the wait too)."""
+        total = step_seconds + data_seconds
+        return [{"tokens_per_s": 8192 / total, "step_seconds": step_seconds, "data_seconds": data_seconds,
+                 "mfu": model_share * step_seconds / total}] * 10  # fmt: skip
+
+    sdpa, matmul, h100 = "attention sdpa, AdamW fused", 790e12, 989e12
+    healthy = throughput_verdict(steps(0.030, 0.0005, 0.25), sdpa, matmul, h100)
+    assert healthy.ok, healthy.figure
+    assert "model step at 25.0% of this GPU's bf16 matmul rate 790 TFLOP/s" in healthy.figure
+    assert "MFU 20.0% of the datasheet peak" in healthy.figure
+    cases = {  # a starved loader halves the end-to-end rate but not the model step's
+        "waiting for data above 10% of the step": (steps(0.030, 0.030, 0.25), sdpa),
+        "model step below 10% of the matmul rate": (steps(0.030, 0.0005, 0.04), sdpa),
+        "eager attention": (steps(0.030, 0.0005, 0.25), "attention eager, AdamW fused"),
+    }
+    for reason, (records, attention) in cases.items():
+        verdict = throughput_verdict(records, attention, matmul, None)
+        assert verdict.ok is False and verdict.figure.endswith(f": {reason}"), verdict.figure
+    starved = throughput_verdict(cases["waiting for data above 10% of the step"][0], sdpa, matmul, None)
+    assert starved.detail["model_step_of_matmul"] == pytest.approx(0.25)
 
 
 def test_the_summary_counts_skipped_checks_apart_and_says_why():

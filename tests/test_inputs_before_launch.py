@@ -68,4 +68,5 @@ def test_wandb_asked_for_but_not_installed_is_refused_before_launch(tmp_path, ca
     error = capsys.readouterr().err.strip()
     assert "logging.wandb: true needs the wandb package, which is not installed" in error and "\n" not in error
     monkeypatch.setattr(preflight, "installed", lambda name: True)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # online needs a key and the server (tests/test_wandb_preflight.py)
     assert dry_run(tmp_path, "logging.wandb=true") == 0

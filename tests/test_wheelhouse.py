@@ -3,6 +3,7 @@ build itself is checked by hand: docs/multinode.md, "Air-gapped clusters")."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -49,3 +50,20 @@ def test_refuses_a_file_as_out_dir(tmp_path):
     (tmp_path / "file").write_text("")
     result = run(str(tmp_path / "file"), tmp_path=tmp_path)
     assert result.returncode == 2 and "is a file, not a folder" in result.stderr
+
+
+def test_only_refuses_a_missing_or_unpinned_list_before_pip(tmp_path):
+    result = run(str(tmp_path / "out"), "--only", str(tmp_path / "absent.txt"), tmp_path=tmp_path)
+    assert result.returncode == 2 and f"--only: {tmp_path / 'absent.txt'} is not a file" in result.stderr
+    pins = tmp_path / "pins.txt"
+    pins.write_text("# comment\ndeepspeed==0.19.8  # pinned\neinops\n")
+    result = run(str(tmp_path / "out"), "--only", str(pins), tmp_path=tmp_path)
+    assert result.returncode == 2 and "'einops' is not name==version" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_gpu_wheel_list_pins_every_line():
+    lines = [line.partition("#")[0].strip() for line in (REPO / "launch" / "gpu-wheels.txt").read_text().splitlines()]
+    pins = [line for line in lines if line]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9._-]+==[0-9][A-Za-z0-9.+!_-]*", pin) for pin in pins), pins
+    assert any(pin.startswith("deepspeed==") for pin in pins)

@@ -28,10 +28,14 @@ from ntl_pretrain.process_group import bind_local_device, default_backend
 # Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).
 WAIT_FOR_TRAINING = datetime.timedelta(minutes=30)
 TRAIN_ROWS = ("train", "train resume", "export")
+SKIPPABLE = {"speed": ("speed loss", "speed output layer"), "train": (*TRAIN_ROWS, "throughput")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="skip the throughput run and use a smaller bandwidth test")
+    parser.add_argument("--skip", nargs="+", choices=sorted(SKIPPABLE), default=[], metavar="GROUP",
+                        help="leave out check groups: speed (its rows take a minute on a small CPU), train (train, "
+                        "resume, export, throughput); bench/gpu_first_run.sh --dry-run skips both")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, metavar="REPORT.json", help="also write the report here")
     work_dir_help = "where the training checks run (default: a temporary folder, removed if they pass)"
     parser.add_argument("--work-dir", type=Path, default=None, help=work_dir_help)
@@ -69,6 +73,8 @@ def this_device() -> torch.device:
 
 def node_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -> list[Check]:
     """The training checks, run by each node's first rank; the node's other ranks report them as run there."""
+    if "train" in args.skip:
+        return skipped("train")
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return [Check(name, None, "run by the node's local rank 0") for name in (*TRAIN_ROWS, "throughput")]
     checks = announced("train", lambda: train_checks(device, work_dir, args.recipe))
@@ -86,6 +92,10 @@ def announced(name: str, run: Callable[[], list[Check]]) -> list[Check]:
     return guarded(name, run)
 
 
+def skipped(group: str) -> list[Check]:
+    return [Check(name, None, f"--skip {group}") for name in SKIPPABLE[group]]
+
+
 def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -> list[Check]:
     checks = announced("environment", lambda: environment_check(device))
     nodes = max(1, dist.get_world_size() // local_ranks())
@@ -93,7 +103,7 @@ def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -
     checks += announced("loss", lambda: loss_check(device))
     for name, check in GPU_PATH_CHECKS.items():
         checks += announced(name, lambda check=check: [check(device)])
-    checks += announced("speed", lambda: speed_check(device))
+    checks += skipped("speed") if "speed" in args.skip else announced("speed", lambda: speed_check(device))
     if device.type == "cuda":  # hand the cached blocks back: the training checks' processes share this GPU
         torch.cuda.empty_cache()
     return checks + node_checks(device, args, work_dir)

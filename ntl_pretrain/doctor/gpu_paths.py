@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import torch
@@ -22,18 +21,29 @@ from ntl_pretrain.doctor.collectives import synchronize
 from ntl_pretrain.doctor.report import Check
 
 MICRO_BATCHES = 16
+ELEMENTS_PER_RANK = 4
 REDUCE_SCATTER_MIB = {"cuda": 256, "cpu": 32}  # of fp32 gradients
 FIRST, SECOND = [5, 17, 42, 8, 3, 11, 29], [9, 23, 61, 7, 30, 11, 2, 44, 13]
 FLASH_TOLERANCE = 2e-2  # bf16 logits of a 2-layer model, relative to the largest
 
 
+def first_input(world_size: int) -> float:
+    """Rank 0's first micro-batch input, 512 x world: the mean gradient is then about 32 at any world size, where
+    bf16's spacing (0.25) rounds away each later micro-batch's 1/16 entirely. (A fixed 256 left 3.25 + 15/16 at 5
+    ranks, every sum exact in bf16: a check that could not fail.)"""
+    return 512.0 * world_size
+
+
 def exact_accumulated_gradient(world_size: int) -> float:
-    """d(w·x)/dw = x; rank 0's first micro-batch has x = 256, every other 1; DeepSpeed scales each micro-batch by
-    1/16 and averages over ranks."""
-    return (256 + MICRO_BATCHES * world_size - 1) / (MICRO_BATCHES * world_size)
+    """d(w·x)/dw = x; rank 0's first micro-batch has x = `first_input`, every other 1; DeepSpeed scales each
+    micro-batch by 1/16 and averages over ranks."""
+    return (first_input(world_size) + MICRO_BATCHES * world_size - 1) / (MICRO_BATCHES * world_size)
 
 
 def gradient_accumulation_check(device: torch.device) -> Check:
+    """A one-row weight of ELEMENTS_PER_RANK x world elements: ZeRO-3 gives every rank its own real elements. (With
+    fewer elements than ranks, the ranks past them hold only padding, DeepSpeed gives them no gradient, and an exact
+    setup failed there: 4 elements on 5+ ranks.)"""
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # unused here; a 2-minute build on CPU
@@ -45,23 +55,30 @@ def gradient_accumulation_check(device: torch.device) -> Check:
     recipe = load_recipe(TINY_RECIPE, ["train.precision=bf16", "train.micro_batch_size=1",
                                        f"train.global_batch_size={MICRO_BATCHES * world}"])  # fmt: skip
     config = build_deepspeed_config(recipe, world)
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition the 4-element weight too
-    model = torch.nn.Linear(4, 1, bias=False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition the small weight too
+    width = ELEMENTS_PER_RANK * world
+    model = torch.nn.Linear(width, 1, bias=False)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
     for micro in range(MICRO_BATCHES):
-        x = torch.full((1, 4), 256.0 if micro == 0 and dist.get_rank() == 0 else 1.0, dtype=torch.bfloat16)
+        big = micro == 0 and dist.get_rank() == 0
+        x = torch.full((1, width), first_input(world) if big else 1.0, dtype=torch.bfloat16)
         engine.backward(engine(x.to(engine.device)).sum())
         if micro < MICRO_BATCHES - 1:
             engine.step()
     buffer = engine.optimizer.grad_partitions_flat_buffer
     accumulator = str(buffer.dtype).removeprefix("torch.")
-    accumulated = buffer.detach().float().cpu().clone()  # the step zeroes the buffer
+    accumulated = buffer[: model.weight.ds_tensor.numel()].detach().float().cpu().clone()  # the step zeroes it
     engine.step()
+    return accumulation_verdict(accumulated, world, accumulator)
+
+
+def accumulation_verdict(accumulated: torch.Tensor, world: int, accumulator: str) -> Check:
+    """This rank's accumulated gradient elements against the exact mean; none at all is a failure too."""
     exact = exact_accumulated_gradient(world)
-    error = (accumulated - exact).abs().max().item() / exact
-    figure = f"{MICRO_BATCHES} micro-batches x {world} rank(s): {accumulated[0].item():.6f}, exact {exact:.6f} " \
-        f"(relative error {error:.1e}; {accumulator} accumulator)"  # fmt: skip
+    error = (accumulated - exact).abs().max().item() / exact if accumulated.numel() else 1.0
+    first = f"{accumulated[0].item():.6f}" if accumulated.numel() else "no elements on this rank"
+    figure = f"{MICRO_BATCHES} micro-batches x {world} rank(s): {first}, exact {exact:.6f} (relative error " \
+        f"{error:.1e} over {accumulated.numel()} elements; {accumulator} accumulator)"  # fmt: skip
     return Check("bf16 gradient accumulation", error < 1e-6, figure, {"relative_error": error})
 
 
@@ -103,8 +120,10 @@ def flash_documents_check(device: torch.device) -> Check:
     name = "flash-attention documents"
     if device.type != "cuda":
         return Check(name, None, "GPU only")
-    if importlib.util.find_spec("flash_attn") is None:
-        return Check(name, None, "flash-attn not installed")
+    from ntl_pretrain import flash_attention
+
+    if (error := flash_attention.import_error()) is not None:
+        return Check(name, None if not flash_attention.installed() else False, f"flash-attn: {error}")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ntl_pretrain.document_attention import varlen_arguments

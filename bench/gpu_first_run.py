@@ -1,0 +1,399 @@
+"""The first GPU run, every stage time-boxed: bench/gpu_first_run.sh runs this file (docs/doctor.md, "The first
+GPU"). Standard library only until the install stage has run: the GPU machine has no DeepSpeed before it.
+
+Stages, in order of what a short-lived GPU should give first:
+  install     the carried wheels (launch/gpu-wheels.txt's pins) into a folder put first on PYTHONPATH
+  doctor      `ntl-pretrain doctor` on the one GPU (1 rank), its JSON report
+  heads       bench/gpu_heads.py: the loss and the output layer in bf16, ours vs torch CE (and Liger-Kernel)
+  train_125m  100 bf16 steps of a SmolLM2-135M-shaped Llama (30x576, vocabulary 49,152) at sequence 2,048:
+              tokens/s, MFU, peak memory, and the step apart from the wait for data
+  study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
+              --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
+
+A stage that fails or runs out of time is recorded and the next one runs; `summary.json` and `summary.md` in the
+output folder are rewritten before the first stage and after each, so a kill at the device's limit still leaves
+every figure measured so far. Each command runs in a session of its own and is killed with everything it started
+(also the runs' launchers, which live in sessions of their own: found by a marker in their environment).
+`--dry-run` runs every stage on CPU at toy sizes (tests/test_gpu_first_run.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "NTL_FIRST_RUN"  # in every stage process's environment, so that the sweep finds what left its session
+KILL_GRACE_S = 5.0
+MIN_STAGE_S = 20.0  # a stage with less time than this left is skipped, not started to be killed at once
+PROBE_S = {"gpu": 180.0, "dry": 15.0}  # the protocol's 3 minutes
+STUDY_VARIANTS = ["ce", "ntl-was-lambda0.1", "ntl-was-lambda1", "ntl-was-answer"]
+MODEL_125M = ["model.config.hidden_size=576", "model.config.intermediate_size=1536",
+              "model.config.num_hidden_layers=30", "model.config.num_attention_heads=9",
+              "model.config.num_key_value_heads=3", "model.config.vocab_size=49152",
+              "model.config.tie_word_embeddings=true", "model.config.max_position_embeddings=2048"]  # fmt: skip
+MODEL_TOY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+             "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "data.seq_len=64",
+             "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=3", "train.device=cpu",
+             "train.precision=fp32"]  # fmt: skip
+
+
+class StageFailed(Exception):
+    """A stage's command exited non-zero or ran out of its time; `figures` holds what it measured anyway."""
+
+    def __init__(self, message: str, status: str = "failed", figures: dict | None = None):
+        super().__init__(message)
+        self.status, self.figures = status, figures or {}
+
+
+@dataclass
+class Run:
+    out: Path
+    work: Path
+    dry_run: bool
+    wheels: Path
+    pins: Path
+    deadline: float
+    env: dict[str, str]
+    planned: list[str] = field(default_factory=lambda: list(STAGES))
+    stages: list[dict] = field(default_factory=list)
+
+    @property
+    def site(self) -> Path:
+        return self.work / "site-packages"
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def command(self, name: str, args: list[str], timeout: float, expect_timeout: bool = False) -> None:
+        """Run `args` (log: logs/<name>.log) within `timeout` s; raise StageFailed when it fails or overruns
+        (unless `expect_timeout`: the study probe is ended by its time box)."""
+        log = self.out / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as output:
+            output.write(f"$ {' '.join(args)}\n")
+            output.flush()
+            code = run_killing_on_timeout(args, self.env, output, timeout)
+        if code is None and not expect_timeout:
+            raise StageFailed(f"{name}: no result within {timeout:.0f} s (log {log})", "timeout")
+        if code not in (None, 0):
+            raise StageFailed(f"{name}: exit code {code}; {tail(log)}")
+
+
+def run_killing_on_timeout(args: list[str], env: dict[str, str], output, timeout: float) -> int | None:
+    """The exit code, or None when the time ran out and the command was killed with all it started."""
+    process = subprocess.Popen(args, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                               start_new_session=True)  # fmt: skip
+    try:
+        return process.wait(timeout=max(timeout, 1.0))
+    except subprocess.TimeoutExpired:
+        kill_session(process)
+        return None
+    finally:
+        sweep(env[MARKER])  # a launcher's ranks live in sessions of their own
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=KILL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def marked_processes(token: str) -> list[int]:
+    """Processes whose environment holds this run's marker (a process that cannot be read is not ours)."""
+    needle = f"{MARKER}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def sweep(token: str, wait_s: float = 10.0) -> None:
+    """Kill whatever a stage left running, and wait until it is gone: the next stage needs the GPU's memory."""
+    deadline = time.monotonic() + wait_s
+    while (left := marked_processes(token)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+
+
+def tail(log: Path, lines: int = 5) -> str:
+    text = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+    return "last lines: " + " | ".join(line.strip() for line in text[-lines:])
+
+
+# ---- stages -------------------------------------------------------------------------------------------------
+
+
+def read_pins(path: Path) -> dict[str, tuple[str, bool]]:
+    """{normalised name: (version, optional)} from `name==version` lines (launch/gpu-wheels.txt)."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        pin, _, comment = line.partition("#")
+        if pin.strip():
+            name, _, version = pin.strip().partition("==")
+            pins[normalise(name)] = (version, "optional" in comment)
+    return pins
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def pinned_wheels(wheels: Path, pins: dict[str, tuple[str, bool]]) -> tuple[list[Path], list[str]]:
+    """The folder's wheel for each pin, and the optional pins that have none; raises StageFailed for a required
+    pin without its wheel (a wheel of another version does not count)."""
+    found = {}
+    for wheel in sorted(wheels.glob("*.whl")):
+        name, version = wheel.name.split("-")[:2]
+        found[(normalise(name), version)] = wheel
+    chosen, missing, absent_optional = [], [], []
+    for name, (version, optional) in pins.items():
+        wheel = found.get((name, version))
+        if wheel is not None:
+            chosen.append(wheel)
+        else:
+            (absent_optional if optional else missing).append(f"{name}=={version}")
+    if missing:
+        raise StageFailed(f"install: {wheels} lacks the pinned wheels {', '.join(missing)}")
+    return chosen, absent_optional
+
+
+def install(run: Run) -> dict:
+    figures: dict = {}
+    if run.wheels.is_dir() or not run.dry_run:
+        if not run.wheels.is_dir():
+            raise StageFailed(f"install: no wheels folder {run.wheels} (carry it: docs/doctor.md, 'The first GPU')")
+        wheels, absent = pinned_wheels(run.wheels, read_pins(run.pins))
+        args = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(run.site),
+                *map(str, wheels)]  # fmt: skip
+        run.command("install", args, min(120.0, run.remaining()))
+        figures = {"wheels": [wheel.name for wheel in wheels], "megabytes": sum(w.stat().st_size for w in wheels) / 1e6,
+                   "optional_absent": absent}  # fmt: skip
+    probe = "import deepspeed, pydantic, psutil, xxhash, zstandard; print(deepspeed.__version__)"
+    run.command("install", [sys.executable, "-c", probe], min(120.0, run.remaining()))
+    return {**figures, "deepspeed": last_line(run.out / "logs" / "install.log")}
+
+
+def last_line(log: Path) -> str:
+    return log.read_text().strip().splitlines()[-1]
+
+
+def doctor(run: Run) -> dict:
+    report = run.out / "doctor-report.json"
+    args = [sys.executable, "-m", "ntl_pretrain.cli", "doctor", "--out", str(report)]
+    args += ["--quick", "--skip", "speed", "train"] if run.dry_run else []
+    failure = None
+    try:
+        run.command("doctor", args, min(240.0, run.remaining()))
+    except StageFailed as error:  # a failed check exits 1: its rows are the figures, the failure the status
+        failure = error
+    figures = doctor_rows(report)
+    if failure is not None:
+        raise StageFailed(str(failure), failure.status, figures)
+    return figures
+
+
+def doctor_rows(report: Path) -> dict:
+    if not report.is_file():
+        return {}
+    checks = json.loads(report.read_text())["checks"]
+    return {check["name"]: f"{check['status']}: {check['figure']}" for check in checks}
+
+
+def heads(run: Run) -> dict:
+    out = run.out / "heads.json"
+    sizes = ["--positions", "64", "--vocab", "4096", "--hidden", "32", "--device", "cpu"] if run.dry_run else []
+    run.command("heads", [sys.executable, "bench/gpu_heads.py", "--out", str(out), *sizes], min(150.0, run.remaining()))
+    report = json.loads(out.read_text())
+    ratios = {f"{part}: {name}": ratio_text(m) for part in ("loss", "head") for name, m in report[part].items()}
+    return {"shape": report["shape"], "liger": report["liger"], **ratios}
+
+
+def ratio_text(measured: dict) -> str:
+    memory = "" if measured["memory_ratio"] is None else f", memory {measured['memory_ratio']:.2f}x"
+    return f"{measured['seconds'] * 1e3:.2f} ms, time {measured['time_ratio']:.2f}x{memory}"
+
+
+def train_overrides(run: Run, output_dir: Path) -> list[str]:
+    """The GPU run's overrides; the dry run's are the same with toy sizes, CPU and fp32 after them (the last one
+    wins), so that a key the GPU run sets is validated here too."""
+    gpu = [f"train.output_dir={output_dir}", "train.resume=null", "train.eval_every_steps=null",
+           "eval.every_steps=null", "checkpoint.every_steps=null", "logging.progress_bar=false", "logging.wandb=false",
+           "schedule.warmup_steps=10", *MODEL_125M, "data.seq_len=2048", "data.num_workers=2",
+           "train.micro_batch_size=8", "train.global_batch_size=8", "train.max_steps=100", "train.device=cuda",
+           "train.precision=bf16"]  # fmt: skip
+    return [*gpu, *MODEL_TOY] if run.dry_run else gpu
+
+
+def train_125m(run: Run) -> dict:
+    output_dir = run.work / "train-125m"
+    args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1",
+            *train_overrides(run, output_dir)]  # fmt: skip
+    run.command("train_125m", args, min(180.0, run.remaining()))
+    metrics = output_dir / "metrics.jsonl"
+    (run.out / "train-125m-metrics.jsonl").write_bytes(metrics.read_bytes())
+    return step_figures([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
+
+
+def step_figures(records: list[dict]) -> dict:
+    """Medians over the steps after the first tenth (compilation, allocator and loader warm-up)."""
+    steps = [record for record in records if "loss" in record and record.get("split") is None]
+    later = steps[len(steps) // 10 :]
+    median = lambda key: statistics.median(r[key] for r in later) if all(r.get(key) is not None for r in later) \
+        else None  # noqa: E731  # fmt: skip
+    return {"steps": len(steps), "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
+            "step_seconds": median("step_seconds"), "data_seconds": median("data_seconds"),
+            "peak_mem_mib": max(r["peak_mem_mib"] for r in steps), "loss_first_last": [steps[0]["loss"],
+            steps[-1]["loss"]]}  # fmt: skip
+
+
+def study_plan(run: Run) -> list[str]:
+    """The protocol's GPU-arm command without its report arguments (the probe never reaches the report)."""
+    runs_dir, archive = run.work / "study-v3-gpu", run.out / "study-v3-gpu" / "runs"
+    seeds = ["0"] if run.dry_run else [str(seed) for seed in range(64)]
+    toy = ["train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"] if run.dry_run else []
+    return ["--variants", *STUDY_VARIANTS, "--seeds", *seeds, "--runs-dir", str(runs_dir), "--archive", str(archive),
+            *toy]  # fmt: skip
+
+
+def study_probe(run: Run) -> dict:
+    probe_s = min(PROBE_S["dry" if run.dry_run else "gpu"], run.remaining() - 15.0)
+    study = [sys.executable, "-m", "ntl_pretrain.cli", "study"]
+    placement = ["--jobs", "2", "--device", "cpu"] if run.dry_run else ["--jobs", "8", "--device", "cuda"]
+    started = time.monotonic()
+    run.command("study_probe", [*study, *study_plan(run), *placement], probe_s, expect_timeout=True)
+    minutes = (time.monotonic() - started) / 60
+    run.command("study_probe", [*study, *study_plan(run), "--status"], min(60.0, run.remaining()))
+    return throughput(last_line(run.out / "logs" / "study_probe.log"), minutes)
+
+
+STATUS = re.compile(r"all: (\d+) of (\d+) planned runs done.*have trained ([\d.]+) runs' worth of steps")
+
+
+def throughput(status_line: str, minutes: float) -> dict:
+    """r = (finished runs + the fraction of max_steps every unfinished run reached) / minutes, and the protocol's
+    minutes for all planned runs (256 / r in the GPU arm) and per 8 seeds of the 4 arms (32 / r)."""
+    found = STATUS.search(status_line)
+    if found is None:
+        raise StageFailed(f"study_probe: no progress line in `study --status`: {status_line!r}")
+    done, planned, partial = int(found[1]), int(found[2]), float(found[3])
+    r = (done + partial) / minutes
+    per_run = (1 / r) if r > 0 else None
+    return {"minutes": minutes, "runs_done": done, "runs_planned": planned, "unfinished_progress": partial,
+            "r_runs_per_minute": r, "minutes_for_all": None if per_run is None else planned * per_run,
+            "minutes_per_8_seeds": None if per_run is None else 32 * per_run}  # fmt: skip
+
+
+STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
+                                            "train_125m": train_125m, "study_probe": study_probe}  # fmt: skip
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+
+def run_stage(run: Run, name: str, stage: Callable[[Run], dict]) -> dict:
+    started = time.monotonic()
+    if run.remaining() < MIN_STAGE_S:
+        return {"name": name, "status": "skipped", "seconds": 0.0, "why": f"{run.remaining():.0f} s of the budget left"}
+    try:
+        figures, status, why = stage(run), "ok", None
+    except StageFailed as error:
+        figures, status, why = error.figures, error.status, str(error)
+    except Exception as error:  # noqa: BLE001 - a stage's bug is its row; the next stage still runs
+        figures, status, why = {}, "failed", f"{type(error).__name__}: {error}"
+    result = {"name": name, "status": status, "seconds": round(time.monotonic() - started, 1), "figures": figures}
+    return result if why is None else {**result, "why": why}
+
+
+def write_summary(run: Run, started: float) -> None:
+    done = {stage["name"] for stage in run.stages}
+    pending = [{"name": name, "status": "pending"} for name in run.planned if name not in done]
+    summary = {"dry_run": run.dry_run, "elapsed_s": round(time.monotonic() - started, 1),
+               "marker": f"{MARKER}={run.env[MARKER]}", "stages": [*run.stages, *pending]}  # fmt: skip
+    (run.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (run.out / "summary.md").write_text(markdown(summary))
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# First GPU run{' (dry run, CPU)' if summary['dry_run'] else ''}: {summary['elapsed_s']} s", "",
+             "| stage | status | seconds | figures |", "|---|---|---|---|"]  # fmt: skip
+    for stage in summary["stages"]:
+        figures = "; ".join(f"{key}: {value}" for key, value in stage.get("figures", {}).items())
+        why = f" ({stage['why']})" if "why" in stage else ""
+        lines.append(f"| {stage['name']} | {stage['status']}{why} | {stage.get('seconds', '')} | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+def environment(run_site: Path, dry_run: bool, token: str) -> dict[str, str]:
+    """The stages' environment: the installed wheels first, then this checkout; offline (no network there)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(run_site), str(REPO), env.get("PYTHONPATH")) if p)
+    env["PATH"] = f"{run_site / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env.update({MARKER: token, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    if dry_run:
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="every stage on CPU at toy sizes")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out/gpu-first-run"))
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=REPO / "runs" / "gpu-first-run",
+        help="the runs and the installed wheels (default: %(default)s)",
+    )
+    parser.add_argument("--wheels", type=Path, default=REPO / "wheels-gpu")
+    parser.add_argument("--pins", type=Path, default=REPO / "launch" / "gpu-wheels.txt")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (default 8 minutes)")
+    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    work = args.work.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    token = uuid.uuid4().hex
+    run = Run(out, work, args.dry_run, args.wheels, args.pins, started + args.budget,
+              environment(work / "site-packages", args.dry_run, token), args.stages)  # fmt: skip
+    write_summary(run, started)
+    for name in args.stages:
+        print(f"gpu_first_run: {name} ({run.remaining():.0f} s of the budget left)", flush=True)
+        run.stages.append(run_stage(run, name, STAGES[name]))
+        write_summary(run, started)
+        print(f"gpu_first_run: {name}: {run.stages[-1]['status']} in {run.stages[-1]['seconds']} s", flush=True)
+    print((out / "summary.md").read_text(), flush=True)
+    return 0 if all(stage["status"] == "ok" for stage in run.stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

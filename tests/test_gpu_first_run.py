@@ -1,0 +1,103 @@
+"""bench/gpu_first_run.sh: its CPU dry run passes every stage at toy sizes (the first GPU call must not fail on a
+typo), and its runner records a stage that fails or overruns, kills all it started, and goes on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from launches import REPO, environment
+
+SCRIPT = REPO / "bench" / "gpu_first_run.sh"
+
+
+def runner():
+    spec = importlib.util.spec_from_file_location("gpu_first_run", REPO / "bench" / "gpu_first_run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def toy_wheel(folder: Path) -> Path:
+    """A one-module wheel, for the install stage to install as it installs DeepSpeed's."""
+    folder.mkdir()
+    info = "ntl_toy_wheel-1.0.dist-info"
+    files = {
+        "ntl_toy_wheel.py": "VALUE = 1\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: ntl-toy-wheel\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / "ntl_toy_wheel-1.0-py3-none-any.whl", "w") as wheel:
+        for name, text in files.items():
+            wheel.writestr(name, text)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
+    out, work, pins = tmp_path / "out", tmp_path / "work", tmp_path / "pins.txt"
+    pins.write_text("ntl-toy-wheel==1.0\nliger-kernel==0.8.5  # optional\n")
+    command = ["bash", str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(work), "--wheels",
+               str(toy_wheel(tmp_path / "wheels")), "--pins", str(pins)]  # fmt: skip
+    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600, check=False)
+    summary = json.loads((out / "summary.json").read_text())
+    stages = {stage["name"]: stage for stage in summary["stages"]}
+    assert done.returncode == 0 and {stage["status"] for stage in stages.values()} == {"ok"}, done.stdout
+    assert stages["install"]["figures"]["wheels"] == ["ntl_toy_wheel-1.0-py3-none-any.whl"]
+    assert stages["install"]["figures"]["optional_absent"] == ["liger_kernel==0.8.5"]
+    assert (work / "site-packages" / "ntl_toy_wheel.py").is_file()
+    assert stages["doctor"]["figures"]["bf16 gradient accumulation"].startswith("ok: ")
+    assert stages["heads"]["figures"]["head: chunked head CE+NTL-WAS"].endswith("x")
+    assert stages["train_125m"]["figures"]["steps"] == 3 and stages["train_125m"]["figures"]["tokens_per_s"] > 0
+    assert stages["study_probe"]["figures"]["runs_planned"] == 4
+    for name in ("doctor-report.json", "heads.json", "train-125m-metrics.jsonl", "summary.md"):
+        assert (out / name).is_file(), name
+    assert runner().marked_processes(summary["marker"].partition("=")[2]) == []  # the probe's runs were killed
+
+
+def test_a_failed_or_overrunning_stage_is_recorded_and_the_next_one_runs(tmp_path):
+    gpu_first_run = runner()
+    token = "test-" + str(time.monotonic_ns())
+    env = {**environment(), gpu_first_run.MARKER: token}
+    run = gpu_first_run.Run(tmp_path, tmp_path / "work", True, tmp_path / "wheels", tmp_path / "pins",
+                            time.monotonic() + 60, env, ["fails", "overruns", "measures"])  # fmt: skip
+    # The overrunning command leaves a process in a session of its own, as a launcher's ranks are.
+    escape = "import os, time; os.setsid(); time.sleep(60)"
+    overrun = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {escape!r}]); time.sleep(60)"
+    stages = {
+        "fails": lambda run: run.command("fails", [sys.executable, "-c", "print('bad'); raise SystemExit(3)"], 30),
+        "overruns": lambda run: run.command("overruns", [sys.executable, "-c", overrun], 2),
+        "measures": lambda run: {"figure": 1},
+    }
+    started = time.monotonic()
+    for name, stage in stages.items():
+        run.stages.append(gpu_first_run.run_stage(run, name, stage))
+        gpu_first_run.write_summary(run, started)
+    assert [stage["status"] for stage in run.stages] == ["failed", "timeout", "ok"]
+    assert "exit code 3; last lines: " in run.stages[0]["why"] and "bad" in run.stages[0]["why"]
+    assert time.monotonic() - started < 30
+    assert gpu_first_run.marked_processes(token) == []
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [stage["name"] for stage in summary["stages"]] == ["fails", "overruns", "measures"]
+    assert "| measures | ok |" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_missing_pinned_wheel_fails_the_install_and_names_it(tmp_path):
+    gpu_first_run = runner()
+    wheels = toy_wheel(tmp_path / "wheels")
+    pins = {"ntl_toy_wheel": ("1.0", False), "deepspeed": ("0.19.8", False), "liger_kernel": ("0.8.5", True)}
+    with pytest.raises(gpu_first_run.StageFailed, match="lacks the pinned wheels deepspeed==0.19.8"):
+        gpu_first_run.pinned_wheels(wheels, pins)
+    pins["ntl_toy_wheel"] = ("2.0", False)  # another version does not count
+    with pytest.raises(gpu_first_run.StageFailed, match="ntl_toy_wheel==2.0"):
+        gpu_first_run.pinned_wheels(wheels, {"ntl_toy_wheel": pins["ntl_toy_wheel"]})
+    assert gpu_first_run.read_pins(REPO / "launch" / "gpu-wheels.txt")["deepspeed"] == ("0.19.8", False)
+    assert gpu_first_run.read_pins(REPO / "launch" / "gpu-wheels.txt")["liger_kernel"] == ("0.8.5", True)
