@@ -75,8 +75,11 @@ def _running(process: psutil.Process) -> bool:
 
 
 def _end_run(who: str, supervisor_pid: int) -> None:
-    print(f"ntl-pretrain: {who}the supervisor (pid {supervisor_pid}) is gone: ending this node's processes of the "
-          f"run", file=sys.stderr, flush=True)  # fmt: skip
+    try:  # the supervisor relayed this process's output: with it gone, the pipe may be too (EPIPE)
+        print(f"ntl-pretrain: {who}the supervisor (pid {supervisor_pid}) is gone: ending this node's processes of "
+              f"the run", file=sys.stderr, flush=True)  # fmt: skip
+    except OSError:
+        pass
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
