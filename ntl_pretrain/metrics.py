@@ -105,6 +105,11 @@ def written_records(path: Path) -> list[dict]:
     return records
 
 
+def logged_steps(path: Path) -> bool:
+    """Whether metrics.jsonl already holds records of training steps (an earlier attempt of this run)."""
+    return any(isinstance(record.get("step"), int) and record["step"] > 0 for record in written_records(path))
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no rank checks."""
 

@@ -90,11 +90,12 @@ def _record(line: str, path: Path, number: int, last: bool = False) -> list[dict
 
 def current_records(records: list[dict]) -> list[dict]:
     """Drop the records a resumed run replaced: a `split: resume` record at step S (the checkpoint it continued
-    from) supersedes every earlier record of a later step, which the resumed run logs again (or, when it stops
-    sooner, never reached). Of the records left, readers take the last one of a step."""
+    from), or `split: restart` at step 0 (an attempt killed before its first checkpoint, started again), supersedes
+    every earlier record of a later step, which the run logs again (or, when it stops sooner, never reached). Of the
+    records left, readers take the last one of a step."""
     kept: list[dict] = []
     for record in records:
-        if record.get("split") == "resume":
+        if record.get("split") in ("resume", "restart"):
             kept = [old for old in kept if old.get("step") is None or old["step"] <= record["step"]]
         kept.append(record)
     return kept

@@ -36,7 +36,7 @@ from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.document_attention import needs_varlen_arguments, varlen_arguments
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.loss.number_level import count_numbers
-from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, mfu, peak_memory_mib
+from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, logged_steps, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
 from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
 from ntl_pretrain.process_group import bind_local_device, default_backend, exit_without_finalising, slow_work_group
@@ -516,6 +516,9 @@ class Trainer:
             resumed_from = None if point.folder is None else str(point.folder)
             record = {"step": step, "split": "resume", "resumed_from": resumed_from}
             self.logger.log({**record, "skipped_checkpoints": point.skipped})
+        elif logged_steps(self.logger.path):
+            # Killed before its first checkpoint: this attempt logs steps 1, 2, ... again; readers drop the old ones.
+            self.logger.log({"step": 0, "split": "restart"})
 
     def resume(self) -> None:
         folder = self.resume_from

@@ -150,3 +150,18 @@ def test_a_last_record_cut_at_any_position_is_skipped_not_refused(tmp_path: Path
         (run / "metrics.jsonl").write_text(whole + last[:cut])
         assert [record["step"] for record in read_metrics(run)] == [1, 2], last[:cut]
     assert "line 3: skipped a record cut short" in capsys.readouterr().err
+
+
+def test_a_restart_before_the_first_checkpoint_supersedes_the_attempt_before_it(tmp_path: Path) -> None:
+    """Issue 42: an attempt killed at step 3 before any checkpoint, then started again: no step is counted twice."""
+    from ntl_pretrain.metrics import logged_steps
+
+    run = write_run(tmp_path / "run", training_records(3, 1.0))
+    assert logged_steps(run / "metrics.jsonl") and not logged_steps(tmp_path / "none" / "metrics.jsonl")
+    with (run / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"step": 0, "split": "restart"}) + "\n")
+        for record in training_records(2, 0.5):
+            metrics.write(json.dumps(record) + "\n")
+    kept = [record for record in read_metrics(run) if record.get("split") != "restart"]
+    assert [record["step"] for record in kept] == [1, 2]
+    assert [record["ntl"] for record in kept] == [record["ntl"] for record in training_records(2, 0.5)]
