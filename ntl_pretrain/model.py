@@ -25,7 +25,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from ntl_pretrain.config import Recipe
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
-from ntl_pretrain.heads.architectures import trunk_path
+from ntl_pretrain.heads.architectures import check_balancing_loss, checked_rule, trunk_path
 from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
 
@@ -135,6 +135,7 @@ def build_model(
     if recipe.loss.ntl.kind is not None:
         number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
         number_vocab.require_numbers()
+    check_balancing_loss(checked_rule(lm.config))
     head = build_head(recipe, lm, number_vocab)
     return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config, attention)
 

@@ -53,6 +53,16 @@ def checked_rule(config: PretrainedConfig) -> ForwardRule:
     return rule
 
 
+def check_balancing_loss(rule: ForwardRule) -> None:
+    """Training refuses a MoE whose forward adds the routers' load-balancing loss: the heads reproduce its logits
+    (checked) but do not add that loss yet (issue 40, item 3), and without it the routers get no balancing gradient
+    and may collapse onto a few experts."""
+    if rule.aux_loss is not None:
+        raise ValueError(f"{rule.class_name} (model_type {rule.model_type!r}) is a mixture of experts whose forward "
+                         f"adds {rule.aux_loss.coefficient.removeprefix('self.')} x its routers' load-balancing "
+                         f"loss, which training does not add yet (issue 40)")  # fmt: skip
+
+
 def logit_transform(lm: PreTrainedModel) -> LogitTransform:
     """What `lm`'s forward does to its output layer's logits, with the values of the built model."""
     rule = checked_rule(lm.config)
@@ -89,6 +99,7 @@ def check_recipe_architecture(recipe) -> None:
         return
     try:
         rule = checked_rule(config)
+        check_balancing_loss(rule)
     except ValueError as error:
         raise RecipeError(f"{key}: {error}") from error
     if config.model_type in OUTPUT_BIAS and (recipe.loss.head == "chunked" or recipe.loss.vocab_parallel_size > 1):

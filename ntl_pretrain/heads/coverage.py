@@ -27,9 +27,12 @@ def verdict(rule: ForwardRule) -> str:
         return f"refused: not checked (its forward reads as {summary}, but no tiny model of it is tested)"
     heads = "dense only (output bias)" if rule.model_type in OUTPUT_BIAS else "dense, chunked"
     if rule.aux_loss is not None:
-        balancing = f"; MoE balancing loss × `{rule.aux_loss.coefficient.removeprefix('self.')}`"
-    else:
-        balancing = "; MoE without a balancing loss in its forward" if rule.router_logits else ""
+        coefficient = rule.aux_loss.coefficient.removeprefix("self.")
+        return (
+            f"refused for training: logits reproduced ({rule.transform_summary.replace('self.', '')}; {heads}), "
+            f"but its forward adds `{coefficient}` × the routers' load-balancing loss, not yet added (issue 40)"
+        )
+    balancing = "; MoE without a balancing loss in its forward" if rule.router_logits else ""
     return f"trained: {rule.transform_summary.replace('self.', '')}; {heads}{balancing}"
 
 
