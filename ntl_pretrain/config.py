@@ -26,7 +26,9 @@ from ntl_pretrain.data.config import DataConfig
 from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig
 
-HfConfigValue = int | float | str | bool | list[int] | list[float] | list[str] | None
+HfScalarOrList = int | float | str | bool | list[int] | list[float] | list[str] | None
+# A mapping one level deep holds transformers 5's `rope_parameters` ({rope_type: yarn, factor: 4.0, ...}).
+HfConfigValue = HfScalarOrList | dict[str, HfScalarOrList]
 OVERRIDE_ORIGIN = "command-line override"
 # Every count in a recipe (steps, sizes, seeds) is exact in float64 (JSON readers of metrics.jsonl) and fits int64
 # (torch's step counters): a larger one is a typo, and refused before it overflows mid-run.

@@ -47,14 +47,23 @@ def export_checkpoint(
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     lm_state = {key[len(WRAPPER_PREFIX) :]: value for key, value in state.items() if key.startswith(WRAPPER_PREFIX)}
     config = _without_quantization(AutoConfig.from_pretrained(folder / HF_CONFIG))  # a run from a converted GGUF
-    config.use_cache = True
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    output_matrix_VH = saved_output_matrix(folder)
-    if output_matrix_VH is not None:
-        lm_state[_output_layer_key(model)] = output_matrix_VH.float()
-    _load_complete(model, lm_state, str(folder))
+    model = model_from_state(config, lm_state, str(folder), saved_output_matrix(folder))
     model.to(DTYPES[_resolve_dtype(dtype, folder)])
     return _save(model, AutoTokenizer.from_pretrained(folder / TOKENIZER), Path(out_dir))
+
+
+def model_from_state(
+    config: PretrainedConfig, lm_state: dict[str, torch.Tensor], source: str, output_matrix_VH: torch.Tensor | None
+) -> PreTrainedModel:
+    """The fp32 model holding a checkpoint's weights, named as the model holds them in memory (`save_pretrained`
+    then writes them as transformers' checkpoints name them: one entry per MoE expert, GPT-NeoX's `embed_out`).
+    `output_matrix_VH`: the output layer a head saved outside the shards, or None."""
+    config.use_cache = True
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if output_matrix_VH is not None:
+        lm_state[_output_layer_key(model)] = output_matrix_VH.float()
+    _load_complete(model, lm_state, source)
+    return model
 
 
 def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
@@ -97,7 +106,9 @@ def _without_quantization(config: PretrainedConfig) -> PretrainedConfig:
 def _load_complete(model: PreTrainedModel, state: dict[str, torch.Tensor], source: str) -> None:
     """Load `state`, allowing only the output projection to be absent when it is tied to the input embedding."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    output = model.get_output_embeddings()
+    modules = model.named_modules(remove_duplicate=False)
+    tied = {f"{name}.weight" for name, module in modules if module is output and model.config.tie_word_embeddings}
     if set(missing) - tied or unexpected:
         raise ValueError(f"{source}: weights do not fit the model config: missing {missing}, unexpected {unexpected}")
     model.tie_weights()

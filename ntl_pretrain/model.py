@@ -6,6 +6,7 @@ Shapes: B batch, T sequence, H hidden size, V model vocabulary (may exceed the t
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ntl_pretrain import flash_attention
 from ntl_pretrain.config import Recipe
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
+from ntl_pretrain.heads.architectures import check_balancing_loss, checked_rule, trunk_path
 from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
 
@@ -31,12 +33,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class CausalLMWithLoss(nn.Module):
-    """What the DeepSpeed engine runs: decoder trunk for hidden states, then the output head."""
+    """What the DeepSpeed engine runs: decoder trunk for hidden states, then the output head. The trunk is the
+    submodule `lm`'s own forward calls (`heads.architectures.trunk_path`), found by name at each call so that it is
+    not registered twice (its parameters would be checkpointed under two names)."""
 
     def __init__(self, lm: PreTrainedModel, head: OutputHead):
         super().__init__()
         self.lm = lm
         self.head = head
+        self.trunk = operator.attrgetter(trunk_path(lm))
 
     def forward(
         self,
@@ -49,7 +54,7 @@ class CausalLMWithLoss(nn.Module):
         **attention_kwargs,
     ) -> HeadOutput:
         """`attention_kwargs`: flash-attention 2's document boundaries (`document_attention.varlen_arguments`)."""
-        lm_out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, **attention_kwargs)
+        lm_out = self.trunk(self.lm)(input_ids=input_ids, position_ids=position_ids, **attention_kwargs)
         hidden_BTH = lm_out.last_hidden_state
         return self.head(hidden_BTH, labels, num_tokens, num_number_tokens, ntl_labels)
 
@@ -132,6 +137,7 @@ def build_model(
     if recipe.loss.ntl.kind is not None:
         number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
         number_vocab.require_numbers()
+    check_balancing_loss(checked_rule(lm.config))
     head = build_head(recipe, lm, number_vocab)
     return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config, attention)
 

@@ -31,9 +31,9 @@ def check_model(recipe: Recipe, config, tokenizer) -> None:
     check_activations(recipe, values)
     if tokenizer is not None:
         check_vocab(recipe, values, len(tokenizer))
-    expected = meta_model_shapes(recipe, config)
+    build_on_meta(recipe, config)
     if recipe.init_from is not None:
-        check_weights(Path(recipe.init_from).expanduser(), expected)
+        check_weights(Path(recipe.init_from).expanduser(), config)
 
 
 def check_given_sizes(recipe: Recipe) -> None:
@@ -97,40 +97,62 @@ def check_vocab(recipe: Recipe, values: dict, tokenizer_size: int) -> None:
                           f"tokens; raise it to at least {tokenizer_size} (or leave it out from scratch)")  # fmt: skip
 
 
-def meta_model_shapes(recipe: Recipe, config) -> dict[str, tuple[int, ...]]:
+def build_on_meta(recipe: Recipe, config) -> None:
     """Build the model on the meta device (no memory, no weights): the checks transformers' layers make at
-    construction run here (GPT-2's `n_embd % n_head`), and its parameters are the tensors the weights must hold
-    (a tied output layer shares the embedding's, and is listed once)."""
+    construction run here (GPT-2's `n_embd % n_head`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            AutoModelForCausalLM.from_config(config)
     except Exception as error:  # transformers and torch raise ValueError, RuntimeError, AttributeError ...
         key = "init_from" if recipe.init_from is not None else "model.config"
         raise RecipeError(f"{key}: transformers cannot build the model: {' '.join(str(error).split())}") from error
-    return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
 
 
-def check_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
-    """init_from's safetensors files have readable headers holding every tensor the model needs, in its shape.
-    Names may differ by the model's base prefix (`model.`); `pytorch_model.bin` files are not read here."""
+def check_weights(folder: Path, config) -> None:
+    """init_from's weights load into the model `config` describes, as `from_pretrained` loads them: transformers' own
+    loader on the meta device (no tensor read) applies its checkpoint conversion (one file entry per MoE expert fused
+    into one tensor, GPT-NeoX's `embed_out` as `lm_head`), so a folder it loads passes and one it would not load (or
+    would load with parameters left at random) is refused naming the tensor. Safetensors headers are read first, so
+    that a damaged file is named; `pytorch_model.bin` folders are left to the loader at start."""
     try:
         found = safetensors_shapes(folder)
     except InputError as error:
         raise RecipeError(f"init_from: {error}") from error
     if found is None:
         return
-    for name, shape in expected.items():
-        saved = next((found[n] for n in (name, name.split(".", 1)[-1], f"model.{name}") if n in found), None)
-        if saved is None:
-            raise RecipeError(f"init_from: {folder} has no tensor {name} (expected {list(shape)}); the weights do "
-                              f"not belong to the model its config.json and model.config describe (an untied output "
-                              f"layer asked of tied weights: model.config.tie_word_embeddings)")  # fmt: skip
-        if tuple(saved) != shape:
-            raise RecipeError(f"init_from: {folder}: tensor {name} is {list(saved)}, the config makes it "
-                              f"{list(shape)}")  # fmt: skip
+    info = _meta_load_report(folder, config)
+    if info["missing_keys"]:
+        name = sorted(info["missing_keys"])[0]
+        raise RecipeError(f"init_from: {folder} has no tensor {name}; the weights do not belong to the model its "
+                          f"config.json and model.config describe (an untied output layer asked of tied weights: "
+                          f"model.config.tie_word_embeddings)")  # fmt: skip
+    for name, saved, wanted in sorted(info["mismatched_keys"]):
+        raise RecipeError(f"init_from: {folder}: tensor {name} is {list(saved)}, the config makes it {list(wanted)}")
+
+
+def _meta_load_report(folder: Path, config) -> dict:
+    """`from_pretrained`'s loading report on the meta device; its refusal (a conversion that fails, a tensor that
+    does not fit) as a RecipeError quoting it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    verbosity, progress_bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()  # its load report and progress bar: the refusal below says what matters
+    logging.disable_progress_bar()
+    try:
+        settings = {"device_map": "meta", "dtype": torch.float32, "ignore_mismatched_sizes": True}
+        _, info = AutoModelForCausalLM.from_pretrained(folder, config=config, output_loading_info=True, **settings)
+    except Exception as error:  # transformers raises RuntimeError, ValueError, KeyError ... from its loader
+        raise RecipeError(f"init_from: transformers cannot load {folder}: {' '.join(str(error).split())}") from error
+    finally:
+        logging.set_verbosity(verbosity)
+        if progress_bar:
+            logging.enable_progress_bar()
+    return info
 
 
 def safetensors_shapes(folder: Path) -> dict[str, list[int]] | None:

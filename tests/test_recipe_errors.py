@@ -456,7 +456,7 @@ def test_init_from_weights_are_checked_against_the_model_by_name_and_shape(tmp_p
             f"train.output_dir={tmp_path / 'out'}", "train.resume=null"]  # fmt: skip
     code, err, launches = run_cli([*argv, "model.config={intermediate_size: 128}"], monkeypatch, capsys)
     assert code == 2 and not launches
-    assert "init_from" in err and "mlp.gate_proj.weight is [256, 64], the config makes it [128, 64]" in err, err
+    assert "init_from" in err and "mlp.down_proj.weight is [64, 256], the config makes it [64, 128]" in err, err
     code, err, _ = run_cli([*argv, "model.config={tie_word_embeddings: true}"], monkeypatch, capsys)
     assert code == 0, err  # a tied model needs no lm_head tensor
     code, err, _ = run_cli(argv, monkeypatch, capsys)

@@ -47,7 +47,7 @@ def saved_output_matrix(step_folder: Path) -> torch.Tensor | None:
 def build_head(recipe: Recipe, lm: PreTrainedModel, number_vocab: NumberVocab | None) -> OutputHead:
     """The recipe's head for `lm` (collective when vocabulary-parallel: every rank calls it)."""
     loss = recipe.loss
-    transform = logit_transform(type(lm).__name__, lm.config)
+    transform = logit_transform(lm)
     if loss.vocab_parallel_size > 1:
         from ntl_pretrain.heads.vocab_parallel import VocabParallelOutputHead
 

@@ -1,81 +1,83 @@
-"""What each supported architecture's `*ForCausalLM.forward` does to `lm_head(hidden)` before the loss.
+"""Which model types the heads train, and what each one's `*ForCausalLM.forward` does to `lm_head(hidden)`.
 
-The heads run the decoder trunk (`lm.base_model`) and the output layer themselves, so post-processing inside the
-architecture's forward would otherwise be left out of training and applied at inference. Read from the
-transformers 5.23 sources: Gemma-2/3 soft-cap (`final_logit_softcapping`), Cohere multiplies by `logit_scale`,
-Granite divides by `logits_scaling`; the others use the logits as they come. An architecture not listed here has
-not been checked, and training it is refused rather than risking a silently different objective.
+The heads run the decoder trunk and the output layer themselves, so post-processing inside the forward would
+otherwise be left out of training and applied at inference. What a forward does is read by rule from the installed
+transformers' source (forward_rules.py: identity, a scale, a soft-cap, the MoE balancing loss, or refused and why);
+a type is trained only when its rule accepts it and it is in `CHECKED`, the types tests/test_architectures.py trains
+as tiny random models against transformers' own loss. A type not checked stays refused (a newer transformers'
+forward that the rule reads differently is refused with the reason). docs/compatibility.md lists every type
+(`python -m ntl_pretrain.heads.coverage`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from transformers import PretrainedConfig, PreTrainedModel
 
-from transformers import PretrainedConfig
+from ntl_pretrain.heads.forward_rules import ForwardRule, evaluate, forward_rule
+from ntl_pretrain.loss.logit_transform import LogitTransform
 
-from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
-
-
-def _plain(config: PretrainedConfig) -> LogitTransform:
-    return IDENTITY
-
-
-def _softcapped(config: PretrainedConfig) -> LogitTransform:
-    return LogitTransform(softcap=config.final_logit_softcapping)
-
-
-def _cohere(config: PretrainedConfig) -> LogitTransform:
-    return LogitTransform(scale=config.logit_scale)
-
-
-def _granite(config: PretrainedConfig) -> LogitTransform:
-    return LogitTransform(scale=1 / config.logits_scaling)
-
-
-LOGIT_TRANSFORMS: dict[str, Callable[[PretrainedConfig], LogitTransform]] = {
-    "LlamaForCausalLM": _plain,  # also SmolLM2
-    "MistralForCausalLM": _plain,
-    "Qwen2ForCausalLM": _plain,
-    "Qwen3ForCausalLM": _plain,
-    "GPT2LMHeadModel": _plain,
-    "GPTNeoXForCausalLM": _plain,
-    "GemmaForCausalLM": _plain,
-    "Gemma2ForCausalLM": _softcapped,
-    "Gemma3ForCausalLM": _softcapped,
-    "CohereForCausalLM": _cohere,
-    "Cohere2ForCausalLM": _cohere,
-    "GraniteForCausalLM": _granite,
-    "PhiForCausalLM": _plain,
-    "Phi3ForCausalLM": _plain,
-    "OlmoForCausalLM": _plain,
-    "Olmo2ForCausalLM": _plain,
-    "SmolLM3ForCausalLM": _plain,
-    "StableLmForCausalLM": _plain,
-    "Starcoder2ForCausalLM": _plain,
-}
-# Output layers with a bias among those above: only the dense head (the model's own `lm_head`) applies it.
-OUTPUT_BIAS = {"PhiForCausalLM"}
+# Checked on transformers 5.24.0 by tests/test_architectures.py (dense and chunked heads; dense only in OUTPUT_BIAS).
+CHECKED = frozenset("""
+afmoe apertus apertus1p5_text arcee aria_text axk1 axk2 beam biogpt bitnet bloom codegen cohere cohere2 cohere2_moe
+ctrl cwm deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 diffllama doge dots1 dots3_note_text ernie4_5 ernie4_5_moe
+exaone exaone4 exaone_moe falcon falcon_h1 falcon_mamba flex_olmo flint gemma gemma2 gemma3_text gemma4_text
+gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt-sw3 gpt2 gpt_bigcode gpt_neo gpt_neox
+gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared
+helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hy_v4 hyperclovax internlm3 iquestcoder jais2 jamba jetmoe
+kolibri1 laguna lara_mini lfm2 lfm3 llama llama4_text mamba mamba2 mellum mimo_v2_flash minicpm3 minimax minimax_m2
+minimax_m3_vl_text ministral ministral3 mistral mixtral mpt nanochat nemotron nemotron_h olmo olmo2 olmo3
+olmo_hybrid olmoe openai-gpt opt persimmon phi phi3 phimoe qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
+qwen3_moe qwen3_next recurrent_gemma rwkv sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm starcoder2
+vaultgemma xglm youtu zaya
+""".split())  # fmt: skip
+# Output layers with a bias among those above: only the dense head (the model's own output layer) applies it.
+OUTPUT_BIAS = frozenset({"codegen", "ctrl", "gptj", "phi"})
 
 
-def logit_transform(class_name: str, config: PretrainedConfig) -> LogitTransform:
-    """The post-processing of `class_name`'s logits under `config`; refuses an architecture not checked."""
-    if class_name not in LOGIT_TRANSFORMS:
-        raise ValueError(
-            f"{class_name} (model_type {config.model_type!r}) is not among the architectures whose forward the loss "
-            f"heads reproduce: whatever its forward does to the logits (scaling, soft-capping) would be left out of "
-            f"training. Supported: {', '.join(sorted(LOGIT_TRANSFORMS))}"
-        )
-    return LOGIT_TRANSFORMS[class_name](config)
-
-
-def causal_lm_class_name(config: PretrainedConfig) -> str:
-    """The class `AutoModelForCausalLM.from_config(config)` instantiates, without building it."""
+def checked_rule(config: PretrainedConfig) -> ForwardRule:
+    """The rule of `config.model_type`; a `ValueError` saying why when the heads do not train it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-    if name is None:
-        raise ValueError(f"model_type {config.model_type!r} has no causal-LM class in transformers")
-    return name
+    model_type = config.model_type
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model_type {model_type!r} has no causal-LM class in transformers")
+    rule = forward_rule(model_type)
+    if rule.refused is not None:
+        raise ValueError(f"{rule.class_name} (model_type {model_type!r}) is not among the architectures whose "
+                         f"forward the loss heads reproduce: {rule.refused}")  # fmt: skip
+    if model_type not in CHECKED:
+        raise ValueError(f"{rule.class_name} (model_type {model_type!r}) is not among the architectures whose "
+                         f"forward the loss heads reproduce: its forward reads as one they do "
+                         f"({rule.transform_summary}), but no test has trained it against transformers' loss "
+                         f"(docs/compatibility.md)")  # fmt: skip
+    return rule
+
+
+def check_balancing_loss(rule: ForwardRule) -> None:
+    """Training refuses a MoE whose forward adds the routers' load-balancing loss: the heads reproduce its logits
+    (checked) but do not add that loss yet (issue 40, item 3), and without it the routers get no balancing gradient
+    and may collapse onto a few experts."""
+    if rule.aux_loss is not None:
+        raise ValueError(f"{rule.class_name} (model_type {rule.model_type!r}) is a mixture of experts whose forward "
+                         f"adds {rule.aux_loss.coefficient.removeprefix('self.')} x its routers' load-balancing "
+                         f"loss, which training does not add yet (issue 40)")  # fmt: skip
+
+
+def logit_transform(lm: PreTrainedModel) -> LogitTransform:
+    """What `lm`'s forward does to its output layer's logits, with the values of the built model."""
+    rule = checked_rule(lm.config)
+    scale = 1.0
+    for op, expression in rule.factors:
+        factor = float(evaluate(expression, lm))
+        scale = scale * factor if op == "*" else scale / factor
+    softcap = evaluate(rule.softcap, lm) if rule.softcap is not None else None
+    return LogitTransform(scale=scale, softcap=softcap)
+
+
+def trunk_path(lm: PreTrainedModel) -> str:
+    """The submodule of `lm` its forward calls for the hidden states (`model`, OPT's `model.decoder`; Llama-4's text
+    model calls `model` although its `base_model` is the causal LM itself)."""
+    return checked_rule(lm.config).trunk
 
 
 def check_recipe_architecture(recipe) -> None:
@@ -95,13 +97,13 @@ def check_recipe_architecture(recipe) -> None:
         key, config = "model.model_type", AutoConfig.for_model(recipe.model.model_type, **recipe.model.config)
     else:
         return
-    class_name = causal_lm_class_name(config)
     try:
-        logit_transform(class_name, config)
+        rule = checked_rule(config)
+        check_balancing_loss(rule)
     except ValueError as error:
         raise RecipeError(f"{key}: {error}") from error
-    if class_name in OUTPUT_BIAS and (recipe.loss.head == "chunked" or recipe.loss.vocab_parallel_size > 1):
+    if config.model_type in OUTPUT_BIAS and (recipe.loss.head == "chunked" or recipe.loss.vocab_parallel_size > 1):
         raise RecipeError(
-            f"loss.head: {class_name}'s output layer has a bias, which only the dense head applies; set "
+            f"loss.head: {rule.class_name}'s output layer has a bias, which only the dense head applies; set "
             "loss.head: dense and loss.vocab_parallel_size: 1"
         )

@@ -1,0 +1,112 @@
+"""Every model type the heads train (`architectures.CHECKED`), against transformers' own loss: a tiny random model
+per type, its post-processing constants enlarged so that leaving a transform out would move CE by more than 10%;
+the dense and chunked heads' CE equals `lm(input_ids, labels=input_ids).loss` to 1e-6, and the weights export
+writes reload as they were trained. And the table of all types in docs/compatibility.md is the one the rule gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import VOCAB, tiny_model
+from transformers import AutoModelForCausalLM
+
+from ntl_pretrain.config import Recipe
+from ntl_pretrain.export import model_from_state
+from ntl_pretrain.heads import build_head
+from ntl_pretrain.heads.architectures import CHECKED, OUTPUT_BIAS, checked_rule
+from ntl_pretrain.heads.forward_rules import forward_rule
+from ntl_pretrain.loss.logit_transform import IDENTITY
+from ntl_pretrain.model import CausalLMWithLoss
+
+SEQ = 12
+# Enlarged constants (the real ones, soft-cap 30 or scale 0.1-ish, move CE too little on random logits to be seen).
+ENLARGED = {"*": 4.0, "/": 0.25, "softcap": 2.0}
+DERIVED = {"minicpm3": {"dim_model_base": 256}}  # its logits_scaling is hidden_size / dim_model_base = 0.25
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: a second thread only waits on the first (a 100x slower first forward on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def enlarged_settings(model_type: str) -> dict:
+    """The config keys of the type's post-processing (`self.config.logits_scaling` -> logits_scaling), enlarged."""
+    if model_type in DERIVED:
+        return DERIVED[model_type]
+    rule = forward_rule(model_type)
+    steps = [(op, expression) for op, expression in rule.factors]
+    steps += [("softcap", rule.softcap)] if rule.softcap else []
+    return {expression.rsplit(".", 1)[-1]: ENLARGED[op] for op, expression in steps}
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids, the labels the trainer gives the heads (the next token; -100 where there is none) and positions."""
+    input_ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat([input_ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    return input_ids, labels, torch.arange(SEQ).expand(2, SEQ)
+
+
+def head_ce(lm, head_kind: str, input_ids, labels, positions, transform=None) -> torch.Tensor:
+    recipe = Recipe()
+    recipe.loss.ntl.kind, recipe.loss.head, recipe.loss.chunk_size = None, head_kind, 5
+    head = build_head(recipe, lm, None)
+    if transform is not None:
+        head.transform = transform
+    num_tokens = (labels != -100).sum()
+    with torch.no_grad():
+        return CausalLMWithLoss(lm, head)(input_ids, labels, positions, num_tokens, num_tokens).loss
+
+
+def test_every_checked_type_is_one_the_rule_accepts():
+    refused = {t: forward_rule(t).refused for t in CHECKED if forward_rule(t).refused}
+    assert not refused
+
+
+@pytest.mark.parametrize("model_type", sorted(CHECKED))
+def test_heads_give_transformers_loss_and_export_keeps_the_weights(model_type, tmp_path):
+    lm = tiny_model(model_type, **enlarged_settings(model_type))
+    input_ids, labels, positions = inputs = batch()
+    with torch.no_grad():
+        want = lm(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    has_bias = getattr(lm.get_output_embeddings(), "bias", None) is not None
+    assert has_bias == (model_type in OUTPUT_BIAS)
+    for head_kind in ("dense",) if has_bias else ("dense", "chunked"):
+        got = head_ce(lm, head_kind, *inputs)
+        assert abs(got - want) <= 1e-6 * want, f"{model_type} {head_kind}: {got.item()} != {want.item()}"
+    if enlarged_settings(model_type):
+        untransformed = head_ce(lm, "dense", *inputs, transform=IDENTITY)
+        assert abs(untransformed - want) > 0.1 * want, f"{model_type}: the enlarged transform does not show"
+    exported = model_from_state(lm.config, lm.state_dict(), model_type, None)
+    exported.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    for name, tensor in lm.state_dict().items():
+        assert torch.equal(reloaded[name], tensor), f"{model_type}: {name} changed through export"
+
+
+def test_an_unchecked_type_is_refused_naming_why():
+    with pytest.raises(ValueError, match=r"BartForCausalLM .* not among .* its forward does `if labels"):
+        checked_rule(type("C", (), {"model_type": "bart"})())
+    with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration .* a multimodal model"):
+        checked_rule(type("C", (), {"model_type": "gemma3"})())
+
+
+def test_training_refuses_a_moe_whose_forward_adds_a_balancing_loss(capsys):
+    from pathlib import Path
+
+    from ntl_pretrain import cli
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+    moe = ["model.model_type=mixtral", "model.config.num_local_experts=4", "model.config.num_experts_per_tok=2"]
+    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", *moe]) == 2
+    assert "router_aux_loss_coef x its routers' load-balancing loss" in capsys.readouterr().err
+    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", "model.model_type=deepseek_v3"]) == 0
+
+
+def test_the_documented_table_is_the_one_the_rule_gives():
+    from ntl_pretrain.heads.coverage import documented_table, table
+
+    assert documented_table() == table(), "regenerate it: python -m ntl_pretrain.heads.coverage --write"
