@@ -82,8 +82,8 @@ def supervise(
     handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
     os.close(handle)
     outcome_file = Path(name)
-    relays = ConsoleRelay(sys.stdout.fileno()), ConsoleRelay(sys.stderr.fileno())
-    terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(sys.stderr.fileno()) else {}
+    relays = ConsoleRelay(_descriptor(sys.stdout, 1)), ConsoleRelay(_descriptor(sys.stderr, 2))
+    terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(relays[1].destination_fd) else {}
     try:
         env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
         code = _run(command, env, grace_seconds, relays)
@@ -94,6 +94,14 @@ def supervise(
         return code
     finally:
         outcome_file.unlink(missing_ok=True)
+
+
+def _descriptor(stream, default: int) -> int:
+    """The file descriptor behind `stream`; the process's own (1, 2) where a test or a notebook replaced it."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return default
 
 
 def _close_relays(relays: tuple[ConsoleRelay, ConsoleRelay], line: str | None) -> None:
