@@ -114,7 +114,8 @@ def test_a_rank_takes_sighup_as_a_request_to_save_and_stop():
     assert signal.SIGHUP in STOP_SIGNALS
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
-        stop = StopRequest(grace_seconds=60)
+        # its grace timer would end this process (os._exit) once it ran out: make it outlast any test session
+        stop = StopRequest(grace_seconds=10**9)
         stop.install()
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.requested and stop.signal_name == "SIGHUP"
