@@ -90,8 +90,8 @@ def test_bad_recipes_name_the_key_and_the_file(tmp_path, in_base, in_child, over
 
 
 def literal_keys(cls: type, instance: object, prefix: str = ""):
-    """(dotted key, allowed values, whether null is allowed) of every Literal field below `cls`, following sections
-    and the first item of the recipe's lists of sections (`data.sources.0.format`)."""
+    """(dotted key, allowed values, whether null is allowed, whether a bool is too) of every Literal field below
+    `cls`, following sections and the first item of the recipe's lists of sections (`data.sources.0.format`)."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         hint, value, key = hints[field.name], getattr(instance, field.name), prefix + field.name
@@ -104,17 +104,18 @@ def literal_keys(cls: type, instance: object, prefix: str = ""):
             members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
             literals = [member for member in (hint, *members) if typing.get_origin(member) is Literal]
             if literals:
-                yield key, typing.get_args(literals[0]), type(None) in typing.get_args(hint)
+                yield key, typing.get_args(literals[0]), type(None) in typing.get_args(hint), bool in members
 
 
 def test_every_choice_key_names_its_allowed_values():
     found = {}
-    for key, allowed, nullable in literal_keys(Recipe, load_recipe(TINY)):
+    for key, allowed, nullable, or_bool in literal_keys(Recipe, load_recipe(TINY)):
         with pytest.raises(RecipeError) as error:
             load_recipe(TINY, [f"{key}=zzz"])
         listed = ", ".join(repr(value) for value in allowed) + (" (or null)" if nullable else "")
         found[key] = str(error.value)
-        assert str(error.value) == f"command-line override: {key}: expected one of {listed}, got 'zzz'"
+        expected = ("bool or " if or_bool else "") + f"one of {listed}"
+        assert str(error.value) == f"command-line override: {key}: expected {expected}, got 'zzz'"
     assert {"loss.ntl.kind", "loss.head", "model.attention", "schedule.kind", "train.device", "train.precision",
             "checkpoint.verify", "data.sources.0.format", "data.sources.0.sample_by"} <= set(found)  # fmt: skip
 
