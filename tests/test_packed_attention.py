@@ -155,15 +155,15 @@ class HiddenStates(torch.nn.Module):
 def test_per_document_flash_attention_is_refused_where_transformers_drops_the_varlen_arguments(monkeypatch):
     from transformers import modeling_flash_attention_utils
 
-    from ntl_pretrain import document_attention, preflight
+    from ntl_pretrain import document_attention, flash_attention, preflight
     from ntl_pretrain.config import RecipeError, load_recipe
 
     assert document_attention.transformers_takes_varlen_arguments()  # the installed version does
     recipe = load_recipe(TINY, ["model.attention=flash_attention_2", "data.per_document_attention=true"])
     unseparated = load_recipe(TINY, ["model.attention=flash_attention_2"])
-    find_spec = preflight.importlib.util.find_spec
-    monkeypatch.setattr(preflight.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a))  # fmt: skip
+    # flash-attn installed and importing (the import check itself: tests/test_flash_attention_guard.py)
+    monkeypatch.setattr(flash_attention, "installed", lambda: True)
+    monkeypatch.setattr(flash_attention, "import_error_in_child", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     preflight.check_attention(recipe)
 

@@ -37,7 +37,8 @@ def test_a_failing_tracker_leaves_checkpoint_and_metrics_and_ends_with_one_line(
                str(free_port()), f"train.output_dir={output_dir}", "train.max_steps=4", "data.seq_len=32",
                "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_every_steps=2",
                "train.eval_max_batches=1", "checkpoint.every_steps=2", "logging.wandb=true"]  # fmt: skip
-    env = {**environment(), "PYTHONPATH": f"{REPO}:{tmp_path / 'tracker'}"}
+    # offline: W&B's pre-flight then needs no key or server (the stand-in tracker fails later, inside the run)
+    env = {**environment(), "PYTHONPATH": f"{REPO}:{tmp_path / 'tracker'}", "WANDB_MODE": "offline"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 1, done.stderr[-4000:]
 
