@@ -49,14 +49,18 @@ class ConsoleRelay:
 
     def _read(self) -> None:
         while chunk := os.read(self._read_fd, READ_BYTES):
-            with self._changed:
-                if self._console_failed or self._buffered + len(chunk) > MAX_BUFFERED_BYTES:
-                    self.dropped_bytes += len(chunk)
-                    continue
-                self._chunks.append(chunk)
-                self._buffered += len(chunk)
-                self._changed.notify_all()
+            self._enqueue(chunk)
         os.close(self._read_fd)
+
+    def _enqueue(self, data: bytes) -> None:
+        """Queue `data` for the console, or drop and count it when the console failed or the queue is full."""
+        with self._changed:
+            if self._console_failed or self._buffered + len(data) > MAX_BUFFERED_BYTES:
+                self.dropped_bytes += len(data)
+                return
+            self._chunks.append(data)
+            self._buffered += len(data)
+            self._changed.notify_all()
 
     def _write(self) -> None:
         while True:
@@ -90,14 +94,7 @@ class ConsoleRelay:
 
     def say(self, line: str) -> None:
         """Queue one line of this process's own after the child's output (bounded like it)."""
-        data = line.encode() + b"\n"
-        with self._changed:
-            if self._console_failed or self._buffered + len(data) > MAX_BUFFERED_BYTES:
-                self.dropped_bytes += len(data)
-                return
-            self._chunks.append(data)
-            self._buffered += len(data)
-            self._changed.notify_all()
+        self._enqueue(line.encode() + b"\n")
 
     def wait_for_child_output(self, timeout: float) -> None:
         """Let the reader reach the end of the pipe (every process holding it exited), at most `timeout`."""

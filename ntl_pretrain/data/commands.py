@@ -49,22 +49,23 @@ def _add_make_arithmetic(commands: argparse._SubParsersAction) -> None:
 def run_make_arithmetic(args: argparse.Namespace) -> None:
     from ntl_pretrain.data.arithmetic import make_arithmetic
 
-    if not 0 < args.scale <= MAX_SCALE:
-        raise InputError(f"--scale: must be in (0, {MAX_SCALE}], got {args.scale}")
-
-    def scaled(sizes: dict[str, int]) -> dict[str, int]:
-        return {split: max(1, round(size * args.scale)) for split, size in sizes.items()}
-
     sizes = {
-        "arithmetic": scaled(ARITHMETIC_SIZES),
-        "word_problems": scaled(WORD_PROBLEM_SIZES),
-        "addition": scaled(ADDITION_SIZES),
-        "multiplication": scaled(MULTIPLICATION_SIZES),
+        "arithmetic": scaled_sizes(ARITHMETIC_SIZES, args.scale),
+        "word_problems": scaled_sizes(WORD_PROBLEM_SIZES, args.scale),
+        "addition": scaled_sizes(ADDITION_SIZES, args.scale),
+        "multiplication": scaled_sizes(MULTIPLICATION_SIZES, args.scale),
     }
     names = [f"{name}/{split}.jsonl" for name, splits in sizes.items() for split in splits]
     check_outputs_in("--out", args.out, names, args.overwrite)
     for path in make_arithmetic(args.out, sizes, args.seed):
         print(path)
+
+
+def scaled_sizes(sizes: dict[str, int], scale: float) -> dict[str, int]:
+    """Every split size times `--scale` (at least one record each); a scale outside (0, MAX_SCALE] is refused."""
+    if not 0 < scale <= MAX_SCALE:
+        raise InputError(f"--scale: must be in (0, {MAX_SCALE}], got {scale}")
+    return {split: max(1, round(size * scale)) for split, size in sizes.items()}
 
 
 def _add_make_regression(commands: argparse._SubParsersAction) -> None:
@@ -87,9 +88,7 @@ def _add_make_regression(commands: argparse._SubParsersAction) -> None:
 def run_make_regression(args: argparse.Namespace) -> None:
     from ntl_pretrain.data.regression import OPERAND_MAX, make_regression
 
-    if not 0 < args.scale <= MAX_SCALE:
-        raise InputError(f"--scale: must be in (0, {MAX_SCALE}], got {args.scale}")
-    sizes = {split: max(1, round(size * args.scale)) for split, size in REGRESSION_SIZES.items()}
+    sizes = scaled_sizes(REGRESSION_SIZES, args.scale)
     if sum(sizes.values()) > (OPERAND_MAX + 1) ** 2:
         raise InputError(f"--scale: {sum(sizes.values())} questions, more than the {(OPERAND_MAX + 1) ** 2} there are")
     if not (math.isfinite(args.noise_sd) and args.noise_sd >= 0):

@@ -142,9 +142,9 @@ def _batch_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind) -> dict[
     answer_labels_BT = torch.where(answer_mask_BT, labels_BT, -100)
     for kind in _answer_kinds(ntl_kind):
         answer = ce_ntl_loss(logits_BTV, answer_labels_BT, number_vocab, kind=kind, weight=1.0, reduction="sum")
-        totals |= {"answer_ce": answer.ce, "answer_tokens": answer.num_tokens,
-                   f"answer_ntl_{kind}": answer.ntl, f"answer_terms_{kind}": answer.num_number_tokens}  # fmt: skip
-    return totals
+        totals |= {f"answer_ntl_{kind}": answer.ntl, f"answer_terms_{kind}": answer.num_number_tokens}
+    # the answer CE is the same whatever the kind: the last call's
+    return totals | {"answer_ce": answer.ce, "answer_tokens": answer.num_tokens}
 
 
 def packed_forward(model: PreTrainedModel, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
