@@ -38,9 +38,10 @@ def on_rank_0_slowly(seconds: float, work):
 
 
 def train_for(seconds: float) -> None:
-    """What the ranks do between saves: a collective every 0.1 s (each would time out if a peer were busy)."""
-    ended = time.monotonic() + seconds
-    while time.monotonic() < ended:
+    """What the ranks do between saves: a collective every 0.1 s (each would time out if a peer were busy). The
+    count is fixed, not read off each rank's clock: ranks leaving a timed loop after different counts would pair
+    one rank's extra all_reduce with its peer's next barrier."""
+    for _ in range(round(seconds / 0.1)):
         dist.all_reduce(torch.ones(1))
         time.sleep(0.1)
 
