@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import shlex
 import socket
@@ -13,18 +14,22 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ntl_pretrain.config import Recipe, RecipeError, dump_recipe
+from ntl_pretrain.config import Recipe, RecipeError, dump_recipe, load_recipe
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_reporting
 from ntl_pretrain.outputs import check_output
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
-# Commands whose modules own them (each module has `register(subparsers)`).
+# Commands whose modules own them (each has `register(subparsers, summary)`), with the line `--help` shows for
+# each: `--help` and a mistyped command import none of the modules (some import torch: seconds).
 DELEGATED_COMMANDS = {
-    "eval": "ntl_pretrain.evaluation.commands",
-    "plot": "ntl_pretrain.plot",
-    "study": "ntl_pretrain.study",
-    "data": "ntl_pretrain.data.commands",
-    "doctor": "ntl_pretrain.doctor.commands",
+    "eval": ("ntl_pretrain.evaluation.commands", "validation CE/NTL and numeric generation metrics of a model"),
+    "plot": ("ntl_pretrain.plot", "loss, CE, NTL and numeric metrics of several runs in one PNG"),
+    "study": ("ntl_pretrain.study", "CE vs CE+NTL: train every variant x seed, evaluate, report"),
+    "data": ("ntl_pretrain.data.commands", "corpus tools: generate, train the tiny tokenizer, preview"),
+    "doctor": (
+        "ntl_pretrain.doctor.commands",
+        "check that this machine trains correctly (loss, collectives, speed, train/resume/export)",
+    ),
 }
 
 
@@ -69,12 +74,13 @@ def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ntl_pretrain.deepspeed_config import load_run
-
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
-    args.nproc = args.nproc or default_nproc()
+    load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
     from ntl_pretrain import preflight
+    from ntl_pretrain.deepspeed_config import load_run
+
+    args.nproc = args.nproc or default_nproc()
     from ntl_pretrain.heads.architectures import check_recipe_architecture
 
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
@@ -154,11 +160,11 @@ def run_verify(args: argparse.Namespace) -> int:
     """One line per checkpoint: intact, damaged (every bad file and what is wrong), unverifiable (no manifest) or not
     a checkpoint at all; one more for a `latest` pointer that is missing, empty or names no checkpoint. Exit code 1
     when anything is wrong or there is no checkpoint."""
-    from ntl_pretrain import checkpoint
-
     path = Path(args.path).expanduser()
     if not path.exists():
         raise InputError(f"{path}: does not exist; name a run directory, its checkpoints/ folder or a step folder")
+    from ntl_pretrain import checkpoint
+
     folders = checkpoint.checkpoints_in(path)
     if not folders:
         print(f"ntl-pretrain verify: no checkpoint in {args.path}", file=sys.stderr)
@@ -194,7 +200,8 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     the one that will run)."""
     every_command = ",".join((*OWN_COMMANDS, *DELEGATED_COMMANDS))
     parser = OneLineParser(prog="ntl-pretrain", description="Pretraining with CE + λ·NTL on DeepSpeed",
-                           usage=f"%(prog)s [-h] [--verbose] {{{every_command}}} ...")  # fmt: skip
+                           usage=f"%(prog)s [-h] [--version] [--verbose] {{{every_command}}} ...")  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('ntl_pretrain')}")
     commands = parser.add_subparsers(dest="command", required=True, prog="ntl-pretrain")
 
     train = commands.add_parser("train", help="validate a recipe, then launch it with the deepspeed launcher")
@@ -225,18 +232,19 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     verify.add_argument("--size-only", action="store_true", help="compare sizes only (reads no file)")
     verify.set_defaults(func=run_verify)
 
-    for name in delegated:
-        importlib.import_module(DELEGATED_COMMANDS[name]).register(commands)
+    for name, (module, summary) in DELEGATED_COMMANDS.items():
+        if name in delegated:
+            importlib.import_module(module).register(commands, summary)
+        else:  # listed by `--help`, never run: `main` registers the command it runs
+            commands.add_parser(name, help=summary)
     add_verbose(parser)
     return parser
 
 
 def _delegated_to_register(argv: list[str]) -> list[str]:
-    """The delegated command named on the command line; all of them when none is (`--help`, a typo)."""
+    """The delegated command named on the command line; none for `--help`, a typo or an own command."""
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    if command in OWN_COMMANDS:
-        return []
-    return [command] if command in DELEGATED_COMMANDS else list(DELEGATED_COMMANDS)
+    return [command] if command in DELEGATED_COMMANDS else []
 
 
 def main(argv: list[str] | None = None) -> int:

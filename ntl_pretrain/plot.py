@@ -240,8 +240,8 @@ def _draw_once_measured(axis, drawn: list, colours: dict) -> None:
     axis.set_xlim(-0.5, len(names) - 0.5)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("plot", help="loss, CE, NTL and numeric metrics of several runs in one PNG")
+def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
+    parser = subparsers.add_parser("plot", help=summary)
     parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("-o", "--out", type=Path, required=True, help="PNG to write")
     parser.add_argument("--labels", nargs="+", default=None, help="legend label per run (default: folder name)")

@@ -126,8 +126,8 @@ def run_all(runs: list[StudyRun], overrides: list[str], eval_args: list[str], jo
                 print(f"study: {run.name} done", flush=True)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("study", help="CE vs CE+NTL: train every variant x seed, evaluate, report")
+def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
+    parser = subparsers.add_parser("study", help=summary)
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50")
     parser.add_argument("--recipes", type=Path, default=Path("recipes/study"), help="folder of <variant>.yaml")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))

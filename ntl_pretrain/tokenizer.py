@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import os
 import shutil
 import struct
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-PKG_PREFIX = "pkg:"
+from ntl_pretrain.package_files import PKG_PREFIX, resolve_path  # noqa: F401 - this module's public names too
 
 # Pre-tokenizer regexes of the tiktoken-format vocabularies we know; a tiktoken file carries ranks only.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -50,17 +49,6 @@ TIKTOKEN_FAMILIES = {
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 # Part of the cache key: bump it whenever a conversion changes, so stale converted folders are never reused.
 CONVERSION_VERSION = 2
-
-
-def resolve_path(spec: str) -> Path:
-    """`pkg:<module>/<relative path>` inside an installed package, else a filesystem path (`~` expanded)."""
-    if not spec.startswith(PKG_PREFIX):
-        return Path(spec).expanduser()
-    module, _, relative = spec[len(PKG_PREFIX) :].partition("/")
-    found = importlib.util.find_spec(module)  # does not import the package (whisper's import needs numba)
-    if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(f"{spec}: no installed package named {module!r}")
-    return Path(next(iter(found.submodule_search_locations))) / relative
 
 
 def load_tokenizer(spec: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -24,8 +24,8 @@ TOKENIZER_SETS = ("arithmetic", "prose", "word_problems")
 MAX_SCALE = 1000  # 15M arithmetic records: beyond this a typo, not a corpus
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    data = subparsers.add_parser("data", help="corpus tools: generate, train the tiny tokenizer, preview")
+def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
+    data = subparsers.add_parser("data", help=summary)
     commands = data.add_subparsers(dest="data_command", required=True)
     _add_make_arithmetic(commands)
     _add_make_regression(commands)

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ntl_pretrain.package_files import resolve_path
+
 Format = Literal["auto", "jsonl", "json", "parquet", "txt", "arrow", "hub"]
 LabelSet = Literal["all", "answer"]
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt", ".arrow": "arrow"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
-PKG_PREFIX = "pkg:"
 MAX_WORKERS = 64  # DataLoader processes per rank: more is a typo, and each holds a tokenizer and a shuffle buffer
 
 
@@ -218,21 +219,12 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
-def local_path(path: str) -> Path:
-    """`pkg:<package>/<path>` resolves inside the installed package (without importing it)."""
-    if path.startswith(PKG_PREFIX):
-        from ntl_pretrain.tokenizer import resolve_path
-
-        return resolve_path(path)
-    return Path(path).expanduser()
-
-
 def resolve_files(source: SourceConfig) -> list[str]:
     """The files of a source in a fixed (sorted) order; raises `ValueError` naming the path if none exist."""
     if source.format == "hub" or is_remote(source.path):
         return [source.path]
     try:
-        path = local_path(source.path)
+        path = resolve_path(source.path)  # `pkg:` inside an installed package
     except FileNotFoundError as error:  # a `pkg:` path naming a package that is not installed
         raise ValueError(f"path: {error}") from error
     if path.is_dir():

@@ -4,10 +4,7 @@ Shapes: B micro-batch rows, T = seq_len. A block holds T+1 tokens: inputs are it
 last T (labels are already shifted; the loss head does not shift again). Consecutive blocks overlap by
 one token, so every token after the first is a label exactly once and nothing is padded.
 
-Label roles (docs/data.md, "Which labels carry which loss"): the encoder marks the tokens of a Q/A record's answer
-with the `ANSWER` bit and, where a source restricts CE or NTL to its answers, the tokens outside them with `NO_CE` /
-`NO_NTL`. The bits sit above every token id, so the shuffle buffer, the packer, their checkpointed state and the
-resharding carry them unchanged and without extra memory; `make_batch` takes them off again.
+Label roles: the bits of `label_bits` above each token id, taken off again by `make_batch`.
 """
 
 from __future__ import annotations
@@ -17,10 +14,9 @@ from collections import deque
 import numpy as np
 import torch
 
+from ntl_pretrain.data.label_bits import ANSWER, NO_CE, NO_NTL, TOKEN_BITS  # noqa: F401 - also packing's names
+
 IGNORE_INDEX = -100
-ANSWER, NO_CE, NO_NTL = 1 << 28, 1 << 29, 1 << 30
-TOKEN_BITS = ANSWER - 1
-"""Token ids are below 2^28 (vocabularies have at most a few hundred thousand tokens)."""
 
 
 class Packer:

@@ -25,7 +25,7 @@ from typing import IO
 
 from ntl_pretrain.data.config import COMPRESSION_SUFFIXES, SourceConfig, is_remote, resolve_files, source_format
 from ntl_pretrain.data.hub import HubListing, list_source
-from ntl_pretrain.data.packing import NO_CE, NO_NTL
+from ntl_pretrain.data.label_bits import NO_CE, NO_NTL
 from ntl_pretrain.errors import InputError
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -73,7 +73,7 @@ class Cursor:
 class QAText(str):
     """The text of a Q/A record (a source with an answer field) and where, in characters, its answer is: the
     encoder marks the answer's tokens (`packing.ANSWER`) and, for `ce_labels`/`ntl_labels: answer`, the labels
-    outside it (`packing.NO_CE`, `packing.NO_NTL`). A `str`, so the mixture and batching pass it on unchanged."""
+    outside it (`label_bits.NO_CE`, `label_bits.NO_NTL`). A `str`, so the mixture and batching pass it on unchanged."""
 
     answer_start: int
     answer_end: int

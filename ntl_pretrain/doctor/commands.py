@@ -46,9 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("doctor", help="check that this machine trains correctly (loss, collectives, "
-                                   "speed, train/resume/export)")  # fmt: skip
+def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
+    parser = subparsers.add_parser("doctor", help=summary)
     add_arguments(parser)
     parser.set_defaults(func=run_doctor)
 

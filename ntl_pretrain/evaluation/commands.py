@@ -128,8 +128,8 @@ def _validation_data(
     return DataConfig(validation=sources, seq_len=seq_len or run.seq_len, per_document_attention=per_document_attention)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("eval", help="validation CE/NTL and numeric generation metrics of a model")
+def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
+    parser = subparsers.add_parser("eval", help=summary)
     parser.add_argument("target", help="run directory (latest checkpoint), checkpoint step folder or HF folder")
     defaults = EvalConfig()
     parser.add_argument("--qa", action="append", default=None, metavar="JSONL",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.package_files import resolve_path
 
 CORPUS = "pkg:ntl_pretrain/corpus"
 
@@ -23,7 +24,6 @@ class QaSetConfig:
         if not self.path:
             raise ValueError("path: required")
         from ntl_pretrain.evaluation.answers import read_qa_file
-        from ntl_pretrain.tokenizer import resolve_path
 
         path = resolve_path(self.path)
         if not path.is_file():

@@ -1,0 +1,58 @@
+"""The CLI starts at once: `--help`, `--version`, a mistyped recipe key under `train --dry-run`, and `plot` or
+`verify` of a missing path answer without importing torch, transformers or DeepSpeed (each takes seconds to import
+on a busy 2-core machine; the answers need none of them). Checked by module, not by clock: timings are noisy, an
+import is not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "deepspeed")
+# Runs the CLI as `ntl-pretrain` does, then prints its exit code and the heavy modules it imported.
+PROBE = f"""
+import json, sys
+from ntl_pretrain import cli
+try:
+    code = cli.main(sys.argv[1:])
+except SystemExit as stop:
+    code = stop.code
+print(json.dumps({{"code": code, "heavy": [name for name in {HEAVY!r} if name in sys.modules]}}))
+"""
+
+
+def started(argv: list[str]) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (["--help"], 0, "study"),
+        (["--version"], 0, f"ntl-pretrain {version('ntl_pretrain')}"),
+        (["train", "recipes/tiny-cpu.yaml", "loss.ntl.wieght=1", "--dry-run"], 2, "did you mean 'weight'?"),
+        (["train", "recipes/tiny-cpu.yaml", "--nproc", "0"], 2, "--nproc: must be >= 1"),
+        (["plot", "no-such-run", "-o", "no-such-run.png"], 2, "no-such-run: no metrics.jsonl"),
+        (["verify", "no-such-run"], 2, "no-such-run: does not exist"),
+        (["trian"], 2, "invalid choice: 'trian'"),
+    ],
+    ids=["help", "version", "mistyped-key", "nproc", "plot-missing", "verify-missing", "mistyped-command"],
+)
+def test_answers_without_importing_torch(argv, code, says):
+    result, output = started(argv)
+    assert result == {"code": code, "heavy": []}, output
+    assert says in output
+
+
+def test_a_command_that_runs_still_registers_its_arguments():
+    """Only the named command's module is imported, with all its arguments (the others are listed by `--help`)."""
+    result, output = started(["eval", "--help"])
+    assert result["code"] == 0 and "--max-examples" in output and "--ntl-kind" in output
