@@ -120,10 +120,17 @@ class LossConfig:
     """k > 1: groups of k consecutive data-parallel ranks share the output layer by vocabulary rows
     (`VocabParallelHead`), so no rank gathers the whole [V, H] matrix; must divide the world size; needs an untied
     output layer. 1 = the output layer under ZeRO-3."""
+    router_aux_weight: float | None = None
+    """Mixture of experts: the weight of the routers' load-balancing loss in `CE + λ·NTL + w·aux` (transformers'
+    `load_balancing_loss_func`, as the model's forward computes it); null = the model's own coefficient
+    (`router_aux_loss_coef`); 0 trains without it (still logged). Refused above 0 for a model without one."""
 
     def check(self) -> None:
         if self.vocab_parallel_size < 1:
             raise ValueError("vocab_parallel_size: must be >= 1")
+        if self.router_aux_weight is not None and not 0 <= self.router_aux_weight < float("inf"):
+            raise ValueError(f"router_aux_weight: must be a number >= 0, or null for the model's own coefficient, got "
+                             f"{self.router_aux_weight}")  # fmt: skip
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size: must be a positive number of positions or null, got {self.chunk_size}")
 

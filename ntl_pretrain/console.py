@@ -46,9 +46,14 @@ def startup_line(parameters: int, world_size: int, micro_batch: int, global_batc
 
 
 def step_fields(record: dict) -> str:
-    """The fields of a training step, shared by the bar and the plain lines."""
-    return (f"loss {record['loss']:.4f} ce {record['ce']:.4f} ntl {record['ntl']:.4f} lr {record['lr']:.3g} "
-            f"{record['tokens_per_s']:,.0f} tok/s mem {record['peak_mem_mib']:,.0f} MiB")  # fmt: skip
+    """The fields of a training step, shared by the bar and the plain lines (`aux`: a MoE's balancing loss)."""
+    return (f"loss {record['loss']:.4f} ce {record['ce']:.4f} ntl {record['ntl']:.4f}{_aux_field(record, ' ')} "
+            f"lr {record['lr']:.3g} {record['tokens_per_s']:,.0f} tok/s mem {record['peak_mem_mib']:,.0f} "
+            "MiB")  # fmt: skip
+
+
+def _aux_field(record: dict, separator: str) -> str:
+    return f"{separator}aux {record['aux_loss']:.4f}" if "aux_loss" in record else ""
 
 
 def evaluation_line(record: dict) -> str:
@@ -170,7 +175,8 @@ class RunConsole:
         self.close_bar()
         train, seconds = self.last_train, time.monotonic() - self.started
         tokens = train["tokens"] - self.first_tokens
-        losses = f"train loss {train['loss']:.4f} (ce {train['ce']:.4f}, ntl {train['ntl']:.4f})"
+        parts = f"ce {train['ce']:.4f}, ntl {train['ntl']:.4f}{_aux_field(train, ', ')}"
+        losses = f"train loss {train['loss']:.4f} ({parts})"
         if self.last_validation is not None:
             validation = self.last_validation
             losses += f", validation loss {validation['val_loss']:.4f} (ce {validation['val_ce']:.4f}, ntl " \

@@ -1,5 +1,6 @@
 """Build the HF causal LM under ZeRO-3 and attach the output head that computes CE + λ·NTL from its hidden
-states (`ntl_pretrain.heads`: dense, chunked, or vocabulary-parallel when `loss.vocab_parallel_size` > 1).
+states (`ntl_pretrain.heads`: dense, chunked, or vocabulary-parallel when `loss.vocab_parallel_size` > 1), plus, for
+a mixture of experts whose forward adds one, the routers' load-balancing loss (`heads/router_aux.py`).
 
 Shapes: B batch, T sequence, H hidden size, V model vocabulary (may exceed the tokenizer's).
 """
@@ -25,7 +26,8 @@ from ntl_pretrain import flash_attention
 from ntl_pretrain.config import Recipe
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
-from ntl_pretrain.heads.architectures import check_balancing_loss, checked_rule, trunk_path
+from ntl_pretrain.heads.architectures import trunk_path
+from ntl_pretrain.heads.router_aux import RouterBalancing, router_balancing
 from ntl_pretrain.metrics import flops_per_token
 from ntl_pretrain.numbers import NumberVocab
 
@@ -33,14 +35,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class CausalLMWithLoss(nn.Module):
-    """What the DeepSpeed engine runs: decoder trunk for hidden states, then the output head. The trunk is the
-    submodule `lm`'s own forward calls (`heads.architectures.trunk_path`), found by name at each call so that it is
-    not registered twice (its parameters would be checkpointed under two names)."""
+    """What the DeepSpeed engine runs: decoder trunk for hidden states, then the output head, plus `balancing`'s
+    router load-balancing loss for a MoE whose forward adds one. The trunk is the submodule `lm`'s own forward calls
+    (`heads.architectures.trunk_path`), found by name at each call so that it is not registered twice (its
+    parameters would be checkpointed under two names)."""
 
-    def __init__(self, lm: PreTrainedModel, head: OutputHead):
+    def __init__(self, lm: PreTrainedModel, head: OutputHead, balancing: RouterBalancing | None = None):
         super().__init__()
         self.lm = lm
         self.head = head
+        self.balancing = balancing
         self.trunk = operator.attrgetter(trunk_path(lm))
 
     def forward(
@@ -51,12 +55,23 @@ class CausalLMWithLoss(nn.Module):
         num_tokens: torch.Tensor | None = None,
         num_number_tokens: torch.Tensor | None = None,
         ntl_labels: torch.Tensor | None = None,
+        micro_batches: float | None = None,
         **attention_kwargs,
     ) -> HeadOutput:
-        """`attention_kwargs`: flash-attention 2's document boundaries (`document_attention.varlen_arguments`)."""
-        lm_out = self.trunk(self.lm)(input_ids=input_ids, position_ids=position_ids, **attention_kwargs)
-        hidden_BTH = lm_out.last_hidden_state
-        return self.head(hidden_BTH, labels, num_tokens, num_number_tokens, ntl_labels)
+        """`micro_batches`: of the global batch (all ranks), which share the balancing loss alike (router_aux.py);
+        None with `num_tokens` None (sums). `attention_kwargs`: flash-attention 2's document boundaries
+        (`document_attention.varlen_arguments`)."""
+        router_logits = {} if self.balancing is None else {"output_router_logits": True}
+        lm_out = self.trunk(self.lm)(input_ids=input_ids, position_ids=position_ids, **router_logits,
+                                     **attention_kwargs)  # fmt: skip
+        out = self.head(lm_out.last_hidden_state, labels, num_tokens, num_number_tokens, ntl_labels)
+        if self.balancing is None:
+            return out
+        aux_loss = self.balancing.loss(lm_out.router_logits)
+        loss = out.loss
+        if self.balancing.weight:
+            loss = loss + self.balancing.weight * (aux_loss if micro_batches is None else aux_loss / micro_batches)
+        return out._replace(loss=loss, aux_loss=aux_loss.detach())
 
 
 @dataclass
@@ -137,9 +152,9 @@ def build_model(
     if recipe.loss.ntl.kind is not None:
         number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
         number_vocab.require_numbers()
-    check_balancing_loss(checked_rule(lm.config))
     head = build_head(recipe, lm, number_vocab)
-    return BuiltModel(CausalLMWithLoss(lm, head), number_vocab, hf_ds_config, attention)
+    balancing = router_balancing(lm, recipe.loss.router_aux_weight)
+    return BuiltModel(CausalLMWithLoss(lm, head, balancing), number_vocab, hf_ds_config, attention)
 
 
 def parameter_groups(module: CausalLMWithLoss, weight_decay: float) -> list[dict]:

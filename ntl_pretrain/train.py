@@ -35,6 +35,7 @@ from ntl_pretrain.data.sources import DataError
 from ntl_pretrain.deepspeed_config import load_run
 from ntl_pretrain.document_attention import needs_varlen_arguments, varlen_arguments
 from ntl_pretrain.evaluation import generation_metrics
+from ntl_pretrain.heads.router_aux import balancing_line
 from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, logged_steps, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
@@ -201,7 +202,7 @@ class Trainer:
 
     def _announce_start(self) -> None:
         """The run's first line says where it starts from (the same command starts and continues a run), the
-        second its shape."""
+        second its shape, a third for a mixture of experts how its routers are balanced."""
         if self.resume_from is not None:
             where = f"resuming from {self.resume_from} (step {self.step})"
             if self.recipe.init_from is not None:
@@ -215,6 +216,9 @@ class Trainer:
         self.console.say(startup_line(count_parameters(self.built.module.lm), self.world_size, train.micro_batch_size,
                                       train.global_batch_size, self.grad_accum, self.recipe.data.seq_len,
                                       train.precision))  # fmt: skip
+        balancing = balancing_line(self.built.module.lm, self.built.module.balancing)
+        if balancing is not None:
+            self.console.say(balancing)
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got a stop signal (one small all-reduce per step, so all ranks stop at the same step)."""
@@ -296,33 +300,37 @@ class Trainer:
         """One optimizer update from `grad_accum` micro-batches, normalised by the global batch's counts.
         `data_seconds`: how long the step waited for its batches, counted in its tokens/s (and so in MFU).
 
-        Each micro-batch's loss is this rank's share of the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`. DeepSpeed
-        averages gradients over data-parallel ranks; the world-size factor turns that mean back into the sum of the
-        ranks' shares, so the update equals the single-process gradient of the global-batch loss.
+        Each micro-batch's loss is this rank's share of the global-batch loss `ΣCE/N + λ·ΣNTL/N_num` (for a MoE plus
+        `w·aux/M`, M micro-batches in the global batch: heads/router_aux.py). DeepSpeed averages gradients over
+        data-parallel ranks; the world-size factor turns that mean back into the sum of the ranks' shares, so the
+        update equals the single-process gradient of the global-batch loss.
         """
         started = time.perf_counter()
         counts = self._global_counts(batches)
-        num_tokens, num_number_tokens, num_inputs = counts.tolist()
+        num_tokens, num_number_tokens, num_inputs, micro_batches = counts.tolist()
         normalisers = head_normalisers(counts, self.engine.device)
         lr = self.optimizer.param_groups[0]["lr"]
-        sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)  # read once per step: no host sync
+        sums = torch.zeros(3, dtype=torch.float64, device=self.engine.device)  # read once per step: no host sync
         for index, batch in enumerate(batches, start=1):
-            out = self.engine(**self._to_device(batch), num_tokens=normalisers[0], num_number_tokens=normalisers[1])
+            out = self.engine(**self._to_device(batch), num_tokens=normalisers[0], num_number_tokens=normalisers[1],
+                              micro_batches=micro_batches)  # fmt: skip
             self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
             if index == len(batches):
                 self.head.before_engine_step()
             self.engine.step()
-            sums += torch.stack([out.ce.detach().double(), out.ntl.detach().double()])
+            aux_loss = out.ce.new_zeros(()) if out.aux_loss is None else out.aux_loss
+            sums += torch.stack([out.ce.detach().double(), out.ntl.detach().double(), aux_loss.double()])
         self.head.after_engine_step(self.engine)
         dist.all_reduce(sums)
-        ce_sum, ntl_sum = sums.tolist()
+        ce_sum, ntl_sum, aux_sum = sums.tolist()
         ce, ntl = ce_sum / max(num_tokens, 1), ntl_sum / max(num_number_tokens, 1)
+        aux_loss = aux_sum / micro_batches if self.built.module.balancing is not None else None
         self.step += 1
         self.tokens_seen += int(num_inputs)
-        self._count_nonfinite(ce + self.recipe.loss.ntl.weight * ntl)
+        self._count_nonfinite(self._objective(ce, ntl, aux_loss))
         step_seconds = time.perf_counter() - started
         seconds = step_seconds + data_seconds
-        record = self._step_record(ce, ntl, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
+        record = self._step_record(ce, ntl, aux_loss, lr, num_inputs / seconds, num_number_tokens / max(num_tokens, 1))
         # Both parts of the step's time (rank 0's): the doctor's throughput row judges the model step apart from
         # a loader that cannot keep up.
         timing = {"step_seconds": step_seconds, "data_seconds": data_seconds}
@@ -335,11 +343,11 @@ class Trainer:
         return peak.item()
 
     def _global_counts(self, batches: list[dict]) -> torch.Tensor:
-        """[label tokens, NTL terms (number-label tokens, or numbers for kind number), input tokens] over all
-        micro-batches and ranks (one all-reduce)."""
+        """[label tokens, NTL terms (number-label tokens, or numbers for kind number), input tokens, micro-batches]
+        over all micro-batches and ranks (one all-reduce)."""
         classes = None if self.built.number_vocab is None else self.built.number_vocab.classes
         ntl = self.recipe.loss.ntl
-        counts = torch.zeros(3, dtype=torch.float64)
+        counts = torch.zeros(4, dtype=torch.float64)
         for batch in batches:
             labels_BT = batch["labels"]
             number_labels_BT = batch.get("ntl_labels", labels_BT)  # where NTL applies (packing.make_batch)
@@ -349,6 +357,7 @@ class Trainer:
             elif classes is not None:
                 counts[1] += ((number_labels_BT != IGNORE_INDEX) & (classes[number_labels_BT.clamp(min=0)] >= 0)).sum()
             counts[2] += labels_BT.numel()
+            counts[3] += 1
         dist.all_reduce(counts)
         return counts
 
@@ -378,13 +387,20 @@ class Trainer:
                 f"loss or gradient (train.max_nonfinite_steps)"
             )
 
-    def _step_record(self, ce: float, ntl: float, lr: float, tokens_per_s: float, number_fraction: float) -> dict:
+    def _objective(self, ce: float, ntl: float, aux_loss: float | None) -> float:
+        """The step's global-batch loss: `ce + λ·ntl`, plus `w·aux_loss` for a MoE with a balancing loss."""
+        loss = ce + self.recipe.loss.ntl.weight * ntl
+        return loss if aux_loss is None else loss + self.built.module.balancing.weight * aux_loss
+
+    def _step_record(self, ce: float, ntl: float, aux_loss: float | None, lr: float, tokens_per_s: float,
+                     number_fraction: float) -> dict:  # fmt: skip
         peak = self.recipe.logging.peak_flops_per_device or self.device_peak_flops
         record = {
             "step": self.step,
-            "loss": ce + self.recipe.loss.ntl.weight * ntl,
+            "loss": self._objective(ce, ntl, aux_loss),
             "ce": ce,
             "ntl": ntl,
+            **({} if aux_loss is None else {"aux_loss": aux_loss}),
             "lr": lr,
             "grad_norm": _float_or_none(self.engine.get_global_grad_norm()),
             "tokens": self.tokens_seen,

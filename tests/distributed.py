@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,9 +33,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_distributed(fn: Callable[..., None], world_size: int, *args) -> None:
-    """Call `fn(*args)` on every rank of a fresh `world_size`-process gloo group; raise if any rank raises."""
-    mp.spawn(_rank_main, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+def run_distributed(fn: Callable[..., None], world_size: int, *args, timeout_s: float | None = None) -> None:
+    """Call `fn(*args)` on every rank of a fresh `world_size`-process gloo group; raise if any rank raises.
+    `timeout_s`: a run still going after that long (ranks waiting on each other in mismatched collectives) is killed
+    and fails the call, instead of holding the test session until CI gives up."""
+    context = mp.spawn(_rank_main, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not context.join(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+        if deadline is not None and time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+                process.join()
+            raise TimeoutError(f"{fn.__name__} on {world_size} ranks still running after {timeout_s:.0f} s: killed")
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:

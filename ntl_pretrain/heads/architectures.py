@@ -2,11 +2,11 @@
 
 The heads run the decoder trunk and the output layer themselves, so post-processing inside the forward would
 otherwise be left out of training and applied at inference. What a forward does is read by rule from the installed
-transformers' source (forward_rules.py: identity, a scale, a soft-cap, the MoE balancing loss, or refused and why);
-a type is trained only when its rule accepts it and it is in `CHECKED`, the types tests/test_architectures.py trains
-as tiny random models against transformers' own loss. A type not checked stays refused (a newer transformers'
-forward that the rule reads differently is refused with the reason). docs/compatibility.md lists every type
-(`python -m ntl_pretrain.heads.coverage`).
+transformers' source (forward_rules.py: identity, a scale, a soft-cap, the MoE balancing loss that router_aux.py
+adds, or refused and why); a type is trained only when its rule accepts it and it is in `CHECKED`, the types
+tests/test_architectures.py trains as tiny random models against transformers' own loss. A type not checked stays
+refused (a newer transformers' forward that the rule reads differently is refused with the reason).
+docs/compatibility.md lists every type (`python -m ntl_pretrain.heads.coverage`).
 """
 
 from __future__ import annotations
@@ -53,16 +53,6 @@ def checked_rule(config: PretrainedConfig) -> ForwardRule:
     return rule
 
 
-def check_balancing_loss(rule: ForwardRule) -> None:
-    """Training refuses a MoE whose forward adds the routers' load-balancing loss: the heads reproduce its logits
-    (checked) but do not add that loss yet (issue 40, item 3), and without it the routers get no balancing gradient
-    and may collapse onto a few experts."""
-    if rule.aux_loss is not None:
-        raise ValueError(f"{rule.class_name} (model_type {rule.model_type!r}) is a mixture of experts whose forward "
-                         f"adds {rule.aux_loss.coefficient.removeprefix('self.')} x its routers' load-balancing "
-                         f"loss, which training does not add yet (issue 40)")  # fmt: skip
-
-
 def logit_transform(lm: PreTrainedModel) -> LogitTransform:
     """What `lm`'s forward does to its output layer's logits, with the values of the built model."""
     rule = checked_rule(lm.config)
@@ -99,9 +89,12 @@ def check_recipe_architecture(recipe) -> None:
         return
     try:
         rule = checked_rule(config)
-        check_balancing_loss(rule)
     except ValueError as error:
         raise RecipeError(f"{key}: {error}") from error
+    if recipe.loss.router_aux_weight and rule.aux_loss is None:
+        raise RecipeError(f"loss.router_aux_weight: {recipe.loss.router_aux_weight:g}, but {rule.class_name} "
+                          f"({key} {config.model_type!r}) adds no router load-balancing loss in its forward; leave "
+                          "the key null or 0")  # fmt: skip
     if config.model_type in OUTPUT_BIAS and (recipe.loss.head == "chunked" or recipe.loss.vocab_parallel_size > 1):
         raise RecipeError(
             f"loss.head: {rule.class_name}'s output layer has a bias, which only the dense head applies; set "

@@ -21,7 +21,8 @@ class HeadOutput(NamedTuple):
     loss: differentiable; this rank's share `ΣCE/num_tokens + λ·ΣNTL/num_number_tokens` of the global-batch loss
     when the head was given the global counts, else `ΣCE + λ·ΣNTL`. ce, ntl: sums over this rank's positions (for
     logging); num_tokens, num_number_tokens: this rank's counts; number_ce: summed CE at the number labels (for
-    validation)."""
+    validation). aux_loss: the routers' load-balancing loss of the micro-batch (a MoE whose forward adds one, for
+    logging; `CausalLMWithLoss` adds it to `loss`, heads leave it None)."""
 
     loss: torch.Tensor
     ce: torch.Tensor
@@ -29,6 +30,7 @@ class HeadOutput(NamedTuple):
     num_tokens: torch.Tensor
     num_number_tokens: torch.Tensor
     number_ce: torch.Tensor
+    aux_loss: torch.Tensor | None = None
 
 
 class OutputHead(nn.Module):

@@ -1,6 +1,6 @@
 """The table of every causal-LM model type in the installed transformers: trained by the heads (what its forward
-does to the logits, which heads, the MoE balancing loss) or refused and why. docs/compatibility.md holds its output
-between the two marker lines; tests/test_architectures.py checks that they agree.
+does to the logits, which heads, how a MoE's routers are balanced) or refused and why. docs/compatibility.md holds
+its output between the two marker lines; tests/test_architectures.py checks that they agree.
 
     python -m ntl_pretrain.heads.coverage          # print the table
     python -m ntl_pretrain.heads.coverage --write  # replace it in docs/compatibility.md
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ntl_pretrain.heads.architectures import CHECKED, OUTPUT_BIAS
 from ntl_pretrain.heads.forward_rules import ForwardRule, forward_rule
+from ntl_pretrain.heads.router_aux import router_class
 
 BEGIN = "<!-- coverage table: python -m ntl_pretrain.heads.coverage --write -->"
 END = "<!-- end of coverage table -->"
@@ -26,14 +27,19 @@ def verdict(rule: ForwardRule) -> str:
         summary = rule.transform_summary
         return f"refused: not checked (its forward reads as {summary}, but no tiny model of it is tested)"
     heads = "dense only (output bias)" if rule.model_type in OUTPUT_BIAS else "dense, chunked"
+    return f"trained: {rule.transform_summary.replace('self.', '')}; {heads}{balancing(rule)}"
+
+
+def balancing(rule: ForwardRule) -> str:
+    """How a mixture of experts' routers are balanced in training (router_aux.py); nothing for a dense family."""
+    import transformers
+
     if rule.aux_loss is not None:
         coefficient = rule.aux_loss.coefficient.removeprefix("self.")
-        return (
-            f"refused for training: logits reproduced ({rule.transform_summary.replace('self.', '')}; {heads}), "
-            f"but its forward adds `{coefficient}` × the routers' load-balancing loss, not yet added (issue 40)"
-        )
-    balancing = "; MoE without a balancing loss in its forward" if rule.router_logits else ""
-    return f"trained: {rule.transform_summary.replace('self.', '')}; {heads}{balancing}"
+        return f"; MoE: + `{coefficient}` × the routers' load-balancing loss (`loss.router_aux_weight`)"
+    if rule.router_logits or router_class(getattr(transformers, rule.class_name)) is not None:
+        return "; MoE without a balancing loss in its forward (trained so, as transformers does)"
+    return ""
 
 
 def table() -> str:
