@@ -13,6 +13,7 @@ whose stdout is data keep everything else off it (`stdout_to_stderr`).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shlex
@@ -29,6 +30,16 @@ from ntl_pretrain.console_relay import CONSOLE_TTY_ENV
 
 PREFIX = "ntl-pretrain: "
 VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce", "val_answer_ce", "val_answer_ntl")
+
+
+def whole_lines(streams: tuple[TextIO, ...] = ()) -> None:
+    """Each line this process prints reaches its stream in one write. The launcher starts ranks with `python -u`,
+    whose `print` writes the text and its newline in two calls to the shared pipe, so a peer's line can land between
+    them (CI: rank 1's data error glued to the end of rank 0's start line). Line buffering hands the stream whole
+    lines, each one write (atomic in a pipe up to 4 KiB); progress bars flush themselves. Default: stdout, stderr."""
+    for stream in streams or (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def on_terminal(stream: TextIO) -> bool:

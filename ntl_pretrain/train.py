@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ntl_pretrain import checkpoint, lifeline, reshard, resume_guard, run_lock
 from ntl_pretrain.config import Recipe, TrainConfig, dump_recipe
-from ntl_pretrain.console import RunConsole, failure_line, first_line, startup_line
+from ntl_pretrain.console import RunConsole, failure_line, first_line, startup_line, whole_lines
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.hub import list_for_all_ranks
 from ntl_pretrain.data.sources import DataError
@@ -590,6 +590,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Train one rank; returns the exit code (0, or `EXIT_STOPPED` for a run stopped by a signal)."""
+    whole_lines()  # ranks share the launcher's pipes
     args = parse_args(argv)
     recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
     if not recipe.logging.verbose:

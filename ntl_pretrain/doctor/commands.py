@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.console import whole_lines
 from ntl_pretrain.doctor.collectives import collectives_check, request_nccl_log
 from ntl_pretrain.doctor.environment import environment_check
 from ntl_pretrain.doctor.gpu_paths import GPU_PATH_CHECKS
@@ -147,6 +148,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    whole_lines()  # under `deepspeed`, ranks share the launcher's pipes
     parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.doctor", description=__doc__.splitlines()[0])
     add_arguments(parser)
     add_verbose(parser)

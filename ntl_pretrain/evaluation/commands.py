@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.checkpoint import verify_before_reading
-from ntl_pretrain.console import stdout_to_stderr
+from ntl_pretrain.console import stdout_to_stderr, whole_lines
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.errors import InputError, add_verbose, run_reporting
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
@@ -260,6 +260,7 @@ def _publish(record: dict, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    whole_lines()  # under `deepspeed`, ranks share the launcher's pipes
     parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.evaluation")
     register(parser.add_subparsers(dest="command", required=True))
     add_verbose(parser)

@@ -1,0 +1,45 @@
+"""A printed line reaches a pipe the ranks share in one write: `python -u` (how the launcher starts ranks) writes
+`print`'s text and newline in two calls, so a peer's line could land between them (CI saw rank 1's data error glued
+to the end of rank 0's start line); `console.whole_lines`, called by every rank entry, makes it one."""
+
+from __future__ import annotations
+
+import io
+
+from ntl_pretrain.console import whole_lines
+
+
+class RecordedWrites(io.RawIOBase):
+    """An unbuffered file that keeps each write call, as a pipe sees them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if data:  # a flush with nothing pending writes b""
+            self.calls.append(bytes(data))
+        return len(data)
+
+
+def test_a_printed_line_is_one_write_after_whole_lines():
+    pipe = RecordedWrites()
+    stream = io.TextIOWrapper(pipe, encoding="utf-8", write_through=True)  # sys.stderr under `python -u`
+    print("ntl-pretrain: rank 0: starting from scratch", file=stream, flush=True)
+    assert pipe.calls == [b"ntl-pretrain: rank 0: starting from scratch", b"\n"]  # room for a peer's line between
+    whole_lines((stream,))
+    print("ntl-pretrain: rank 1: data error", file=stream, flush=True)
+    print("progress\r", end="", file=stream, flush=True)  # a bar's update without a newline still goes out
+    assert pipe.calls[2:] == [b"ntl-pretrain: rank 1: data error\n", b"progress\r"]
+
+
+def test_every_rank_entry_keeps_lines_whole():
+    from ntl_pretrain import train
+    from ntl_pretrain.doctor import commands as doctor
+    from ntl_pretrain.evaluation import commands as evaluation
+
+    for main in (train.main, doctor.main, evaluation.main):
+        assert "whole_lines" in main.__code__.co_names, main
