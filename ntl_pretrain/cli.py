@@ -79,10 +79,9 @@ def run_train(args: argparse.Namespace) -> int:
     load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
     from ntl_pretrain import preflight
     from ntl_pretrain.deepspeed_config import load_run
-
-    args.nproc = args.nproc or default_nproc()
     from ntl_pretrain.heads.architectures import check_recipe_architecture
 
+    args.nproc = args.nproc or default_nproc()
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
     preflight.check_world(recipe, args.master_port)
     check_recipe_architecture(recipe)
