@@ -75,3 +75,32 @@ def test_model_config_takes_a_nested_mapping():
     rope = "{rope_type: linear, factor: 2.0, rope_theta: 10000.0}"
     recipe = load_recipe(TINY, [f"model.config.rope_parameters={rope}"])
     assert recipe.model.config["rope_parameters"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+
+
+def test_the_moe_recipe_passes_the_dry_run_on_a_folder_of_its_architecture(tmp_path, monkeypatch, capsys):
+    """recipes/olmoe-1b-7b-cpt.yaml as a user copies it, on a tiny OLMoE folder as transformers saves it (the real
+    7B folder is not downloadable here), on CPU: only the device, precision, tracker and paths are overridden."""
+    from test_recipe_errors import run_cli
+
+    from ntl_pretrain.tokenizer import load_tokenizer
+
+    recipe_path = TINY.parent / "olmoe-1b-7b-cpt.yaml"
+    recipe = load_recipe(recipe_path)
+    folder = tmp_path / "olmoe"
+    tokenizer = load_tokenizer("pkg:ntl_pretrain/corpus/tiny-tokenizer")
+    tiny_model("olmoe", vocab_size=len(tokenizer), tie_word_embeddings=False,
+               max_position_embeddings=recipe.data.seq_len).save_pretrained(folder)  # fmt: skip
+    tokenizer.save_pretrained(folder)
+    argv = ["train", str(recipe_path), "--dry-run", "--nproc", "8", f"init_from={folder}", "train.device=cpu",
+            "train.precision=fp32", "logging.wandb=false", f"train.output_dir={tmp_path / 'out'}"]  # fmt: skip
+    code, err, launches = run_cli(argv, monkeypatch, capsys)
+    assert code == 0 and not launches, err
+    assert recipe.loss.router_aux_weight is None  # the model's own coefficient
+    # a balancing weight is refused for a dense model of the same recipe, naming the key
+    tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=recipe.data.seq_len).save_pretrained(
+        tmp_path / "dense"
+    )
+    tokenizer.save_pretrained(tmp_path / "dense")
+    argv = [*argv[:5], f"init_from={tmp_path / 'dense'}", *argv[6:], "loss.router_aux_weight=0.01"]
+    code, err, _ = run_cli(argv, monkeypatch, capsys)
+    assert code == 2 and "loss.router_aux_weight" in err, err
