@@ -3,7 +3,8 @@
 MFU (model FLOPs utilisation, as in PaLM appendix B and nanoGPT, with causal attention counted as half):
     flops_per_token = 6 * N + 6 * L * A * T
 where N counts the parameters that take part in matrix multiplies (all parameters minus the input embedding
-table, a lookup; a tied output projection is counted once, through N), L layers, A = attention heads x head
+table, a lookup; a tied output projection is counted once, through N; a mixture of experts counts the routed
+experts a token uses, `model.active_parameters`), L layers, A = attention heads x head
 dimension (the width of QKᵀ and AV, which differs from the hidden size in Gemma, Qwen3 and others), T sequence
 length. 6N is forward (2N) plus backward (4N); the attention scores and weighted sum (QKᵀ and AV) are 2·2·T·A
 per layer and token forward, times 3 with backward, halved because a causal query attends only to the keys before

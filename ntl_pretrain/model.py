@@ -173,13 +173,31 @@ def count_parameters(module: nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
+def active_parameters(lm: PreTrainedModel) -> int:
+    """The parameters one token's forward multiplies by: all of a dense model's; of a mixture of experts' routed
+    experts, `num_experts_per_tok` of each layer's `num_experts`. transformers keeps a layer's routed experts in one
+    `*Experts` module whose parameters have the expert as their leading dimension (shared experts and routers are
+    modules of their own, used by every token)."""
+    total, per_token = count_parameters(lm), getattr(lm.config, "num_experts_per_tok", None)
+    if not per_token:
+        return total
+    for module in lm.modules():
+        if type(module).__name__.endswith("Experts"):
+            for param in module.parameters(recurse=False):
+                experts = getattr(param, "ds_shape", param.shape)[0]  # ZeRO-3 keeps the full shape there
+                numel = getattr(param, "ds_numel", param.numel())
+                total -= numel - numel * min(per_token, experts) // experts
+    return total
+
+
 def model_flops_per_token(lm: PreTrainedModel, seq_len: int, outside_parameters: int = 0) -> float:
     """Training FLOPs per token (see `ntl_pretrain.metrics`): the input embedding is a lookup, not a matmul,
-    unless it is tied to the output projection. `outside_parameters`: output parameters the head holds outside
-    `lm` (`OutputHead.parameters_outside_model`)."""
+    unless it is tied to the output projection; a mixture of experts counts the experts a token is routed to
+    (`active_parameters`). `outside_parameters`: output parameters the head holds outside `lm`
+    (`OutputHead.parameters_outside_model`)."""
     embedding, output = lm.get_input_embeddings().weight, lm.get_output_embeddings()
     tied = embedding is getattr(output, "weight", None)
-    matmul_params = count_parameters(lm) - (0 if tied else getattr(embedding, "ds_numel", embedding.numel()))
+    matmul_params = active_parameters(lm) - (0 if tied else getattr(embedding, "ds_numel", embedding.numel()))
     matmul_params += outside_parameters
     config = lm.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -174,3 +174,22 @@ def test_mfu_peak_comes_from_the_device_table_or_is_unknown(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
     assert [metrics.device_peak_flops("cuda:0", "bf16") for _ in range(4)] == [989e12, 756e12, 312e12, None]
     assert metrics.device_peak_flops("cpu", "bf16") is None and metrics.device_peak_flops("cuda:0", "fp32") is None
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "qwen2_moe", "mixtral"])
+def test_flops_of_a_mixture_of_experts_count_the_experts_a_token_uses(model_type):
+    """The same FLOP counter on tiny MoE models (4 experts, 2 per token; eager experts, which multiply only the
+    routed tokens): 6 × the active parameters, not the total. Qwen2-MoE adds a shared expert every token uses."""
+    from tiny_models import tiny_model
+
+    from ntl_pretrain.model import active_parameters, count_parameters
+
+    lm, batch, seq_len = tiny_model(model_type).train(), 2, 16
+    lm.set_experts_implementation("eager")
+    input_ids = torch.randint(3, 128, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        lm(input_ids=input_ids).logits.sum().backward()
+    attention = counter.get_flop_counts()["Global"][torch.ops.aten.bmm]
+    useful = counter.get_total_flops() - attention / 2
+    assert active_parameters(lm) < 0.8 * count_parameters(lm)  # the experts are most of the model
+    assert model_flops_per_token(lm, seq_len) == pytest.approx(useful / (batch * seq_len), rel=0.01)
