@@ -77,30 +77,37 @@ def test_model_config_takes_a_nested_mapping():
     assert recipe.model.config["rope_parameters"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 
 
-def test_the_moe_recipe_passes_the_dry_run_on_a_folder_of_its_architecture(tmp_path, monkeypatch, capsys):
-    """recipes/olmoe-1b-7b-cpt.yaml as a user copies it, on a tiny OLMoE folder as transformers saves it (the real
-    7B folder is not downloadable here), on CPU: only the device, precision, tracker and paths are overridden."""
+def dry_run_on_a_tiny_folder(recipe_name: str, model_type: str, folder: Path, monkeypatch, capsys, *overrides):
+    """`train --dry-run` of a shipped GPU recipe as a user copies it, on a tiny folder of its architecture as
+    transformers saves it (the real folders are not downloadable here), on CPU: only the device, precision, tracker
+    and paths are overridden. Returns the exit code and stderr."""
     from test_recipe_errors import run_cli
 
     from ntl_pretrain.tokenizer import load_tokenizer
 
-    recipe_path = TINY.parent / "olmoe-1b-7b-cpt.yaml"
-    recipe = load_recipe(recipe_path)
-    folder = tmp_path / "olmoe"
+    recipe_path = TINY.parent / recipe_name
     tokenizer = load_tokenizer("pkg:ntl_pretrain/corpus/tiny-tokenizer")
-    tiny_model("olmoe", vocab_size=len(tokenizer), tie_word_embeddings=False,
-               max_position_embeddings=recipe.data.seq_len).save_pretrained(folder)  # fmt: skip
+    tiny_model(model_type, vocab_size=len(tokenizer), tie_word_embeddings=False,
+               max_position_embeddings=load_recipe(recipe_path).data.seq_len).save_pretrained(folder)  # fmt: skip
     tokenizer.save_pretrained(folder)
     argv = ["train", str(recipe_path), "--dry-run", "--nproc", "8", f"init_from={folder}", "train.device=cpu",
-            "train.precision=fp32", "logging.wandb=false", f"train.output_dir={tmp_path / 'out'}"]  # fmt: skip
+            "train.precision=fp32", "logging.wandb=false", f"train.output_dir={folder.parent / 'out'}",
+            *overrides]  # fmt: skip
     code, err, launches = run_cli(argv, monkeypatch, capsys)
-    assert code == 0 and not launches, err
-    assert recipe.loss.router_aux_weight is None  # the model's own coefficient
-    # a balancing weight is refused for a dense model of the same recipe, naming the key
-    tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=recipe.data.seq_len).save_pretrained(
-        tmp_path / "dense"
-    )
-    tokenizer.save_pretrained(tmp_path / "dense")
-    argv = [*argv[:5], f"init_from={tmp_path / 'dense'}", *argv[6:], "loss.router_aux_weight=0.01"]
-    code, err, _ = run_cli(argv, monkeypatch, capsys)
+    assert not launches
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("recipe_name", "model_type"), [("olmoe-1b-7b-cpt.yaml", "olmoe"), ("qwen3-8b-cpt.yaml", "qwen3")]
+)
+def test_the_continued_pretraining_recipes_pass_the_dry_run(recipe_name, model_type, tmp_path, monkeypatch, capsys):
+    code, err = dry_run_on_a_tiny_folder(recipe_name, model_type, tmp_path / model_type, monkeypatch, capsys)
+    assert code == 0, err
+
+
+def test_a_balancing_weight_on_a_dense_folder_is_refused_naming_the_key(tmp_path, monkeypatch, capsys):
+    assert load_recipe(TINY.parent / "olmoe-1b-7b-cpt.yaml").loss.router_aux_weight is None  # the model's own
+    code, err = dry_run_on_a_tiny_folder("olmoe-1b-7b-cpt.yaml", "llama", tmp_path / "dense", monkeypatch, capsys,
+                                         "loss.router_aux_weight=0.01")  # fmt: skip
     assert code == 2 and "loss.router_aux_weight" in err, err
