@@ -279,7 +279,8 @@ def check_device(device: str) -> None:
 
 
 def check_positions(recipe: Recipe) -> None:
-    """`data.seq_len` fits the model's learned/rotary positions, unless rope scaling extends them."""
+    """`data.seq_len` fits the model's learned/rotary positions, unless rope scaling extends them, and so does a
+    prompt plus `eval.max_new_tokens` when the run evaluates generation."""
     built = model_config(recipe)
     if built is None:
         return
@@ -291,6 +292,9 @@ def check_positions(recipe: Recipe) -> None:
                 f"data.seq_len: {recipe.data.seq_len} tokens exceed the model's {key} ({limit}); raise "
                 f"model.config.{key} or shorten data.seq_len"
             )
+        if recipe.eval.every_steps is not None and recipe.eval.max_new_tokens >= limit:
+            raise RecipeError(f"eval.max_new_tokens: {recipe.eval.max_new_tokens} new tokens leave no room for a "
+                              f"prompt in the model's {key} ({limit}); lower eval.max_new_tokens")  # fmt: skip
 
 
 def model_config(recipe: Recipe):

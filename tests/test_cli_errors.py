@@ -348,3 +348,12 @@ def test_a_fresh_interpreter_refuses_in_one_line(workspace, module_argv, fragmen
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and done.stdout == "" and len(lines) == 1, done.stderr
     assert all(fragment in lines[0] for fragment in fragments), lines[0]
+
+
+def test_eval_new_tokens_must_leave_room_for_a_prompt():
+    """`--max-new-tokens` against the folder's positions (the workspace's folders name no position limit)."""
+    from ntl_pretrain.evaluation.model_folder import check_seq_len
+
+    check_seq_len({"max_position_embeddings": 64}, None, 63)  # a one-token prompt fits
+    with pytest.raises(errors.InputError, match="--max-new-tokens: 64 new tokens leave no room for a prompt"):
+        check_seq_len({"max_position_embeddings": 64}, None, 64)

@@ -236,6 +236,13 @@ ROWS = [
     ("no-data-section", "base: {nodata}\n", [], [], ["data.sources", "at least one"]),
     ("model-type-typo", CHILD, ["model.model_type=lama"], [], ["model.model_type", "'lama'", "llama"]),
     ("seq-len-beyond-positions", CHILD, ["data.seq_len=1024"], [], ["data.seq_len", "max_position_embeddings (512)"]),
+    (
+        "new-tokens-beyond-positions",
+        CHILD,
+        ["eval.max_new_tokens=512", "eval.every_steps=100"],
+        [],
+        ["eval.max_new_tokens: 512 new tokens leave no room for a prompt", "max_position_embeddings (512)"],
+    ),
     ("hf-config-bad-type", CHILD, ["model.config.hidden_size=abc"], [], ["model.config", "hidden_size", "'abc'"]),
     ("hf-config-foreign-key", CHILD, ["model.config.n_embd=128"], [], ["model.config.n_embd", "LlamaConfig has no"]),
     (

@@ -225,7 +225,7 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
             empty = not any(line.strip() for line in lines)  # stops at the first record: the sets may be large
         if empty:
             raise InputError(f"--qa: {qa.path} holds no question/answer records (an empty file)")
-    check_seq_len(model_config(target), args.seq_len)  # the model folder last: its checks read files
+    check_seq_len(model_config(target), args.seq_len, cfg.max_new_tokens)  # the model folder last: it reads files
     return target, cfg
 
 

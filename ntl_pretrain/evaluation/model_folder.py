@@ -87,13 +87,17 @@ def model_config(target: Target) -> dict | None:
     return json.loads(saved.read_text()) if saved.is_file() else None
 
 
-def check_seq_len(config: dict | None, seq_len: int | None) -> None:
-    """`--seq-len` fits the model's positions, as `data.seq_len` must for training (preflight.check_positions)."""
-    if config is None or seq_len is None:
+def check_seq_len(config: dict | None, seq_len: int | None, max_new_tokens: int = 1) -> None:
+    """`--seq-len` fits the model's positions, as `data.seq_len` must for training (preflight.check_positions), and
+    `--max-new-tokens` leaves room for a prompt."""
+    if config is None:
         return
     for key, limit in position_limits(config).items():
-        if seq_len > limit:
+        if seq_len is not None and seq_len > limit:
             raise InputError(f"--seq-len: {seq_len} tokens exceed the model's {key} ({limit})")
+        if max_new_tokens >= limit:
+            raise InputError(f"--max-new-tokens: {max_new_tokens} new tokens leave no room for a prompt in the "
+                             f"model's {key} ({limit})")  # fmt: skip
 
 
 def export_for_eval(target: Target, out_dir: Path) -> Target:
