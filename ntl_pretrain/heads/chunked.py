@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ntl_pretrain.config import NtlConfig
+from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.loss.chunked import linear_ce_ntl_rows
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
