@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 
-from ntl_pretrain import checkpoint, manifest
+from ntl_pretrain.checkpoint import manifest
+from ntl_pretrain.checkpoint import store as checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,7 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 def rank_state(world_size: int, shuffle_buffer: int, steps: int) -> dict:
-    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.config.loading import load_recipe
     from ntl_pretrain.data import build_dataloader
     from ntl_pretrain.tokenizer import load_tokenizer
 

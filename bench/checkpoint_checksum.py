@@ -49,7 +49,9 @@ def main() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    from ntl_pretrain import checkpoint, manifest, train
+    from ntl_pretrain.checkpoint import manifest
+    from ntl_pretrain.checkpoint import store as checkpoint
+    from ntl_pretrain.train import main as train
 
     saves, checksums = [], []
     timed(checkpoint, "save", saves)

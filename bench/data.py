@@ -38,7 +38,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from ntl_pretrain.config import load_recipe  # noqa: E402
+from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.data import DataConfig, SourceConfig, build_dataloader  # noqa: E402
 from ntl_pretrain.tokenizer import load_tokenizer  # noqa: E402
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ntl_pretrain import manifest
+from ntl_pretrain.checkpoint import manifest
 
 
 def plain(state: dict, path: Path) -> None:

@@ -39,12 +39,13 @@ def worker(variant: str, steps: int, output_dir: str) -> dict:
     """Train `steps` steps in this process; return its peak memory and step times."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    from ntl_pretrain.cli import free_port
+    from ntl_pretrain.runtime.process_group import free_port
 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    from ntl_pretrain.deepspeed_config import load_run
+    from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.metrics import peak_memory_mib
-    from ntl_pretrain.train import Trainer, init_distributed
+    from ntl_pretrain.train.main import init_distributed
+    from ntl_pretrain.train.trainer import Trainer
 
     init_distributed()
     head = "dense" if variant == "transformers" else variant

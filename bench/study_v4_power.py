@@ -4,11 +4,11 @@
 
 For each hypothesis of `--decide v4` (study_decision.RULES["v4"]), its per-seed effect measured on v3's 16 seeds
 by the same code the rule applies (`Effect.per_seed`, with exact match per answer token class from
-study_token_classes.py). v3 has no `3digit/ntl-digits-answer` arm, so H2 and H3 are measured on a proxy pair,
+study/token_classes.py). v3 has no `3digit/ntl-digits-answer` arm, so H2 and H3 are measured on a proxy pair,
 `3digit/ntl-was-answer` against `3digit/ce` (H2: exact match on all answers; H3: on the 3-digit-token answers): the
 paired sd of two arms one loss apart. Each figure at the observed paired sd and at its one-sided 80% upper bound
 (16 seeds estimate an sd to about ±20%; v3's protocol planned with an sd half the one it met). Normal theory with
-n = `--seeds` (study_power.py), at α 0.05/3 (Holm's first step, the worst case) and α 0.05 (its last, the best):
+n = `--seeds` (study/power.py), at α 0.05/3 (Holm's first step, the worst case) and α 0.05 (its last, the best):
 1. the two-sided paired t-test: its power at several true effects and the smallest effect it detects with 0.8;
 2. the rule's thresholds: the margin m (= min_gain) that the protocol's rule chooses, the smallest multiple of 0.005
    at which "no useful effect" has a chance of at least 0.5 at a true effect of 0 with the upper-bound sd (checked
@@ -24,8 +24,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from ntl_pretrain.study_decision import RULES, Hypothesis
-from ntl_pretrain.study_power import (
+from ntl_pretrain.study.decision import RULES, Hypothesis
+from ntl_pretrain.study.power import (
     detectable_effect,
     helps_probability,
     margin_for,
@@ -33,8 +33,8 @@ from ntl_pretrain.study_power import (
     sd_upper_bound,
     within_margin_probability,
 )
-from ntl_pretrain.study_report import by_variant
-from ntl_pretrain.study_runs import plan
+from ntl_pretrain.study.report import by_variant
+from ntl_pretrain.study.runs import plan
 
 ROOT = Path(__file__).resolve().parent.parent
 V3_SEEDS = list(range(16))

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ntl_pretrain.cli import free_port
-from ntl_pretrain.deepspeed_config import load_run
-from ntl_pretrain.train import Trainer, init_distributed
+from ntl_pretrain.config.deepspeed import load_run
+from ntl_pretrain.runtime.process_group import free_port
+from ntl_pretrain.train.main import init_distributed
+from ntl_pretrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 5

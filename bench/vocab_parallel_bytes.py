@@ -168,7 +168,7 @@ def measure_zero3(meter: TrafficMeter, rank: int) -> tuple[Counter, torch.nn.Mod
 
 def measure_vocab_parallel(meter: TrafficMeter, rank: int, zero3_module: torch.nn.Module) -> Counter:
     """The head takes its slice from the ZeRO-3 partitioned lm_head (after the Adam step, so compare with it)."""
-    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead
+    from ntl_pretrain.heads.vocab_parallel_layer import VocabParallelHead
 
     nv, hidden, labels, _ = tiny_inputs(rank)
     head = VocabParallelHead.from_output_layer(zero3_module, dist.group.WORLD, number_vocab=nv, chunk_size=128)

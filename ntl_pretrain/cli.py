@@ -8,13 +8,13 @@ import importlib
 import importlib.metadata
 import os
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ntl_pretrain.config import Recipe, RecipeError, dump_recipe, load_recipe
+from ntl_pretrain.config.loading import dump_recipe, load_recipe
+from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_reporting
 from ntl_pretrain.outputs import check_output
 
@@ -24,19 +24,13 @@ OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 DELEGATED_COMMANDS = {
     "eval": ("ntl_pretrain.evaluation.commands", "validation CE/NTL and numeric generation metrics of a model"),
     "plot": ("ntl_pretrain.plot", "loss, CE, NTL and numeric metrics of several runs in one PNG"),
-    "study": ("ntl_pretrain.study", "CE vs CE+NTL: train every variant x seed, evaluate, report"),
+    "study": ("ntl_pretrain.study.commands", "CE vs CE+NTL: train every variant x seed, evaluate, report"),
     "data": ("ntl_pretrain.data.commands", "corpus tools: generate, train the tiny tokenizer, preview"),
     "doctor": (
         "ntl_pretrain.doctor.commands",
         "check that this machine trains correctly (loss, collectives, speed, train/resume/export)",
     ),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_nproc() -> int:
@@ -49,6 +43,8 @@ def train_command(args: argparse.Namespace, env: dict[str, str], verbose: bool =
     """The deepspeed launcher command for a validated recipe on this machine, for ranks with environment `env`.
     Unless the recipe asks for `logging.verbose`, the launcher logs errors only, not its INFO lines (world info,
     each spawned command and exit)."""
+    from ntl_pretrain.runtime.process_group import free_port
+
     port = args.master_port or free_port()
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]  # the deepspeed of this interpreter's env
     log_level = [] if verbose else ["--log_level", "error"]
@@ -78,7 +74,7 @@ def run_train(args: argparse.Namespace) -> int:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
     load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
     from ntl_pretrain import preflight
-    from ntl_pretrain.deepspeed_config import load_run
+    from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.heads.architectures import check_recipe_architecture
 
     args.nproc = args.nproc or default_nproc()
@@ -97,7 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
     if done is not None:
         print(f"ntl-pretrain: {finished}")
         return 0
-    from ntl_pretrain.supervisor import EXIT_MARGIN_S, supervise
+    from ntl_pretrain.runtime.supervisor import EXIT_MARGIN_S, supervise
 
     started = time.time()
     grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
@@ -109,7 +105,7 @@ def end_line(recipe: Recipe, code: int, started: float) -> str | None:
     from pathlib import Path
 
     from ntl_pretrain.console import last_failure_line, stop_line
-    from ntl_pretrain.stopping import EXIT_STOPPED
+    from ntl_pretrain.runtime.stopping import EXIT_STOPPED
 
     output_dir = Path(recipe.train.output_dir)
     if code == EXIT_STOPPED:
@@ -162,7 +158,7 @@ def run_verify(args: argparse.Namespace) -> int:
     path = Path(args.path).expanduser()
     if not path.exists():
         raise InputError(f"{path}: does not exist; name a run directory, its checkpoints/ folder or a step folder")
-    from ntl_pretrain import checkpoint
+    from ntl_pretrain.checkpoint import store as checkpoint
 
     folders = checkpoint.checkpoints_in(path)
     if not folders:
@@ -179,7 +175,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def _verify_folder(folder: Path, mode: str) -> bool:
     """Print the verdict on one step folder; True when something is wrong with it."""
-    from ntl_pretrain import checkpoint, manifest
+    from ntl_pretrain.checkpoint import manifest
+    from ntl_pretrain.checkpoint import store as checkpoint
 
     if not checkpoint.is_checkpoint(folder):
         print(f"{folder}: not a checkpoint (no {manifest.MANIFEST}, no DeepSpeed model states); a resume ignores it")

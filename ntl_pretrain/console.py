@@ -26,7 +26,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from ntl_pretrain.console_relay import CONSOLE_TTY_ENV
+from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV
 
 PREFIX = "ntl-pretrain: "
 VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce", "val_answer_ce", "val_answer_ntl")

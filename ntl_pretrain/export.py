@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from ntl_pretrain.checkpoint import HF_CONFIG, TOKENIZER, verify_before_reading
-from ntl_pretrain.config import read_yaml_file
+from ntl_pretrain.checkpoint.store import HF_CONFIG, TOKENIZER, verify_before_reading
+from ntl_pretrain.config.loading import read_yaml_file
 from ntl_pretrain.errors import InputError
 from ntl_pretrain.heads import saved_output_matrix
 from ntl_pretrain.outputs import write_folder

@@ -23,7 +23,7 @@ from transformers import (
 from transformers.integrations import HfDeepSpeedConfig
 
 from ntl_pretrain import flash_attention
-from ntl_pretrain.config import Recipe
+from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.heads.architectures import trunk_path

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ntl_pretrain.config import OptimizerConfig
+from ntl_pretrain.config.recipe import OptimizerConfig
 
 
 def offloads_optimizer(ds_config: dict) -> bool:

@@ -54,7 +54,7 @@ IMAGE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")  # matplotlib picks the wri
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The run's records in file order, without those a resume superseded (`current_records`); from
-    `metrics.jsonl.gz` in a folder that has only that (a study's archived copy of a run, study_archive.py). A record
+    `metrics.jsonl.gz` in a folder that has only that (a study's archived copy of a run, study/archive.py). A record
     cut short (a kill or a full disk while it was written) is skipped with a warning naming its line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file() and path.with_name("metrics.jsonl.gz").is_file():

@@ -1,6 +1,6 @@
 """Pre-flight: the checks of a recipe that need the world (installed model types, files, folders, ports), run by
 `ntl-pretrain train` and `--dry-run` alike before any process starts. Each failure is one `RecipeError` naming the
-key; `load_recipe` (config.py) has already checked types, ranges and contradictions."""
+key; `load_recipe` (config/loading.py) has already checked types, ranges and contradictions."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from ntl_pretrain import checkpoint, flash_attention, run_lock
-from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain import flash_attention
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
 from ntl_pretrain.preflight_model import check_given_sizes, check_model, position_limits
+from ntl_pretrain.runtime import run_lock
 from ntl_pretrain.tokenizer import resolve_path
 
 WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")  # WANDB_MODE values that need neither key nor network

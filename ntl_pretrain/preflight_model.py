@@ -9,7 +9,7 @@ import json
 import numbers
 from pathlib import Path
 
-from ntl_pretrain.config import Recipe, RecipeError
+from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

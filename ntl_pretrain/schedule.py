@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ntl_pretrain.config import ScheduleConfig
+from ntl_pretrain.config.recipe import ScheduleConfig
 
 
 def lr_multiplier(schedule: ScheduleConfig, total_steps: int) -> Callable[[int], float]:

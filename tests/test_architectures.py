@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VOCAB, tiny_model
+from helpers.tiny_models import VOCAB, tiny_model
 from transformers import AutoModelForCausalLM
 
-from ntl_pretrain.config import Recipe
+from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.export import model_from_state
 from ntl_pretrain.heads import build_head
 from ntl_pretrain.heads.architectures import CHECKED, OUTPUT_BIAS, checked_rule
@@ -24,13 +24,7 @@ ENLARGED = {"*": 4.0, "/": 0.25, "softcap": 2.0}
 DERIVED = {"minicpm3": {"dim_model_base": 256}}  # its logits_scaling is hidden_size / dim_model_base = 0.25
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second thread only waits on the first (a 100x slower first forward on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def enlarged_settings(model_type: str) -> dict:

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from launches import REPO, TINY
+from helpers.distributed import run_distributed
+from helpers.launches import REPO, TINY
 
-from ntl_pretrain.config import load_recipe
-from ntl_pretrain.deepspeed_config import build_deepspeed_config
+from ntl_pretrain.config.deepspeed import build_deepspeed_config
+from ntl_pretrain.config.loading import load_recipe
 
 MICRO_BATCHES = 16
 # 2 ranks x 1 row x 16 micro-batches = 32 sequences: 16 micro-batches per step, as the 8B recipe on 8 GPUs.

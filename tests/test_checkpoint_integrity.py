@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from distributed import run_distributed, tiny_zero3_engine
-from launches import (
+from helpers.distributed import run_distributed, tiny_zero3_engine
+from helpers.launches import (
     LAUNCH_TIMEOUT_S,
     RUNNER,
     SAVE_AT,
@@ -34,8 +34,10 @@ from launches import (
     two_node_run,
 )
 
-from ntl_pretrain import checkpoint, cli, manifest, reshard
-from ntl_pretrain.manifest import DamagedCheckpointError
+from ntl_pretrain import cli
+from ntl_pretrain.checkpoint import manifest, reshard
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.checkpoint.manifest import DamagedCheckpointError
 from ntl_pretrain.plot import current_records
 
 # One file of each kind in a 2-rank checkpoint; the model states also hold the client state (step, tokens seen,
@@ -329,7 +331,7 @@ def test_a_bad_latest_pointer_is_reported_and_resume_takes_the_newest_checkpoint
     """An empty `latest`, one naming a missing step, and one naming an empty `step_999` folder: resume (on 2 gloo
     ranks) and the pre-flight take step_20, and `verify` names the pointer and the stray folder (exit code 1)."""
     from ntl_pretrain import preflight
-    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.config.loading import load_recipe
 
     root = checkpoint.checkpoints_root(tmp_path / "run")
     small_checkpoints(root, [10, 20])

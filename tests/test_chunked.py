@@ -10,8 +10,8 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import counting_collectives, run_distributed
-from float64_reference import assert_close_relative, reduce_rows, reference_rows
+from helpers.distributed import counting_collectives, run_distributed
+from helpers.float64_reference import assert_close_relative, reduce_rows, reference_rows
 from test_vocab_parallel import BOUNDARIES, synthetic_vocab
 
 from ntl_pretrain.loss import KINDS, ce_ntl_loss
@@ -373,9 +373,9 @@ def test_a_micro_batch_of_the_chunked_head_needs_no_host_sync(monkeypatch):
     every tensor made from Python numbers on a device (a host-to-device copy, which waits for the device): the
     trainer's global counts (`train.head_normalisers`, one device tensor per step) go through forward and backward
     of every kind without either. The Python numbers the trainer used to pass cost two copies per micro-batch."""
-    from ntl_pretrain.config import NtlConfig
+    from ntl_pretrain.config.recipe import NtlConfig
     from ntl_pretrain.heads import ChunkedHead
-    from ntl_pretrain.train import head_normalisers
+    from ntl_pretrain.train.trainer import head_normalisers
 
     def host_to_device_refused(make):
         def strict(data, *args, device=None, **kwargs):

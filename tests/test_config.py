@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from ntl_pretrain import cli
-from ntl_pretrain.config import Recipe, RecipeError, dump_recipe, load_recipe
-from ntl_pretrain.deepspeed_config import build_deepspeed_config, grad_accum_steps, load_run
+from ntl_pretrain.config.deepspeed import build_deepspeed_config, grad_accum_steps, load_run
+from ntl_pretrain.config.loading import dump_recipe, load_recipe
+from ntl_pretrain.config.recipe import Recipe, RecipeError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
@@ -235,7 +236,7 @@ def test_every_field_has_a_docstring():
     import dataclasses
     import inspect
 
-    from ntl_pretrain import config as config_module
+    from ntl_pretrain.config import recipe as config_module
 
     for cls in [c for c in vars(config_module).values() if dataclasses.is_dataclass(c)]:
         if cls.__module__ != config_module.__name__ or cls.__name__.startswith("_"):

@@ -14,11 +14,11 @@ import warnings
 from pathlib import Path
 
 import pytest
-from launches import as_a_user_runs_it, records, train_one_rank, unattended_run
+from helpers.launches import as_a_user_runs_it, records, train_one_rank, unattended_run
 from transformers.utils import logging as transformers_logging
 
 from ntl_pretrain.console import RunConsole, evaluation_line, stop_line
-from ntl_pretrain.train import quiet_console
+from ntl_pretrain.train.main import quiet_console
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"

@@ -37,9 +37,9 @@ def test_a_printed_line_is_one_write_after_whole_lines():
 
 
 def test_every_rank_entry_keeps_lines_whole():
-    from ntl_pretrain import train
     from ntl_pretrain.doctor import commands as doctor
     from ntl_pretrain.evaluation import commands as evaluation
+    from ntl_pretrain.train import main as train
 
     for main in (train.main, doctor.main, evaluation.main):
         assert "whole_lines" in main.__code__.co_names, main

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from ntl_pretrain.console_relay import CONSOLE_TTY_ENV
-from ntl_pretrain.stopping import EXIT_STOPPED, STOP_SIGNALS, StopRequest
+from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV
+from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS, StopRequest
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
@@ -33,7 +33,7 @@ pathlib.Path(sys.argv[1]).write_text("done")
 # Waits for a stop signal, as a rank does, and records which one came.
 STOPPABLE_RUN = """
 import os, signal, sys, time, pathlib
-from ntl_pretrain.stopping import STOP_SIGNALS
+from ntl_pretrain.runtime.stopping import STOP_SIGNALS
 def stop(signum, _frame):
     pathlib.Path(sys.argv[1]).write_text(signal.Signals(signum).name)
     sys.exit(75)
@@ -47,7 +47,7 @@ time.sleep(120)
 def supervised(program: str, marker: Path, stdout, stderr, **popen) -> subprocess.Popen:
     """The supervisor, in a process of its own, running `program` as its launcher."""
     launcher = [sys.executable, "-c", program, str(marker)]
-    supervisor = "import sys; from ntl_pretrain.supervisor import supervise; " \
+    supervisor = "import sys; from ntl_pretrain.runtime.supervisor import supervise; " \
         f"sys.exit(supervise({launcher!r}, grace_seconds=30))"  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-c", supervisor], stdout=stdout, stderr=stderr, env=env, **popen)

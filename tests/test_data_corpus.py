@@ -10,7 +10,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from real_tokenizers import TOKENIZER_FILES
+from helpers.real_tokenizers import TOKENIZER_FILES
 from transformers import AutoTokenizer
 
 from ntl_pretrain.data import commands

@@ -21,8 +21,9 @@ import zstandard
 
 from ntl_pretrain.cli import main as cli_main
 from ntl_pretrain.data import DataConfig, SourceConfig, validate_sources
+from ntl_pretrain.data.errors import DataError
 from ntl_pretrain.data.probe import PROBE_BYTES
-from ntl_pretrain.data.sources import DataError, SourceStream
+from ntl_pretrain.data.sources import SourceStream
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDS = b"".join(json.dumps({"text": f"document {i}", "id": i}).encode() + b"\n" for i in range(200))

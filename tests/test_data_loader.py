@@ -158,7 +158,7 @@ def test_real_sentencepiece_tokenizer_packs_its_own_encoding(tmp_path):
 
 def check_counters_over_ranks(folder: str) -> None:
     import torch.distributed as dist
-    from distributed import counting_collectives
+    from helpers.distributed import counting_collectives
 
     rank = dist.get_rank()
     # the parent wrote the corpus: a rank rewriting it would race with the other rank reading it
@@ -188,7 +188,7 @@ def check_counters_over_ranks(folder: str) -> None:
 
 @pytest.mark.slow
 def test_counters_summed_over_two_gloo_ranks_equal_the_per_rank_sums(tmp_path):
-    from distributed import run_distributed
+    from helpers.distributed import run_distributed
 
     write_corpus(tmp_path)
     run_distributed(check_counters_over_ranks, 2, str(tmp_path))

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from real_tokenizers import TOKENIZER_FILES, real_tokenizer
+from helpers.real_tokenizers import TOKENIZER_FILES, real_tokenizer
 from transformers import AutoTokenizer
 
 from ntl_pretrain.data import DataConfig, SourceConfig, build_dataloader

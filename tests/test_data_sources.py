@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ntl_pretrain.data import DataConfig, SourceConfig, validate_sources
-from ntl_pretrain.data.sources import DataError, SourceStream
+from ntl_pretrain.data.errors import DataError
+from ntl_pretrain.data.sources import SourceStream
 
 
 def write_lines(path: Path, lines: list[bytes]) -> Path:
@@ -167,7 +168,8 @@ def test_too_few_records_for_the_readers_is_an_error(tmp_path):
 
 
 def test_recipe_naming_a_missing_source_fails_at_load(tmp_path):
-    from ntl_pretrain.config import RecipeError, load_recipe
+    from ntl_pretrain.config.loading import load_recipe
+    from ntl_pretrain.config.recipe import RecipeError
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

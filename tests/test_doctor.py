@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import free_port, run_distributed
-from launches import REPO, RUNNER, environment
+from helpers.distributed import free_port, run_distributed
+from helpers.launches import REPO, RUNNER, environment
 
 from ntl_pretrain.doctor import loss_checks
 from ntl_pretrain.doctor.collectives import collectives_check
@@ -100,7 +100,7 @@ def planted_faults() -> None:
         assert merged[name].ok is False, merged[name].figure
         assert "worst loss 1.0e-03" in merged[name].figure
     assert merged["loss chunked float32"].ok  # linear_ce_ntl_loss was not touched
-    from ntl_pretrain import deepspeed_config
+    from ntl_pretrain.config import deepspeed as deepspeed_config
     from ntl_pretrain.doctor.gpu_paths import gradient_accumulation_check
 
     assert gradient_accumulation_check(torch.device("cpu")).ok
@@ -117,7 +117,7 @@ def test_a_planted_fault_fails_its_check_and_names_the_rank(monkeypatch):
 
 def accumulation_on_every_rank() -> None:
     """Every rank holds real elements of the checked weight and passes; with DeepSpeed's bf16 sums every rank fails."""
-    from ntl_pretrain import deepspeed_config
+    from ntl_pretrain.config import deepspeed as deepspeed_config
     from ntl_pretrain.doctor.gpu_paths import ELEMENTS_PER_RANK, gradient_accumulation_check
 
     exact = gradient_accumulation_check(torch.device("cpu"))

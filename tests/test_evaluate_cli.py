@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launches import REPO, as_a_user_runs_it, unattended_run
+from helpers.launches import REPO, as_a_user_runs_it, unattended_run
 from test_evaluate_generation import TINY_TOKENIZER, greedy_one_by_one, tiny_model
 
 from ntl_pretrain.data.config import SourceConfig
@@ -129,7 +129,7 @@ def saved_run(tmp_path: Path, recipe_text: str) -> Path:
 
 
 def test_a_runs_own_eval_section_fills_what_the_flags_leave_out(tmp_path: Path) -> None:
-    from ntl_pretrain.config import dump_recipe, load_recipe
+    from ntl_pretrain.config.loading import dump_recipe, load_recipe
     from ntl_pretrain.evaluation.commands import eval_config_from_args
     from ntl_pretrain.evaluation.model_folder import recipe_eval
 
@@ -156,7 +156,7 @@ def test_a_runs_own_eval_section_fills_what_the_flags_leave_out(tmp_path: Path) 
 def test_validation_is_packed_as_the_run_packed_it_unless_flags_say_otherwise(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from ntl_pretrain.config import dump_recipe, load_recipe
+    from ntl_pretrain.config.loading import dump_recipe, load_recipe
     from ntl_pretrain.evaluation.commands import _validation_data
 
     tiny = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "tiny-cpu.yaml")

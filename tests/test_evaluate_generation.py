@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from float64_reference import count_ntl_terms, reference_rows
+from helpers.float64_reference import count_ntl_terms, reference_rows
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ntl_pretrain.data import build_dataloader
@@ -288,7 +288,7 @@ def _check_ranks_agree_with(expected: dict, validation_path: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_give_the_single_process_metrics(tmp_path) -> None:
-    from distributed import run_distributed
+    from helpers.distributed import run_distributed
 
     from ntl_pretrain.tokenizer import resolve_path
 

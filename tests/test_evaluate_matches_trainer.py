@@ -6,7 +6,7 @@ the same CE, NTL and number-label CE on the same label counts, and the same CE a
 from __future__ import annotations
 
 import pytest
-from launches import PER_DOCUMENT_STEPS, per_document_run, records
+from helpers.launches import PER_DOCUMENT_STEPS, per_document_run, records
 
 from ntl_pretrain.evaluation import EvalConfig
 from ntl_pretrain.evaluation.commands import evaluate_target

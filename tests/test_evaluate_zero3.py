@@ -43,7 +43,7 @@ def worker(model_dir: str, out_path: str) -> None:
 
     from ntl_pretrain.evaluation import generation_metrics
     from ntl_pretrain.tokenizer import load_tokenizer
-    from ntl_pretrain.train import init_distributed
+    from ntl_pretrain.train.main import init_distributed
 
     init_distributed()
     config = zero3_config()
@@ -63,8 +63,8 @@ def worker(model_dir: str, out_path: str) -> None:
 def test_generation_metrics_under_zero3_equal_the_plain_model(tmp_path: Path) -> None:
     from test_evaluate_generation import tiny_model
 
-    from ntl_pretrain.cli import free_port
     from ntl_pretrain.evaluation import generation_metrics
+    from ntl_pretrain.runtime.process_group import free_port
     from ntl_pretrain.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(TINY_TOKENIZER)

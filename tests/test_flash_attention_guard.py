@@ -10,11 +10,12 @@ import sys
 
 import pytest
 import torch
-from launches import TINY
+from helpers.launches import TINY
 from transformers import LlamaConfig
 
 from ntl_pretrain import flash_attention, preflight
-from ntl_pretrain.config import RecipeError, load_recipe
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.model import attention_backend
 
 PACKAGES = {

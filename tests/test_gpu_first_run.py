@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from launches import REPO, environment
+from helpers.launches import REPO, environment
 
 SCRIPT = REPO / "bench" / "gpu_first_run.sh"
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ntl_pretrain.config import Recipe
+from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.heads import ChunkedHead, DenseHead, build_head
 from ntl_pretrain.loss.logit_transform import LogitTransform
 from ntl_pretrain.model import CausalLMWithLoss
@@ -150,7 +150,7 @@ def test_trainer_validation_equals_the_exported_models_forward(tmp_path, model_t
     from pathlib import Path
 
     import yaml
-    from launches import assert_model_reproduces_logged_validation, environment, partition_all_config
+    from helpers.launches import assert_model_reproduces_logged_validation, environment, partition_all_config
     from transformers import AutoTokenizer
 
     from ntl_pretrain.export import export_checkpoint
@@ -181,7 +181,8 @@ def test_trainer_validation_equals_the_exported_models_forward(tmp_path, model_t
 def test_recipe_keys_of_the_head():
     from pathlib import Path
 
-    from ntl_pretrain.config import RecipeError, load_recipe
+    from ntl_pretrain.config.loading import load_recipe
+    from ntl_pretrain.config.recipe import RecipeError
 
     tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
     assert (load_recipe(tiny).loss.head, load_recipe(tiny).loss.chunk_size) == ("chunked", None)

@@ -21,12 +21,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch.distributed as dist
-from distributed import run_distributed
+from helpers.distributed import run_distributed
 from test_data_loader import TINY, take, through_checkpoint
 
 from ntl_pretrain.data import DataConfig, SourceConfig, build_dataloader
+from ntl_pretrain.data.errors import DataError
 from ntl_pretrain.data.hub import list_for_all_ranks, list_once, listing_key
-from ntl_pretrain.data.sources import DataError, SourceStream
+from ntl_pretrain.data.sources import SourceStream
 
 RECORDS_PER_FILE = 12
 

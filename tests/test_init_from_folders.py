@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.tiny_models import tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny_model
 
-from ntl_pretrain.config import RecipeError, load_recipe
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.preflight_model import check_weights
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"

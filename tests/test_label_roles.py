@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from float64_reference import assert_close_relative, count_ntl_terms, reference_rows
-from real_tokenizers import real_tokenizer
+from helpers.distributed import run_distributed
+from helpers.float64_reference import assert_close_relative, count_ntl_terms, reference_rows
+from helpers.real_tokenizers import real_tokenizer
 from test_vocab_parallel import BOUNDARIES, make_batch, synthetic_vocab
 
 from ntl_pretrain.data import DataConfig, SourceConfig, build_dataloader
@@ -245,8 +245,8 @@ def test_vocab_parallel_losses_follow_the_masks():
 
 
 def test_a_resume_that_changes_the_label_roles_is_refused(tmp_path):
-    from ntl_pretrain.config import load_recipe
-    from ntl_pretrain.resume_guard import data_differences, write_data_fingerprint
+    from ntl_pretrain.config.loading import load_recipe
+    from ntl_pretrain.train.resume_guard import data_differences, write_data_fingerprint
 
     study = REPO / "recipes" / "study" / "3digit"
     everywhere, answers = load_recipe(study / "ntl-was.yaml"), load_recipe(study / "ntl-was-answer.yaml")

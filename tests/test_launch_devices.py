@@ -8,9 +8,10 @@ import subprocess
 
 import pytest
 import torch
-from launches import REPO, TINY
+from helpers.launches import REPO, TINY
 
-from ntl_pretrain import cli, supervisor
+from ntl_pretrain import cli
+from ntl_pretrain.runtime import supervisor
 
 
 def launched(argv: list[str], monkeypatch, capsys) -> tuple[int, list[str], str]:

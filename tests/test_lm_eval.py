@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from launches import REPO, as_a_user_runs_it, unattended_run
+from helpers.launches import REPO, as_a_user_runs_it, unattended_run
 
 pytestmark = [
     pytest.mark.slow,

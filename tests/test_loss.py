@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from float64_reference import reference_rows
+from helpers.float64_reference import reference_rows
+from helpers.real_tokenizers import real_tokenizer
 from ntloss import NTLoss, NTLossDotProduct
-from real_tokenizers import real_tokenizer
 
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
@@ -285,7 +285,7 @@ def wordpiece_vocab():
 @pytest.mark.parametrize("vocab", ["llama3", "cl100k", "gpt2", "wordpiece"])
 def test_digits_values_and_gradients_equal_the_dense_float64_reference(vocab):
     """1-3 digit chunks (Llama-3, cl100k), GPT-2's merges with and without `Ġ`, WordPiece `##`: against the vectorised
-    float64 reference (float64_reference.py), a second derivation beside `reference_loss`'s per-position one."""
+    float64 reference (helpers/float64_reference.py), a second derivation beside `reference_loss`'s per-position one."""
     nv = wordpiece_vocab() if vocab == "wordpiece" else NumberVocab.from_tokenizer(real_tokenizer(vocab))
     logits, labels = random_batch(nv, (2, 12), number_fraction=0.7, seed=13, dtype=torch.float64)
     ours = lambda z: (lambda o: (o.ce, o.ntl))(ce_ntl_loss(z, labels, nv, kind="digits", reduction="none"))

@@ -1,6 +1,6 @@
 """Number-level NTL (kind "number"): spans, losses and gradients against the float64 reference that walks each row
-number by number (float64_reference.py), against `ntloss.NumberLevelLoss` on single-digit tokenizers, through the
-chunked head, and at the edges (decimal points, rows, long numbers, zero targets, torch.compile)."""
+number by number (helpers/float64_reference.py), against `ntloss.NumberLevelLoss` on single-digit tokenizers, through
+the chunked head, and at the edges (decimal points, rows, long numbers, zero targets, torch.compile)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from fractions import Fraction
 
 import pytest
 import torch
-from float64_reference import assert_close_relative, count_ntl_terms, reference_numbers, reference_rows
-from real_tokenizers import real_tokenizer
+from helpers.float64_reference import assert_close_relative, count_ntl_terms, reference_numbers, reference_rows
+from helpers.real_tokenizers import real_tokenizer
 
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.loss.chunked import linear_ce_ntl_loss

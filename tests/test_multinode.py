@@ -5,7 +5,7 @@ starting both ranks."""
 from __future__ import annotations
 
 import pytest
-from launches import STEPS, partition_all_config, single_launcher_run, step_records, two_node_run
+from helpers.launches import STEPS, partition_all_config, single_launcher_run, step_records, two_node_run
 
 pytestmark = pytest.mark.slow
 

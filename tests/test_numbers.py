@@ -9,7 +9,7 @@ import pytest
 import sentencepiece
 import tiktoken
 import torch
-from real_tokenizers import TOKENIZER_FILES, real_tokenizer
+from helpers.real_tokenizers import TOKENIZER_FILES, real_tokenizer
 from tiktoken.load import load_tiktoken_bpe
 from tokenizers import Tokenizer, models
 

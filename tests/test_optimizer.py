@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from launches import REPO, partition_all_config, single_launcher_run, step_records
+from helpers.launches import REPO, partition_all_config, single_launcher_run, step_records
 
 from ntl_pretrain.optimizer import optimizer_kind
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from launches import TINY
+from helpers.launches import TINY
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ntl_pretrain.data.packing import make_batch
@@ -156,7 +156,8 @@ def test_per_document_flash_attention_is_refused_where_transformers_drops_the_va
     from transformers import modeling_flash_attention_utils
 
     from ntl_pretrain import document_attention, flash_attention, preflight
-    from ntl_pretrain.config import RecipeError, load_recipe
+    from ntl_pretrain.config.loading import load_recipe
+    from ntl_pretrain.config.recipe import RecipeError
 
     assert document_attention.transformers_takes_varlen_arguments()  # the installed version does
     recipe = load_recipe(TINY, ["model.attention=flash_attention_2", "data.per_document_attention=true"])

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launches import logged_steps, partition_all_config, records, wait_for
+from helpers.launches import logged_steps, partition_all_config, records, wait_for
 
-from ntl_pretrain.config import load_recipe
-from ntl_pretrain.stopping import EXIT_STOPPED
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.runtime.stopping import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
 

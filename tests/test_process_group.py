@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-from ntl_pretrain.process_group import GPU_BACKENDS, default_backend
+from ntl_pretrain.runtime.process_group import GPU_BACKENDS, default_backend
 
 
 def test_cpu_jobs_use_gloo(monkeypatch) -> None:

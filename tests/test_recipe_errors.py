@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ntl_pretrain import cli, supervisor
-from ntl_pretrain.config import RecipeError, load_recipe
+from ntl_pretrain import cli
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
+from ntl_pretrain.runtime import supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
@@ -544,7 +546,7 @@ def test_rope_scaling_lets_seq_len_exceed_the_trained_positions(tmp_path, rope_s
     from transformers import LlamaConfig
 
     from ntl_pretrain import preflight
-    from ntl_pretrain.config import RecipeError
+    from ntl_pretrain.config.recipe import RecipeError
 
     LlamaConfig(max_position_embeddings=512, rope_scaling=rope_scaling).save_pretrained(tmp_path)
     recipe = load_recipe(TINY, [f"init_from={tmp_path}", "model.model_type=null", "train.resume=null",
@@ -573,7 +575,7 @@ def test_a_fresh_start_over_an_earlier_run_is_refused_and_changes_nothing(tmp_pa
     assert code == 0 and len(launches) == 1, err
     assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
 
-    from ntl_pretrain.train import prepare_output_dir
+    from ntl_pretrain.train.trainer import prepare_output_dir
 
     prepare_output_dir(load_recipe(TINY, argv[4:] + ["train.overwrite=true"]))
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ntl_pretrain.config import load_recipe
+from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.evaluation.answers import read_qa_file
 from ntl_pretrain.tokenizer import resolve_path
 

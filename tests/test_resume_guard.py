@@ -1,4 +1,4 @@
-"""Runs refuse what they cannot honour (`ntl_pretrain.resume_guard`).
+"""Runs refuse what they cannot honour (`ntl_pretrain.train.resume_guard`).
 
 A real 2-rank checkpoint of the tiny recipe is resumed with a changed `hidden_size`, `num_hidden_layers`, tokenizer
 file and data source file, on 2 ranks (the world size that wrote it) and on 1: every launch must exit 2 naming
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from distributed import free_port, run_distributed
-from launches import (
+from helpers.distributed import free_port, run_distributed
+from helpers.launches import (
     GLOBAL_BATCH,
     RUNNER,
     SAVE_AT,
@@ -35,9 +35,10 @@ from launches import (
     two_node_commands,
 )
 
-from ntl_pretrain import resume_guard
-from ntl_pretrain.config import load_recipe
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.tokenizer import load_tokenizer, resolve_path
+from ntl_pretrain.train import resume_guard
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "ntl_pretrain" / "corpus"
@@ -226,7 +227,7 @@ def test_a_group_that_never_forms_is_named_after_the_timeout(rank, says):
     port = free_port()
     env = {**environment(), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}  # fmt: skip
-    code = "from ntl_pretrain.train import init_distributed; init_distributed(3)"
+    code = "from ntl_pretrain.train.main import init_distributed; init_distributed(3)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-4000:]
     line = next(line for line in done.stderr.splitlines() if line.startswith("ntl-pretrain:"))
@@ -239,6 +240,6 @@ def test_leftover_partial_saves_are_removed_and_published_ones_kept(tmp_path):
     for name in ("step_4", "step_6.tmp", "step_8.tmp"):
         (root / name).mkdir(parents=True)
         (root / name / "file").write_text(name)
-    assert [p.name for p in resume_guard.remove_leftover_saves(tmp_path)] == ["step_6.tmp", "step_8.tmp"]
+    assert [p.name for p in checkpoint.remove_leftover_saves(tmp_path)] == ["step_6.tmp", "step_8.tmp"]
     assert sorted(p.name for p in root.iterdir()) == ["step_4"]
-    assert resume_guard.remove_leftover_saves(tmp_path / "fresh") == []
+    assert checkpoint.remove_leftover_saves(tmp_path / "fresh") == []

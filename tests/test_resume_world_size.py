@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from launches import SAVE_AT, STEPS, partition_all_config, single_launcher_run, step_records, two_node_run
+from helpers.launches import SAVE_AT, STEPS, partition_all_config, single_launcher_run, step_records, two_node_run
 from transformers import AutoTokenizer
 
-from ntl_pretrain.config import load_recipe
+from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.commands import CORPUS
 from ntl_pretrain.data.reslice import ResumeRefused
@@ -209,7 +209,7 @@ def bytes_read(action) -> int:
 def test_a_rank_reads_only_its_partition_of_a_universal_file(tmp_path):
     """DeepSpeed's ZeRO-3 universal load `torch.load`s a parameter's whole file and keeps 1/W of it: inside
     `universal_files_mapped` the file is memory-mapped, so one rank of 8 reads about its eighth, not all 32 MiB."""
-    from ntl_pretrain.reshard import universal_files_mapped
+    from ntl_pretrain.checkpoint.reshard import universal_files_mapped
 
     universal = tmp_path / "step_3" / "universal"
     path = universal / "zero" / "model.embed_tokens.weight" / "fp32.pt"

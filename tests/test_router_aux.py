@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
-from launches import TINY, partition_all_config, records, train_one_rank
-from tiny_models import VOCAB, tiny_model
+from helpers.distributed import run_distributed
+from helpers.launches import TINY, partition_all_config, records, train_one_rank
+from helpers.tiny_models import VOCAB, tiny_model
 
-from ntl_pretrain.config import Recipe, RecipeError, load_recipe
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.heads import build_head
 from ntl_pretrain.heads.architectures import CHECKED
 from ntl_pretrain.heads.forward_rules import forward_rule
@@ -32,13 +33,7 @@ MOE_RECIPE = ["model.model_type=olmoe", "model.config.num_experts=4", "model.con
               "model.config.router_aux_loss_coef=0.05"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second thread only waits on the first."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def moe_model(model_type: str, **settings) -> torch.nn.Module:
@@ -154,9 +149,10 @@ def train_on_different_experts(output_dir: str, ds_config: str) -> None:
     aux_loss is the mean over the 4 micro-batches."""
     import torch.distributed as dist
 
-    from ntl_pretrain.deepspeed_config import build_deepspeed_config
+    from ntl_pretrain.config.deepspeed import build_deepspeed_config
     from ntl_pretrain.heads.router_aux import router_modules
-    from ntl_pretrain.train import Trainer, init_distributed
+    from ntl_pretrain.train.main import init_distributed
+    from ntl_pretrain.train.trainer import Trainer
 
     init_distributed()
     overrides = [f"train.output_dir={output_dir}", f"deepspeed.config={ds_config}", "train.resume=null",

@@ -10,11 +10,12 @@ import sys
 import types
 
 import pytest
-from distributed import run_distributed
+from helpers.distributed import run_distributed
 
-from ntl_pretrain import checkpoint, supervisor
-from ntl_pretrain.stopping import EXIT_STOPPED
-from ntl_pretrain.train import Trainer
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.runtime import supervisor
+from ntl_pretrain.runtime.stopping import EXIT_STOPPED
+from ntl_pretrain.train.trainer import Trainer
 
 
 class ScriptedTrainer(Trainer):

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from distributed import free_port
-from launches import REPO, TINY, environment, records
+from helpers.distributed import free_port
+from helpers.launches import REPO, TINY, environment, records
 
 pytestmark = pytest.mark.slow
 

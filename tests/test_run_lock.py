@@ -1,4 +1,4 @@
-"""`<output_dir>.lock` (ntl_pretrain/run_lock.py): who may take an output folder. A live holder on this host or any
+"""`<output_dir>.lock` (runtime/run_lock.py): who may take an output folder. A live holder on this host or any
 holder on another host is refused naming it; a dead process, a reused pid and an earlier attempt of the same Slurm
 job are taken over; a lock file that is not a record is refused."""
 
@@ -13,7 +13,7 @@ import sys
 import psutil
 import pytest
 
-from ntl_pretrain import run_lock
+from ntl_pretrain.runtime import run_lock
 
 
 def holder(**changes) -> dict:
@@ -87,8 +87,8 @@ def test_one_folder_is_one_lock_however_it_is_spelled(tmp_path):
 
 def test_a_study_never_deletes_a_run_folder_that_a_live_run_holds(tmp_path):
     """Issue 42: a second `study` on the same --runs-dir refused, the first one's live run folder left whole."""
-    from ntl_pretrain.study import run_all
-    from ntl_pretrain.study_runs import StudyRun
+    from ntl_pretrain.study.commands import run_all
+    from ntl_pretrain.study.runs import StudyRun
 
     run = StudyRun("ce", 0, tmp_path / "ce.yaml", tmp_path / "runs" / "ce-seed0")
     run.run_dir.mkdir(parents=True)

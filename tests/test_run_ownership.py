@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launches import logged_steps, wait_for
+from helpers.launches import logged_steps, wait_for
 
-from ntl_pretrain.stopping import EXIT_STOPPED
+from ntl_pretrain.runtime.stopping import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed, tiny_zero3_engine
+from helpers.distributed import run_distributed, tiny_zero3_engine
 
-from ntl_pretrain import checkpoint, manifest, reshard
-from ntl_pretrain.train import Trainer
+from ntl_pretrain.checkpoint import manifest, reshard
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 2  # of every collective of the default group, once the ranks are set up

@@ -59,9 +59,9 @@ def run_sbatch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 def expected_command(rank: int, hostfile: Path, port: int = 24242, python: str = sys.executable) -> list[str]:
     """The supervisor (stop signals reach the ranks) around DeepSpeed's per-node launcher."""
-    return [python, "-m", "ntl_pretrain.supervisor", "--", python, "-m", "deepspeed.launcher.runner", "--hostfile",
-            str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "gpu-a07", "--master_port",
-            str(port), "--module", "ntl_pretrain.train", *RECIPE]  # fmt: skip
+    return [python, "-m", "ntl_pretrain.runtime.supervisor", "--", python, "-m", "deepspeed.launcher.runner",
+            "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr", "gpu-a07",
+            "--master_port", str(port), "--module", "ntl_pretrain.train", *RECIPE]  # fmt: skip
 
 
 def test_dry_run_prints_every_nodes_exact_command(tmp_path):

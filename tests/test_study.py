@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 from scipy import stats as scipy_stats
 
-from ntl_pretrain.config import RecipeError, load_recipe
-from ntl_pretrain.deepspeed_config import load_run
+from ntl_pretrain.config.deepspeed import load_run
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.evaluation.answers import error_profile
 from ntl_pretrain.plot import read_metrics
-from ntl_pretrain.study import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
-from ntl_pretrain.study import main as study_command
-from ntl_pretrain.study_archive import ARCHIVED, archive_run
-from ntl_pretrain.study_decision import Effect, decide, same_effect_rule
-from ntl_pretrain.study_report import (
+from ntl_pretrain.study.archive import ARCHIVED, archive_run
+from ntl_pretrain.study.commands import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
+from ntl_pretrain.study.commands import main as study_command
+from ntl_pretrain.study.decision import Effect, decide, same_effect_rule
+from ntl_pretrain.study.report import (
     VALIDATION_METRICS,
     _wall_clock,
     by_variant,
@@ -33,7 +34,7 @@ from ntl_pretrain.study_report import (
     results_table,
     write_report,
 )
-from ntl_pretrain.study_runs import StudyRun, baseline_of, plan
+from ntl_pretrain.study.runs import StudyRun, baseline_of, plan
 
 STUDY_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "study"
 SETS = ["addition_interpolation", "addition_extrapolation"]  # the labels of the study recipe's eval.qa_sets
@@ -366,7 +367,7 @@ def class_answers(right: dict[str, int]) -> list[dict]:
 
 
 def test_exact_match_by_the_class_of_the_answers_token_under_the_runs_tokenizer(tmp_path: Path) -> None:
-    from ntl_pretrain.study_token_classes import answer_class
+    from ntl_pretrain.study.token_classes import answer_class
 
     spec = "pkg:ntl_pretrain/corpus/tiny-tokenizer-3digit"
     assert [answer_class(spec, text) for text in ("5", "87", "161", "007", "1998", "-5")] == [
@@ -536,8 +537,8 @@ def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys,
             (folder / "recipe.yaml").write_text("{}")
             (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
 
-    monkeypatch.setattr("ntl_pretrain.study.subprocess.run", fake_subprocess_run)
-    monkeypatch.setattr("ntl_pretrain.study._cuda_available", lambda: True)
+    monkeypatch.setattr("ntl_pretrain.study.commands.subprocess.run", fake_subprocess_run)
+    monkeypatch.setattr("ntl_pretrain.study.commands._cuda_available", lambda: True)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     runs_dir = tmp_path / "runs"
     code, out, _ = study_main(capsys, "--recipes", str(STUDY_RECIPES), "--variants", "ce", "ntl-was", "--seeds", "0",

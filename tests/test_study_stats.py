@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from ntl_pretrain.study_decision import (
+from ntl_pretrain.study.decision import (
     HELPS,
     HURTS,
     INCONCLUSIVE,
@@ -21,7 +21,7 @@ from ntl_pretrain.study_decision import (
     decide,
     verdict_lines,
 )
-from ntl_pretrain.study_power import (
+from ntl_pretrain.study.power import (
     detectable_effect,
     helps_probability,
     margin_for,
@@ -29,7 +29,7 @@ from ntl_pretrain.study_power import (
     sd_upper_bound,
     within_margin_probability,
 )
-from ntl_pretrain.study_stats import (
+from ntl_pretrain.study.stats import (
     bonferroni,
     holm,
     paired_gains,

@@ -3,7 +3,7 @@
 import base64
 
 import pytest
-from real_tokenizers import TOKENIZER_FILES
+from helpers.real_tokenizers import TOKENIZER_FILES
 from sentencepiece import SentencePieceProcessor
 
 from ntl_pretrain.tokenizer import load_tokenizer, resolve_path

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from launches import assert_model_reproduces_logged_validation, partition_all_config, records
+from helpers.launches import assert_model_reproduces_logged_validation, partition_all_config, records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ntl_pretrain.config import load_recipe
+from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.evaluation import generation_metrics
 
 pytestmark = pytest.mark.slow

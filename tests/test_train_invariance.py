@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launches import partition_all_config
+from helpers.launches import partition_all_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
@@ -77,9 +77,9 @@ def run_layout(layout: tuple, ds_config: str, output_dir: str, kind: str) -> dic
     """Train STEPS steps on this rank's half of every global batch; report losses, grad norms, weights."""
     import torch.distributed as dist
 
-    from ntl_pretrain.config import load_recipe
-    from ntl_pretrain.deepspeed_config import build_deepspeed_config
-    from ntl_pretrain.train import Trainer
+    from ntl_pretrain.config.deepspeed import build_deepspeed_config
+    from ntl_pretrain.config.loading import load_recipe
+    from ntl_pretrain.train.trainer import Trainer
 
     recipe = load_recipe(TINY, recipe_overrides(output_dir, ds_config, layout, kind))
     micro_batch_size = layout[0]
@@ -131,7 +131,7 @@ def relative_update_error(final: dict, reference_final: dict, initial: dict) -> 
 def worker(out_path: str, ds_config: str, kind: str) -> None:
     import torch.distributed as dist
 
-    from ntl_pretrain.train import init_distributed
+    from ntl_pretrain.train.main import init_distributed
 
     init_distributed()
     scratch = Path(out_path).parent
@@ -174,7 +174,7 @@ UNTIED = [name for name, layout in LAYOUTS.items() if not layout[3]]
 def test_grad_accumulation_and_world_size_leave_loss_and_update_unchanged(tmp_path, kind):
     ds_config = partition_all_config(tmp_path)
     out = tmp_path / "summary.json"
-    from ntl_pretrain.cli import free_port
+    from ntl_pretrain.runtime.process_group import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), __file__, str(out), str(ds_config), kind]  # fmt: skip

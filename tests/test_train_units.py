@@ -13,8 +13,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ntl_pretrain import checkpoint
-from ntl_pretrain.config import NtlConfig, ScheduleConfig
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.config.recipe import NtlConfig, ScheduleConfig
 from ntl_pretrain.heads import DenseHead
 from ntl_pretrain.metrics import MetricsLogger
 from ntl_pretrain.model import CausalLMWithLoss, model_flops_per_token, parameter_groups
@@ -180,7 +180,7 @@ def test_mfu_peak_comes_from_the_device_table_or_is_unknown(monkeypatch):
 def test_flops_of_a_mixture_of_experts_count_the_experts_a_token_uses(model_type):
     """The same FLOP counter on tiny MoE models (4 experts, 2 per token; eager experts, which multiply only the
     routed tokens): 6 × the active parameters, not the total. Qwen2-MoE adds a shared expert every token uses."""
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     from ntl_pretrain.model import active_parameters, count_parameters
 

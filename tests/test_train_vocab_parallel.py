@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from launches import assert_model_reproduces_logged_validation, partition_all_config, records
+from helpers.launches import assert_model_reproduces_logged_validation, partition_all_config, records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ntl_pretrain.config import RecipeError, load_recipe
-from ntl_pretrain.deepspeed_config import build_deepspeed_config
+from ntl_pretrain.config.deepspeed import build_deepspeed_config
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.heads import check_resume
 from ntl_pretrain.heads.vocab_parallel import saved_layout
 
@@ -150,7 +151,7 @@ def check_generation_with_sharded_output_layer() -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ntl_pretrain.config import Recipe
+    from ntl_pretrain.config.recipe import Recipe
     from ntl_pretrain.heads.vocab_parallel import VocabParallelOutputHead, VocabParallelOutputLayer
     from ntl_pretrain.loss.logit_transform import IDENTITY
     from ntl_pretrain.model import model_flops_per_token
@@ -182,6 +183,6 @@ def check_generation_with_sharded_output_layer() -> None:
 
 
 def test_generation_through_the_sharded_output_layer():
-    from distributed import run_distributed
+    from helpers.distributed import run_distributed
 
     run_distributed(check_generation_with_sharded_output_layer, 2)

@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import counting_collectives, run_distributed
-from float64_reference import assert_close_relative, count_ntl_terms, reduce_rows, reference_rows
+from helpers.distributed import counting_collectives, run_distributed
+from helpers.float64_reference import assert_close_relative, count_ntl_terms, reduce_rows, reference_rows
 
 from ntl_pretrain.loss import KINDS, ce_ntl_loss
 from ntl_pretrain.loss.ce_ntl import VALUE_KINDS
@@ -186,7 +186,7 @@ def dense_reference(nv, weight, kind, reweigh, world_size):
 
 
 def check_head_cases() -> None:
-    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, vocab_bounds
+    from ntl_pretrain.heads.vocab_parallel_layer import VocabParallelHead, vocab_bounds
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     nv = synthetic_vocab()
@@ -237,7 +237,7 @@ def check_head_cases() -> None:
 
 def check_head_bf16_hidden_with_fp32_slice() -> None:
     """The slice may stay fp32 (its own master copy) while the trunk runs in bf16: forward casts it."""
-    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, vocab_bounds
+    from ntl_pretrain.heads.vocab_parallel_layer import VocabParallelHead, vocab_bounds
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     nv = synthetic_vocab()
@@ -257,7 +257,7 @@ def check_head_bf16_hidden_with_fp32_slice() -> None:
 def check_head_from_output_layer() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, vocab_bounds
+    from ntl_pretrain.heads.vocab_parallel_layer import VocabParallelHead, vocab_bounds
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     config = dict(vocab_size=41, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
@@ -280,7 +280,7 @@ def check_head(with_transformers_model: bool) -> None:
 
 
 def test_vocab_bounds_are_even_and_cover_the_vocabulary():
-    from ntl_pretrain.loss.vocab_parallel_head import vocab_bounds
+    from ntl_pretrain.heads.vocab_parallel_layer import vocab_bounds
 
     assert vocab_bounds(41, 3) == [0, 14, 28, 41]
     assert vocab_bounds(128256, 8) == [16032 * r for r in range(9)]
@@ -288,7 +288,7 @@ def test_vocab_bounds_are_even_and_cover_the_vocabulary():
 
 
 def test_assemble_output_matrix_from_saved_slices():
-    from ntl_pretrain.loss.vocab_parallel_head import assemble_output_matrix, vocab_bounds
+    from ntl_pretrain.heads.vocab_parallel_layer import assemble_output_matrix, vocab_bounds
 
     matrix = torch.randn(10, 3)
     bounds = vocab_bounds(10, 4)
@@ -369,7 +369,7 @@ def zero3_losses(vocab_parallel: bool, steps: int) -> list[float]:
     """Global-batch losses of `steps` ZeRO-3 updates, the way the trainer normalises and scales them."""
     import deepspeed
 
-    from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead
+    from ntl_pretrain.heads.vocab_parallel_layer import VocabParallelHead
 
     nv, world_size, lm = synthetic_vocab(), dist.get_world_size(), tiny_llama()
     if vocab_parallel:

@@ -9,11 +9,12 @@ import socket
 from types import SimpleNamespace
 
 import pytest
-from launches import TINY
+from helpers.launches import TINY
 
 from ntl_pretrain import preflight
-from ntl_pretrain.config import RecipeError, load_recipe
-from ntl_pretrain.train import Trainer
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
+from ntl_pretrain.train.trainer import Trainer
 
 
 @pytest.fixture

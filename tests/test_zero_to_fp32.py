@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from launches import as_a_user_runs_it, unattended_run
+from helpers.launches import as_a_user_runs_it, unattended_run
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ are imported on first use: the recipe schema imports `data.config` without torch
 once), and `from ntl_pretrain.data import build_dataloader` still works.
 """
 
-import importlib
+from ntl_pretrain.lazy_exports import lazy_getattr
 
 _HOMES = {
     "DataConfig": "ntl_pretrain.data.config",
@@ -15,9 +15,4 @@ _HOMES = {
     "build_dataloader": "ntl_pretrain.data.loader",
 }
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy_getattr(__name__, _HOMES)

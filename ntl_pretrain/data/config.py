@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import glob
 import math
 import string
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-from ntl_pretrain.package_files import resolve_path
+from ntl_pretrain.data.files import resolve_files, source_format
+from ntl_pretrain.data.probe import probe_source
 
 Format = Literal["auto", "jsonl", "json", "parquet", "txt", "arrow", "hub"]
 LabelSet = Literal["all", "answer"]
-FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt", ".arrow": "arrow"}
-COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 MAX_WORKERS = 64  # DataLoader processes per rank: more is a typo, and each holds a tokenizer and a shuffle buffer
 
 
@@ -73,8 +70,6 @@ class SourceConfig:
         if len(formats) > 1:
             raise ValueError(f"path: {self.path!r} mixes formats {sorted(formats)}; use one source per format")
         self._check_keys_apply(formats.pop() if formats else self.format)
-        from ntl_pretrain.data.probe import probe_source  # probe reads files through sources, which imports this
-
         probe_source(self)
 
     def _check_keys_apply(self, file_format: str) -> None:
@@ -213,42 +208,3 @@ def validate_sources(cfg: DataConfig) -> None:
                 source.check()
             except ValueError as error:
                 raise ValueError(f"{section}.{index}.{error}") from None
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path
-
-
-def resolve_files(source: SourceConfig) -> list[str]:
-    """The files of a source in a fixed (sorted) order; raises `ValueError` naming the path if none exist."""
-    if source.format == "hub" or is_remote(source.path):
-        return [source.path]
-    try:
-        path = resolve_path(source.path)  # `pkg:` inside an installed package
-    except FileNotFoundError as error:  # a `pkg:` path naming a package that is not installed
-        raise ValueError(f"path: {error}") from error
-    if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    elif glob.has_magic(str(path)):
-        files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    else:
-        files = [str(path)] if path.is_file() else []
-    if not files:
-        raise ValueError(f"path: no file matches {source.path!r} (looked for {path})")
-    return files
-
-
-def source_format(source: SourceConfig, file: str) -> str:
-    """The reader format of one file; raises `ValueError` naming the file when it cannot be told."""
-    if source.format != "auto":
-        return source.format
-    name = file.lower()
-    for suffix in COMPRESSION_SUFFIXES:
-        name = name.removesuffix(suffix)
-    suffix = Path(name).suffix
-    if suffix not in FORMAT_BY_SUFFIX:
-        raise ValueError(
-            f"path: cannot tell the format of {file!r} from its suffix {suffix!r}; expected one of "
-            f"{sorted(FORMAT_BY_SUFFIX)} or set `format:`"
-        )
-    return FORMAT_BY_SUFFIX[suffix]

@@ -19,8 +19,12 @@ import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
-from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.data.errors import DataError, reading_errors
+
+if TYPE_CHECKING:
+    from ntl_pretrain.data.config import SourceConfig
 
 # Builder-config fields that say where the data is, not how to read it; every other field set by the dataset card
 # (a parquet `columns`, a csv `sep`, a json `field`) travels with the list.
@@ -96,8 +100,6 @@ def hub_sources(sources: Iterable[SourceConfig]) -> list[SourceConfig]:
 
 def list_once(sources: Iterable[SourceConfig]) -> dict[tuple, HubListing]:
     """Every hub source listed by this process (each distinct source once); `ValueError` naming the source."""
-    from ntl_pretrain.data.sources import reading_errors
-
     listings: dict[tuple, HubListing] = {}
     for source in hub_sources(sources):
         if listing_key(source) not in listings:
@@ -110,8 +112,6 @@ def list_for_all_ranks(sources: Iterable[SourceConfig], group=None) -> dict[tupl
     """`list_once` on rank 0, broadcast to every rank of `group` (a listing can take minutes: give a group with a
     long timeout). A failure on rank 0 is raised on every rank, so that none waits for a list that never comes."""
     import torch.distributed as dist
-
-    from ntl_pretrain.data.sources import DataError
 
     sources = hub_sources(sources)
     if not sources:

@@ -43,7 +43,7 @@ def number_label_fraction(batches: Iterable[dict[str, torch.Tensor]], is_number_
 
 def preview_recipe(recipe_path: Path, overrides: list[str], samples: int, batches: int, split: str) -> float:
     """Print the first `samples` packed sequences and the number-label fraction over `batches` batches."""
-    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.config.loading import load_recipe
     from ntl_pretrain.numbers import NumberVocab
     from ntl_pretrain.tokenizer import load_tokenizer
 

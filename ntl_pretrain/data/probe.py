@@ -15,18 +15,14 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ntl_pretrain.data.config import SourceConfig, is_remote, resolve_files, source_format
-from ntl_pretrain.data.sources import (
-    COMPRESSION_NAMES,
-    UTF8_BOM,
-    BadRecord,
-    DataError,
-    open_binary,
-    parse_unit,
-    reading_errors,
-    render,
-)
+from ntl_pretrain.data.errors import DataError, reading_errors
+from ntl_pretrain.data.files import COMPRESSION_NAMES, is_remote, resolve_files, source_format
+from ntl_pretrain.data.sources import UTF8_BOM, BadRecord, open_binary, parse_unit, render
+
+if TYPE_CHECKING:
+    from ntl_pretrain.data.config import SourceConfig
 
 BETWEEN_ELEMENTS = re.compile(r"[\s,]*")
 PROBE_RECORDS = 64

@@ -18,34 +18,24 @@ import io
 import json
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from ntl_pretrain.data.config import COMPRESSION_SUFFIXES, SourceConfig, is_remote, resolve_files, source_format
+from ntl_pretrain.data.errors import DataError, reading_errors
+from ntl_pretrain.data.files import COMPRESSION_SUFFIXES, is_remote, resolve_files, source_format
 from ntl_pretrain.data.hub import HubListing, list_source
 from ntl_pretrain.data.label_bits import NO_CE, NO_NTL
-from ntl_pretrain.errors import InputError
+
+if TYPE_CHECKING:
+    from ntl_pretrain.data.config import SourceConfig
 
 UTF8_BOM = b"\xef\xbb\xbf"
-COMPRESSION_NAMES = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 SKIP_REASONS = ("invalid_utf8", "invalid_json", "not_a_record", "missing_field", "not_string", "empty")
 HF_FORMATS = ("parquet", "arrow", "hub")
 
 
 class BadRecord(Exception):
     """A record that cannot become a document; `args[0]` is one of `SKIP_REASONS`."""
-
-
-class DataError(InputError):
-    """A source that cannot be read; the one-line message names the source, the file and the cause."""
-
-    kind = "data error"
-
-    def one_line(self) -> str:
-        """The message, also when a DataLoader worker re-raised it with the worker's traceback around it."""
-        return str(self).strip().splitlines()[-1].split("DataError: ", 1)[-1]
 
 
 @dataclass
@@ -364,26 +354,6 @@ class SourceStream:
             return self._hub_listing().open()
         builder = {"parquet": "parquet", "arrow": "arrow", "json": "json"}[self.format]
         return load_dataset(builder, data_files=self.files, split="train", streaming=True)
-
-
-@contextmanager
-def reading_errors(source: SourceConfig, file: str) -> Iterator[None]:
-    """Turn a failure to read `file` (a truncated or corrupt compressed file, malformed JSON) into a `DataError`
-    naming the source and the file. Only reading happens inside: a generator's consumer runs outside it."""
-    try:
-        yield
-    except DataError:
-        raise
-    except Exception as error:
-        raise DataError(f"source {source.label!r}: {file}: {describe_read_error(file, error)}") from error
-
-
-def describe_read_error(file: str, error: Exception) -> str:
-    compression = COMPRESSION_NAMES.get(Path(file).suffix.lower())
-    cause = f"{type(error).__name__}: {error}".splitlines()[0]
-    if compression:
-        return f"truncated or corrupt {compression} file ({cause})"
-    return f"cannot read it ({cause})"
 
 
 def _is_json_array(path: str) -> bool:

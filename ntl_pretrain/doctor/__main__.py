@@ -1,4 +1,4 @@
 from ntl_pretrain.doctor.commands import main
-from ntl_pretrain.process_group import exit_without_finalising
+from ntl_pretrain.runtime.process_group import exit_without_finalising
 
 exit_without_finalising(main())

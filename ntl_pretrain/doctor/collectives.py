@@ -1,5 +1,6 @@
 """Check 2: collectives on the training process group: an all-reduce of a device tensor and of a CPU tensor with
-the result checked (NCCL moves only CUDA tensors, gloo the CPU ones: `process_group.py`), and all-reduce bandwidth.
+the result checked (NCCL moves only CUDA tensors, gloo the CPU ones: `runtime/process_group.py`), and all-reduce
+bandwidth.
 
 Bandwidth follows nccl-tests: algorithm bandwidth = bytes / time, bus bandwidth = algbw * 2(n-1)/n, which is what
 a link delivers independent of the rank count. It fails below `BUSBW_FLOOR` of what the link should deliver: on

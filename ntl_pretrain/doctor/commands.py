@@ -24,7 +24,7 @@ from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write
 from ntl_pretrain.doctor.speed import speed_check
 from ntl_pretrain.doctor.training import TINY_RECIPE, local_ranks, throughput_check, train_checks
 from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
-from ntl_pretrain.process_group import bind_local_device, default_backend
+from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 
 # Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).
 WAIT_FOR_TRAINING = datetime.timedelta(minutes=30)
@@ -56,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction, summary: str | None = None)
 def init_process_group() -> None:
     """Join the launch this process belongs to, or make a 1-process group when it was started on its own."""
     if "RANK" not in os.environ:
-        from ntl_pretrain.cli import free_port
+        from ntl_pretrain.runtime.process_group import free_port
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))  # fmt: skip

@@ -47,8 +47,8 @@ def gradient_accumulation_check(device: torch.device) -> Check:
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # unused here; a 2-minute build on CPU
-    from ntl_pretrain.config import load_recipe
-    from ntl_pretrain.deepspeed_config import build_deepspeed_config
+    from ntl_pretrain.config.deepspeed import build_deepspeed_config
+    from ntl_pretrain.config.loading import load_recipe
     from ntl_pretrain.doctor.training import TINY_RECIPE
 
     world = dist.get_world_size()

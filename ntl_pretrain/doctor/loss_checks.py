@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.doctor.report import Check
+from ntl_pretrain.heads.vocab_parallel_layer import vocab_bounds
 from ntl_pretrain.loss import KINDS, ce_ntl_loss
 from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
-from ntl_pretrain.loss.vocab_parallel_head import vocab_bounds
 from ntl_pretrain.numbers import NumberVocab
 
 TOLERANCES = {  # (path, dtype): (loss, gradient), relative as in the module docstring

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ntl_pretrain.config import read_yaml_file
+from ntl_pretrain.config.loading import read_yaml_file
 from ntl_pretrain.doctor.report import Check
 from ntl_pretrain.plot import read_metrics
 

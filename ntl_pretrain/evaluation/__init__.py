@@ -2,7 +2,7 @@
 
 The names are imported on first use: the recipe schema imports `evaluation.config` without torch."""
 
-import importlib
+from ntl_pretrain.lazy_exports import lazy_getattr
 
 _HOMES = {
     "EvalConfig": "ntl_pretrain.evaluation.config",
@@ -11,9 +11,4 @@ _HOMES = {
     "validation_metrics": "ntl_pretrain.evaluation.validation",
 }
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy_getattr(__name__, _HOMES)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.checkpoint import verify_before_reading
+from ntl_pretrain.checkpoint.store import verify_before_reading
 from ntl_pretrain.console import stdout_to_stderr, whole_lines
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.errors import InputError, add_verbose, run_reporting
@@ -37,7 +37,7 @@ from ntl_pretrain.evaluation.model_folder import (
 from ntl_pretrain.evaluation.validation import validation_metrics
 from ntl_pretrain.metrics import open_for_append
 from ntl_pretrain.outputs import check_output, write_text
-from ntl_pretrain.process_group import bind_local_device, default_backend
+from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 from ntl_pretrain.tokenizer import resolve_path
 
 

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ntl_pretrain import checkpoint
-from ntl_pretrain.config import read_yaml_file
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.config.loading import read_yaml_file
 from ntl_pretrain.data.config import DataConfig, SourceConfig
 from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ntl_pretrain.config import Recipe
+from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.heads.architectures import logit_transform
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.heads.chunked import ChunkedHead

@@ -75,7 +75,7 @@ def check_recipe_architecture(recipe) -> None:
     Resuming without either key trains the architecture its checkpoint was started with (checked then)."""
     from transformers import AutoConfig
 
-    from ntl_pretrain.config import RecipeError
+    from ntl_pretrain.config.recipe import RecipeError
 
     if recipe.init_from is not None:
         key = "init_from"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ntl_pretrain.config import NtlConfig
+from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.loss.chunked import linear_ce_ntl_rows
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
@@ -58,9 +58,10 @@ class ChunkedHead(OutputHead):
     ) -> HeadOutput:
         given_counts = num_tokens is not None
         rows = linear_ce_ntl_rows(
-            hidden_BTH, self.output_layer.weight, labels_BT, self.number_vocab, self.ntl.kind, self.ntl.weight,
-            self.ntl.reweigh, IGNORE_INDEX, "mean" if given_counts else "sum", self.chunk_size, None, 0, num_tokens,
-            num_number_tokens, transform=self.transform, float_level=self.ntl.float_level, ntl_labels=ntl_labels_BT,
+            hidden_BTH, self.output_layer.weight, labels_BT, self.number_vocab, self.ntl,
+            reduction="mean" if given_counts else "sum", chunk_size=self.chunk_size, num_tokens=num_tokens,
+            num_number_tokens=num_number_tokens, transform=self.transform, ntl_labels=ntl_labels_BT,
+            ignore_index=IGNORE_INDEX,
         )  # fmt: skip
         number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum()
         return HeadOutput(rows.loss, rows.ce_N.sum(), rows.ntl_N.sum(), rows.valid_N.sum(), rows.ntl_terms_N.sum(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ntl_pretrain.config import NtlConfig
+from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedModel
 
-from ntl_pretrain.config import Recipe
+from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
+from ntl_pretrain.heads.vocab_parallel_layer import VocabParallelHead, assemble_output_matrix
 from ntl_pretrain.loss.logit_transform import LogitTransform
-from ntl_pretrain.loss.vocab_parallel_head import VocabParallelHead, assemble_output_matrix
 from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.optimizer import build_optimizer, on_device_kind
 from ntl_pretrain.schedule import lr_multiplier

@@ -45,6 +45,7 @@ from ntl_pretrain.loss.fused import (
 )
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.loss.number_level import NumberSpans, find_number_spans, gradient_at_first
+from ntl_pretrain.loss.spec import NtlSpec
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 # A chunk's logits hold about this many elements (256 MiB in fp32) by default: enough rows for the matmuls to run at
@@ -93,25 +94,11 @@ def linear_ce_ntl_loss(
     chunks (at least one); None: `WEIGHT_GROUP_ELEMENTS` worth where grouping pays (module docstring), else a chunk.
     """
     rows = linear_ce_ntl_rows(
-        hidden,
-        weight,
-        labels,
-        nv,
-        kind,
-        ntl_weight,
-        reweigh,
-        ignore_index,
-        reduction,
-        chunk_size,
-        group,
-        vocab_start,
-        num_tokens,
-        num_number_tokens,
-        transform=transform,
-        float_level=float_level,
-        ntl_labels=ntl_labels,
-        weight_grad_rows=weight_grad_rows,
-    )
+        hidden, weight, labels, nv, NtlSpec(kind, ntl_weight, reweigh, float_level), reduction=reduction,
+        chunk_size=chunk_size, group=group, vocab_start=vocab_start, num_tokens=num_tokens,
+        num_number_tokens=num_number_tokens, transform=transform, ntl_labels=ntl_labels,
+        weight_grad_rows=weight_grad_rows, ignore_index=ignore_index,
+    )  # fmt: skip
     ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
     number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum() * rows.ntl_scale
     return LossOutput(rows.loss, ce, ntl, rows.valid_N.sum(), rows.ntl_terms_N.sum(), number_ce)
@@ -140,27 +127,26 @@ class LinearLossRows:
 
 
 def linear_ce_ntl_rows(
-    hidden,
-    weight,
-    labels,
-    nv,
-    kind,
-    ntl_weight,
-    reweigh,
-    ignore_index,
-    reduction,
-    chunk_size,
-    group,
-    vocab_start,
-    num_tokens,
-    num_number_tokens,
-    transform=IDENTITY,
-    float_level=False,
-    ntl_labels=None,
-    weight_grad_rows=None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    nv: NumberVocab | None,
+    ntl: NtlSpec,
+    *,
+    reduction: str,
+    chunk_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    num_tokens: int | torch.Tensor | None = None,
+    num_number_tokens: int | torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
+    ntl_labels: torch.Tensor | None = None,
+    weight_grad_rows: int | None = None,
+    ignore_index: int = -100,
 ) -> LinearLossRows:
-    """`linear_ce_ntl_loss` before the per-position terms are summed (same arguments, all positional but the last
-    four)."""
+    """`linear_ce_ntl_loss` before the per-position terms are summed: the heads' entry (the same arguments, the NTL
+    settings as one `ntl` spec: a recipe's `loss.ntl` section is one)."""
+    kind, ntl_weight, reweigh, float_level = ntl.kind, ntl.weight, ntl.reweigh, ntl.float_level
     labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size, weight_grad_rows)
     logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)

@@ -13,7 +13,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ntl_pretrain.config import Recipe, RecipeError, load_recipe
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.tokenizer import resolve_path
 
 RECIPE_OWNED_KEYS = (

@@ -23,6 +23,7 @@ from torch import nn
 from ntl_pretrain.loss.ce_ntl import LossOutput
 from ntl_pretrain.loss.chunked import default_chunk_rows, linear_ce_ntl_rows
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
+from ntl_pretrain.loss.spec import NtlSpec
 from ntl_pretrain.numbers import NumberVocab
 
 
@@ -86,13 +87,12 @@ class VocabParallelHead(nn.Module):
             )
         self.weight = nn.Parameter(weight_slice)
         self.vocab_size, self.group = vocab_size, group
-        self.number_vocab, self.kind, self.ntl_weight, self.reweigh = number_vocab, kind, ntl_weight, reweigh
+        self.number_vocab, self.ntl = number_vocab, NtlSpec(kind, ntl_weight, reweigh, float_level)
         # Without a chunk size every rank takes the default for the widest shard: the same on all ranks, known
         # here, where `linear_ce_ntl_loss` would agree on it with an all-reduce and a host sync on every call.
         widest = max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
         self.chunk_size = default_chunk_rows(widest) if chunk_size is None else chunk_size
         self.ignore_index, self.transform = ignore_index, transform
-        self.float_level = float_level
 
     @classmethod
     def from_output_layer(cls, lm: nn.Module, group: dist.ProcessGroup, **loss_options) -> VocabParallelHead:
@@ -143,14 +143,14 @@ class VocabParallelHead(nn.Module):
         group_ntl_labels_RT = None if ntl_labels_BT is None else self._group_rows(ntl_labels_BT)
         rows = linear_ce_ntl_rows(
             group_hidden_MH.view(*group_labels_RT.shape, -1), self.weight.to(hidden_BTH.dtype), group_labels_RT,
-            self.number_vocab, self.kind, self.ntl_weight, self.reweigh, self.ignore_index,
-            "mean" if given_counts else "sum", self.chunk_size, self.group, self.vocab_start, num_tokens,
-            num_number_tokens, transform=self.transform, float_level=self.float_level, ntl_labels=group_ntl_labels_RT,
+            self.number_vocab, self.ntl, reduction="mean" if given_counts else "sum", chunk_size=self.chunk_size,
+            group=self.group, vocab_start=self.vocab_start, num_tokens=num_tokens, num_number_tokens=num_number_tokens,
+            transform=self.transform, ntl_labels=group_ntl_labels_RT, ignore_index=self.ignore_index,
         )  # fmt: skip
         rank, positions = dist.get_rank(self.group), hidden_NH.shape[0]
         own = slice(rank * positions, (rank + 1) * positions)
         ce, ntl = rows.ce_N[own].sum(), rows.ntl_N[own].sum()
-        share = rows.ce_scale * ce + self.ntl_weight * rows.ntl_scale * ntl
+        share = rows.ce_scale * ce + self.ntl.weight * rows.ntl_scale * ntl
         # The value is this rank's share (ranks sum to the global loss, as with a dense head); the gradient is the
         # group loss's, which the reduce-scatter turns into exactly the share's gradient for this rank's positions.
         loss = rows.loss - rows.loss.detach() + share

@@ -1,6 +1,6 @@
 """The runs of a study: one per (variant, seed), named, paired with a CE baseline, read from their folders.
 
-A run's results are read from its archived copy (`--archive`, study_archive.py) when that is complete, else from
+A run's results are read from its archived copy (`--archive`, study/archive.py) when that is complete, else from
 its run folder, so the report, `runs.csv` and the statistics work alike from either.
 """
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import yaml
 
-from ntl_pretrain.config import RecipeError
+from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.evaluation.answers import error_profile
 from ntl_pretrain.metrics import written_records
-from ntl_pretrain.study_archive import is_complete, read_answers
-from ntl_pretrain.study_token_classes import exact_match_by_class, trained_tokenizer
+from ntl_pretrain.study.archive import is_complete, read_answers
+from ntl_pretrain.study.token_classes import exact_match_by_class, trained_tokenizer
 
 BASELINE = "ce"
 
@@ -81,7 +81,7 @@ class StudyRun:
         return min(max(steps, default=0) / max_steps, 1.0)
 
     def exact_match_by_class(self) -> dict[str, float]:
-        """Exact match per class of the answer's token under the run's tokenizer (study_token_classes.py); {}
+        """Exact match per class of the answer's token under the run's tokenizer (study/token_classes.py); {}
         without answers or without a tokenizer named in the run's recipe."""
         answers, tokenizer = self.answers(), trained_tokenizer(self.folder / "recipe.yaml")
         return {} if not answers or tokenizer is None else exact_match_by_class(answers, *tokenizer)

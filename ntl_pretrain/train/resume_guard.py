@@ -10,7 +10,6 @@
   `data.seq_len` and the sequences per optimizer step.
 - **Learning rate on resume** (`apply_recipe_learning_rate`): the checkpoint's scheduler state carries the old peak
   rate; the recipe's is applied from the resumed step on, and the change is logged.
-- **Process-group timeout** (`rendezvous_failure`) and **leftover partial saves** (`remove_leftover_saves`).
 
 A refusal is a `RunRefused` (a `RecipeError`: exit code 2), the same on every rank.
 """
@@ -21,8 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +27,12 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ntl_pretrain import checkpoint, heads
-from ntl_pretrain.config import Recipe, RecipeError, dump_recipe, read_yaml_file
-from ntl_pretrain.data.config import SourceConfig, is_remote, resolve_files
+from ntl_pretrain import heads
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.config.loading import dump_recipe, read_yaml_file
+from ntl_pretrain.config.recipe import Recipe, RecipeError
+from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.data.files import is_remote, resolve_files
 
 DATA_FINGERPRINT = "data_sources.json"  # inside a checkpoint step folder
 EDGE_BYTES = 1 << 20  # a source file's identity: its size and a digest of its first and last MiB
@@ -339,27 +339,3 @@ def schedule_changes(folder: Path, recipe: Recipe) -> list[Difference]:
     wanted = flatten(dataclasses.asdict(recipe))
     keys = ["optimizer.lr", "train.max_steps", *sorted(key for key in wanted if key.startswith("schedule."))]
     return [Difference(key, saved[key], wanted[key]) for key in keys if key in saved and saved[key] != wanted[key]]
-
-
-# ---- process group and leftovers -------------------------------------------------------------------------------
-
-
-def rendezvous_failure(error: Exception, timeout_s: int) -> str:
-    """One line for a process group that did not form within `train.dist_timeout_seconds`."""
-    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    rank, world_size = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
-    return (
-        f"rank {rank} of {world_size} on {socket.gethostname()}: the process group did not form within "
-        f"train.dist_timeout_seconds={timeout_s} at master {address} ({error}); a node that never joined, a wrong "
-        "MASTER_ADDR/--master_addr or port, or a firewall between the nodes"
-    )
-
-
-def remove_leftover_saves(output_dir: str | Path) -> list[Path]:
-    """Delete `step_<N>.tmp` folders a killed save left behind (never published, so never loaded); rank 0."""
-    root = checkpoint.checkpoints_root(output_dir)
-    leftovers = sorted(root.glob("step_*.tmp")) if root.is_dir() else []
-    for folder in leftovers:
-        shutil.rmtree(folder, ignore_errors=True)
-        logger.warning("removed %s, left by a save that did not finish", folder)
-    return leftovers

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 
 import torch
@@ -55,3 +56,21 @@ def exit_without_finalising(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a launch's MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rendezvous_failure(error: Exception, timeout_s: int) -> str:
+    """One line for a process group that did not form within `train.dist_timeout_seconds`."""
+    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    rank, world_size = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    return (
+        f"rank {rank} of {world_size} on {socket.gethostname()}: the process group did not form within "
+        f"train.dist_timeout_seconds={timeout_s} at master {address} ({error}); a node that never joined, a wrong "
+        "MASTER_ADDR/--master_addr or port, or a firewall between the nodes"
+    )

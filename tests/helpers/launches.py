@@ -15,11 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from distributed import free_port
-
+from helpers.distributed import free_port
 from ntl_pretrain.metrics import written_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"
 STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 6  # micro-batch 1: 6, 3 and 2 micro-batches per step on 1, 2 and 3 ranks
 PER_DOCUMENT_STEPS = 4
@@ -65,7 +64,7 @@ def assert_model_reproduces_logged_validation(
     import pytest
     import torch
 
-    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.config.loading import load_recipe
     from ntl_pretrain.data import build_dataloader
     from ntl_pretrain.evaluation.validation import packed_forward
     from ntl_pretrain.loss import ce_ntl_loss

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from ntl_pretrain.outputs import write_file, write_text
 from ntl_pretrain.plot import plot_runs, read_metrics
-from ntl_pretrain.study_decision import DecisionRule, decide, verdict_lines
-from ntl_pretrain.study_runs import BASELINE, StudyRun, baseline_of
-from ntl_pretrain.study_stats import paired_gains, paired_stats
-from ntl_pretrain.study_token_classes import class_title, labels_in
+from ntl_pretrain.study.decision import DecisionRule, decide, verdict_lines
+from ntl_pretrain.study.runs import BASELINE, StudyRun, baseline_of
+from ntl_pretrain.study.stats import paired_gains, paired_stats
+from ntl_pretrain.study.token_classes import class_title, labels_in
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def qa_sets(results: dict) -> list[str]:
 
 
 def token_class_metrics(qa_set: str, keys: set[str]) -> list[Metric]:
-    """Exact match per class of the answer's token (study_token_classes.py) that `keys` hold for `qa_set`, each
+    """Exact match per class of the answer's token (study/token_classes.py) that `keys` hold for `qa_set`, each
     beside its number of questions."""
     metrics = []
     for label in labels_in(keys, qa_set):
@@ -319,7 +319,7 @@ def present_metrics(grouped: dict[str, list[dict]]) -> list[Metric]:
 
 
 def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
-    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.config.loading import load_recipe
 
     recipe = load_recipe(runs[0].recipe, overrides)
     model, train, data = recipe.model, recipe.train, recipe.data
@@ -358,7 +358,7 @@ def _evaluation_line(results: dict, asked_sets: list) -> str:
 
 def _describe_variant(run: StudyRun, overrides: list[str], tokenizer: str | None) -> str:
     """`variant = loss`, and the tokenizer where it is not the first run's (`tokenizer`)."""
-    from ntl_pretrain.config import load_recipe
+    from ntl_pretrain.config.loading import load_recipe
 
     recipe = load_recipe(run.recipe, overrides)
     ntl = recipe.loss.ntl
@@ -440,7 +440,7 @@ def _token_class_note(metrics: list[Metric]) -> list[str]:
         return []
     return ["`k-digit-token answers`: the questions whose reference answer the run's tokenizer spells as one number "
             "token of k digits (`multi-token`: anything else), exact match among them from each run's answers, and "
-            "how many there are (study_token_classes.py).", ""]  # fmt: skip
+            "how many there are (study/token_classes.py).", ""]  # fmt: skip
 
 
 def _protocol_lines(protocol: Path | None, doc: Path) -> list[str]:

@@ -6,7 +6,7 @@ naming a complete checkpoint; resume still trusts the folders, not the pointer: 
 names a folder that is not a checkpoint (`is_checkpoint`) gives way to the newest checkpoint folder. Old
 checkpoints beyond `keep_last` are deleted after the pointer moves.
 
-The last file written before the rename is `manifest.json` (`ntl_pretrain.manifest`): every file's size and
+The last file written before the rename is `manifest.json` (`ntl_pretrain.checkpoint.manifest`): every file's size and
 checksum. A resume verifies the checkpoint on all ranks before anything loads (`resolve_verified_resume`): `auto`
 falls back to the newest checkpoint that verifies, an explicit path that fails stops the run naming the file.
 
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import manifest
-from ntl_pretrain.process_group import slow_work_group
+from ntl_pretrain.checkpoint import manifest
+from ntl_pretrain.runtime.process_group import slow_work_group
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -275,7 +275,7 @@ def _previous(root: Path) -> str:
 def _replace_recovery_scripts(root: Path) -> None:
     """DeepSpeed's `zero_to_fp32.py` / `zero_to_torch.py` beside the checkpoints would write the trainer module's
     state dict; ours write an HF folder from the same command lines (`ntl_pretrain/zero_to_fp32.py`)."""
-    script = Path(__file__).with_name("zero_to_fp32.py")
+    script = Path(__file__).parents[1] / "zero_to_fp32.py"
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         shutil.copyfile(script, root / name)
         (root / name).chmod(0o755)
@@ -484,3 +484,13 @@ def load(engine, folder: Path) -> dict:
     if path is None:
         raise FileNotFoundError(f"cannot load checkpoint {folder}")
     return client_state[CLIENT_STATE_KEY]
+
+
+def remove_leftover_saves(output_dir: str | Path) -> list[Path]:
+    """Delete `step_<N>.tmp` folders a killed save left behind (never published, so never loaded); rank 0."""
+    root = checkpoints_root(output_dir)
+    leftovers = sorted(root.glob("step_*.tmp")) if root.is_dir() else []
+    for folder in leftovers:
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.warning("removed %s, left by a save that did not finish", folder)
+    return leftovers

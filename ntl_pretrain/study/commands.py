@@ -5,9 +5,9 @@ axis of the study (another tokenizer, say) and is compared with the `ce` recipe 
 Every (variant, seed) run is `ntl-pretrain train <recipes>/<variant>.yaml --nproc 1 seed=S` followed by
 `ntl-pretrain eval <run> --log-metrics`, each in its own process; `--jobs` runs that many at once, on CPU splitting
 the CPU threads between them, on a GPU (`--device cuda`) all on the one device. A run whose `study.json` exists
-(or whose copy in `--archive` is complete: study_archive.py) is finished and is not repeated, so an interrupted
+(or whose copy in `--archive` is complete: study/archive.py) is finished and is not repeated, so an interrupted
 study continues where it stopped, also in a fresh clone. Every recipe is loaded with the overrides before any run
-folder is touched. The report (study_report.py: mean ± std over seeds, paired statistics of each NTL variant
+folder is touched. The report (study/report.py: mean ± std over seeds, paired statistics of each NTL variant
 against its CE baseline, the protocol's verdicts with `--decide`, per-run figures, a plot, `runs.csv`) is written
 from whatever the runs measured; with `--protocol` only once every planned run is finished.
 """
@@ -29,14 +29,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ntl_pretrain.config import RecipeError
+from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.errors import InputError, check_can_write
 from ntl_pretrain.outputs import SIGNATURE, check_output, starts_with
-from ntl_pretrain.run_lock import check_free
-from ntl_pretrain.study_archive import archive_run
-from ntl_pretrain.study_decision import RULES
-from ntl_pretrain.study_report import write_report
-from ntl_pretrain.study_runs import StudyRun, plan
+from ntl_pretrain.runtime.run_lock import check_free
+from ntl_pretrain.study.archive import archive_run
+from ntl_pretrain.study.decision import RULES
+from ntl_pretrain.study.report import write_report
+from ntl_pretrain.study.runs import StudyRun, plan
 
 VARIANTS = ("ce", "ntl-was", "ntl-mse")
 SEEDS = (0, 1, 2)
@@ -252,7 +252,7 @@ def run_study(args: argparse.Namespace) -> int:
 def recipe_devices(runs: list[StudyRun], overrides: list[str]) -> set[str]:
     """Load every variant's recipe as its runs will (before any run folder is touched: a typo in an override must
     not cost a finished run); the `train.device` values they ask for."""
-    from ntl_pretrain.deepspeed_config import load_run
+    from ntl_pretrain.config.deepspeed import load_run
 
     devices = set()
     for run in {run.variant: run for run in runs}.values():

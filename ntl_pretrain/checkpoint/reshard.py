@@ -10,7 +10,8 @@ The conversion runs once, on global rank 0, into the step folder itself (so prun
 while the other ranks wait in the slow-work group (`process_group.slow_work_group`: it takes longer than the
 training group's `train.dist_timeout_seconds` allows at 8B); every rank reads it, so checkpoints must live on a
 filesystem all nodes share, as ZeRO-3 resumes already require.
-For very large models convert ahead of the relaunch: `python -m ntl_pretrain.reshard <output_dir>/checkpoints/step_N`.
+For very large models convert ahead of the relaunch:
+`python -m ntl_pretrain.checkpoint.reshard <output_dir>/checkpoints/step_N`.
 Either way the checkpoint is verified against its manifest first (the trainer does so on all ranks before
 `prepare_resume`), so a damaged shard stops the resume instead of being merged into the universal copy.
 """
@@ -29,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain import checkpoint
-from ntl_pretrain.process_group import slow_work_group
+from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.runtime.process_group import slow_work_group
 
 UNIVERSAL = "universal"
 # One optimizer-state file per data-parallel rank; bf16 runs prefix it with "bf16_".
@@ -132,7 +133,9 @@ def repair_universal_load(optimizer, universal: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.reshard", description=convert_to_universal.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m ntl_pretrain.checkpoint.reshard", description=convert_to_universal.__doc__
+    )
     parser.add_argument("step_folder", type=Path, help="<output_dir>/checkpoints/step_<N>")
     parser.add_argument("--workers", type=int, default=4, help="converter processes")
     args = parser.parse_args(argv)

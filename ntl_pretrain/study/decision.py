@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ntl_pretrain.study_stats import PairedStats, bonferroni, holm, paired_gains_by_seed, paired_stats
+from ntl_pretrain.study.stats import PairedStats, bonferroni, holm, paired_gains_by_seed, paired_stats
 
 HELPS, HURTS, NO_EFFECT, INCONCLUSIVE = "helps", "hurts", "no useful effect", "inconclusive"
 
@@ -223,7 +223,7 @@ def _hypothesis_bullet(v: Verdict) -> str:
 
 INTERPOLATION = "eval/addition_interpolation"
 EXACT = f"{INTERPOLATION}/exact_match"
-EXACT_2DIGIT, EXACT_3DIGIT = f"{EXACT}_2digit_token", f"{EXACT}_3digit_token"  # study_token_classes.py
+EXACT_2DIGIT, EXACT_3DIGIT = f"{EXACT}_2digit_token", f"{EXACT}_3digit_token"  # study/token_classes.py
 # Study v4's thresholds (min_gain = margin): the smallest margin, in steps of 0.005, at which "no useful effect" has
 # a chance of at least 0.5 at a true effect of 0 with the sd at the 80% upper bound of v3's (bench/study_v4_power.py,
 # docs/study-v4-protocol.md).

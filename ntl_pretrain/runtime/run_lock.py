@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from ntl_pretrain.config import RecipeError
+from ntl_pretrain.config.recipe import RecipeError
 
 LOCK_SUFFIX = ".lock"
 logger = logging.getLogger(__name__)

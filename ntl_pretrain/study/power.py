@@ -2,7 +2,7 @@
 
 Normal theory (the per-seed differences i.i.d. normal with standard deviation `sd`), as a protocol states it before
 the runs: the power of the t-test at a true mean effect (the noncentral t distribution), the smallest effect it
-detects with a given power, and for a decision rule (study_decision.py) the probability of its "helps" (significant
+detects with a given power, and for a decision rule (study/decision.py) the probability of its "helps" (significant
 and a mean of at least min_gain) and of its "no useful effect" (the 90% CI of the mean within ±margin). The rule's
 other condition, that the sign-flip permutation test agrees with the t-test, is left out: with 24 seeds the two
 disagree only near the threshold. Study v3 planned with an sd guessed too small (0.025–0.033; it was 0.049–0.060), so a

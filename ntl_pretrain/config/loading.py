@@ -1,0 +1,397 @@
+"""Reading a recipe: YAML files, `base:` chains, dot-list overrides, and the typed, checked `Recipe`.
+
+A recipe file may extend another with `base: <path>` (relative to the file); mappings merge key by
+key, everything else replaces. Dot-list overrides (`loss.ntl.weight=0.5`, values parsed as YAML)
+apply last. Unknown keys, wrong types and contradictions raise `RecipeError` naming the key and the
+file (or command-line override) that set it, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pydantic
+import yaml
+
+from ntl_pretrain.config.recipe import Recipe, RecipeError
+
+OVERRIDE_ORIGIN = "command-line override"
+# Every count in a recipe (steps, sizes, seeds) is exact in float64 (JSON readers of metrics.jsonl) and fits int64
+# (torch's step counters): a larger one is a typo, and refused before it overflows mid-run.
+MAX_RECIPE_INT = 2**53
+MAX_YAML_BYTES = 1 << 20  # recipes are a few KB; the bound keeps a mistaken or hostile file from exhausting memory
+
+
+def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
+    """Load, merge (`base:` chain, then overrides), type-check and validate a recipe."""
+    raw, origins = _load_yaml_chain(Path(path), seen=())
+    for item in overrides:
+        key, value = _parse_override(item)
+        _apply_override(raw, key, value, origins)
+    return _build(Recipe, raw, (), _Origins(origins, str(path)))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML text that `load_recipe` turns back into an equal recipe."""
+    return yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False)
+
+
+def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+    path = path.expanduser().resolve()
+    if path in seen:
+        raise RecipeError(f"{path}: base: inheritance cycle through {[str(p) for p in seen]}")
+    raw = read_yaml_file(path)
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping, got {type(raw).__name__}")
+    if not raw:
+        raise RecipeError(f"{path}: empty recipe; start from one in recipes/ (e.g. base: tiny-cpu.yaml, then the keys "
+                          f"to change)")  # fmt: skip
+    _anchor_relative_paths(raw, path.parent)
+    base = raw.pop("base", None)
+    merged, origins = ({}, {}) if base is None else _load_yaml_chain(_base_path(path, base), seen + (path,))
+    _deep_merge(merged, raw)
+    origins.update({key: str(path) for key in _dotted_keys(raw)})
+    return merged, origins
+
+
+YAML11_BOOL_WORDS = ("yes", "no", "on", "off")
+"""Words YAML 1.1 reads as booleans; a recipe spells booleans `true`/`false`, so these are refused, not guessed."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one silently) and every
+    alias: a few hundred bytes of nested aliases expand to gigabytes, and a recipe has no need to repeat a value
+    by reference."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise RecipeError(f"line {event.start_mark.line + 1}: alias *{event.anchor}: YAML aliases are not "
+                              f"allowed; write the value out")  # fmt: skip
+        return super().compose_node(parent, index)
+
+    def construct_yaml_int(self, node):
+        return self._not_base_60(node, super().construct_yaml_int(node))
+
+    def construct_yaml_float(self, node):
+        return self._not_base_60(node, super().construct_yaml_float(node))
+
+    def construct_yaml_bool(self, node):
+        value = super().construct_yaml_bool(node)
+        if node.value.lower() in YAML11_BOOL_WORDS:
+            raise RecipeError(f"line {node.start_mark.line + 1}: {node.value!r} reads as {value} in YAML 1.1; write "
+                              f"{str(value).lower()}, or quote it for the text")  # fmt: skip
+        return value
+
+    @staticmethod
+    def _not_base_60(node, value):
+        """YAML 1.1 reads `1:30` as 90 (base 60): a typo'd duration or ratio would train for a surprising length."""
+        if ":" in node.value:
+            raise RecipeError(f"line {node.start_mark.line + 1}: {node.value!r} reads as the base-60 number {value} "
+                              f"in YAML 1.1; write the number, or quote it for the text")  # fmt: skip
+        return value
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):
+                raise RecipeError(f"line {line}: a key must be a plain name, got {key!r}")
+            if key in seen:
+                raise RecipeError(f"line {line}: duplicate key {key!r} (first at line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.construct_yaml_bool)
+
+
+def read_yaml_file(path: Path) -> object:
+    """The parsed YAML file (a recipe, or the recipe.yaml saved in a run); every failure, also a file over
+    `MAX_YAML_BYTES` or one with aliases, is one RecipeError naming the file."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_YAML_BYTES + 1)
+    except OSError as error:
+        raise RecipeError(f"{path}: cannot read recipe: {error.strerror or error}") from error
+    if len(data) > MAX_YAML_BYTES:
+        raise RecipeError(f"{path}: over {MAX_YAML_BYTES >> 20} MiB, too large for a recipe")
+    if b"\0" in data:
+        raise RecipeError(f"{path}: not a recipe: binary file (NUL bytes)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {error.start}); save the recipe as UTF-8") from error
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except RecipeError as error:
+        raise RecipeError(f"{path}: {error}") from error
+    except yaml.YAMLError as error:
+        raise RecipeError(f"{path}: invalid YAML: {_one_line(error)}") from error
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _base_path(path: Path, base: object) -> Path:
+    """`base:` is a non-empty path string, relative to the file that names it; `~` is expanded."""
+    if not isinstance(base, str) or not base.strip():
+        raise RecipeError(f"{path}: base: expected a path to one recipe file, got {base!r}")
+    target = (path.parent / Path(base).expanduser()).resolve()
+    if not target.is_file():
+        what = "is a folder, not a recipe file" if target.is_dir() else "does not exist"
+        raise RecipeError(f"{path}: base: {target} {what}")
+    return target
+
+
+def _anchor_relative_paths(raw: dict, directory: Path) -> None:
+    """Recipe-relative paths become absolute so that recipes extending others from elsewhere work."""
+    section = raw.get("deepspeed")
+    if isinstance(section, dict) and isinstance(section.get("config"), str):
+        config = section["config"]
+        if not config.startswith("pkg:") and not Path(config).expanduser().is_absolute():
+            section["config"] = str((directory / config).resolve())
+
+
+def _deep_merge(into: dict, update: Mapping) -> None:
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _dotted_keys(raw: Mapping, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if isinstance(value, Mapping):
+            keys.extend(_dotted_keys(value, dotted + "."))
+    return keys
+
+
+def _parse_override(item: str) -> tuple[str, object]:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"{OVERRIDE_ORIGIN} {item!r}: expected key.path=value")
+    if not text.strip():
+        # `loss.ntl.kind=` would parse as null and silently switch a feature off.
+        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: empty value; write {key}=null to mean null")
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader)
+    except (yaml.YAMLError, RecipeError) as error:
+        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: value {text!r} is not valid YAML ({_one_line(error)})") from error
+    return key, value
+
+
+def _apply_override(raw: dict, key: str, value: object, origins: dict[str, str]) -> None:
+    """Like one more child file: a mapping merges into the mapping it replaces; `a.b.0.c` addresses list item 0.
+    Every key the override touches is blamed on it, so a typo in its path is reported as the override's."""
+    *parents, leaf = key.split(".")
+    node: dict | list = raw
+    for depth, name in enumerate(parents):
+        node = _child_for_override(node, name, key, ".".join(parents[: depth + 1]), origins)
+    if isinstance(node, list):
+        node[_list_index(node, leaf, key)] = value
+    elif isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
+        _deep_merge(node[leaf], value)
+    else:
+        node[leaf] = dict(value) if isinstance(value, Mapping) else value
+    origins[key] = OVERRIDE_ORIGIN
+    if isinstance(value, Mapping):
+        origins.update({f"{key}.{dotted}": OVERRIDE_ORIGIN for dotted in _dotted_keys(value)})
+
+
+def _child_for_override(node: dict | list, name: str, key: str, dotted: str, origins: dict[str, str]):
+    if isinstance(node, list):
+        child = node[_list_index(node, name, key)]
+    else:
+        if name not in node:
+            node[name] = {}
+            origins[dotted] = OVERRIDE_ORIGIN
+        child = node[name]
+    if not isinstance(child, (dict, list)):
+        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: {dotted} is {child!r}, not a section or a list")
+    return child
+
+
+def _list_index(items: list, name: str, key: str) -> int:
+    if not name.isdigit() or int(name) >= len(items):
+        raise RecipeError(
+            f"{OVERRIDE_ORIGIN}: {key}: {name!r} is not an item of this list (items 0..{len(items) - 1}); "
+            "address one as key.N.field=value, or give the whole list as key=[...]"
+        )
+    return int(name)
+
+
+@dataclass
+class _Origins:
+    by_key: dict[str, str]
+    default: str
+
+    def of(self, key_path: tuple[str, ...]) -> str:
+        inside = ".".join(key_path) + "."
+        if key_path and any(key.startswith(inside) and by == OVERRIDE_ORIGIN for key, by in self.by_key.items()):
+            return OVERRIDE_ORIGIN  # an override changed an item inside it (`optimizer.betas.0=1.5`)
+        for end in range(len(key_path), 0, -1):
+            origin = self.by_key.get(".".join(key_path[:end]))
+            if origin is not None:
+                return origin
+        return self.default
+
+
+def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins):
+    where = ".".join(key_path) or "<recipe>"
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{origins.of(key_path)}: {where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            dotted = ".".join(key_path + (str(key),))
+            close = _closest(str(key), names) or _section_holding(str(key))
+            hint = f"did you mean {close!r}? " if close else ""
+            raise RecipeError(
+                f"{origins.of(key_path + (str(key),))}: {dotted}: unknown key ({hint}known: {sorted(names)})"
+            )
+    values = {key: _coerce(hints[key], value, key_path + (key,), origins) for key, value in raw.items()}
+    for name in names - set(raw):  # a section the recipe omits still gets its checks (`data:` needs sources)
+        if dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], {}, key_path + (name,), origins)
+    obj = cls(**values)
+    _run_check(obj, key_path, origins)
+    return obj
+
+
+def _run_check(obj: object, key_path: tuple[str, ...], origins: _Origins) -> None:
+    check = getattr(obj, "check", None)
+    if check is None:
+        return
+    try:
+        check()
+    except ValueError as error:
+        message = str(error)
+        named = message.split(":", 1)[0].strip()
+        named_path = key_path + tuple(named.split(".")) if " " not in named else key_path
+        dotted = ".".join(named_path) or "<recipe>"
+        detail = message.split(":", 1)[1].strip() if named_path != key_path else message
+        raise RecipeError(f"{origins.of(named_path)}: {dotted}: {detail}") from error
+
+
+def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: _Origins) -> object:
+    """Sections recurse through `_build` (origins, unknown keys, checks); containers recurse so that an error names
+    the item (`data.sources.1.weight`, `model.config.hidden_size`); every leaf is validated by pydantic."""
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key_path, origins)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            return _type_error(hint, value, key_path, origins)
+        return [_coerce(args[0], item, key_path + (str(i),), origins) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            return _type_error(hint, value, key_path, origins)
+        return {str(k): _coerce(args[1], v, key_path + (str(k),), origins) for k, v in value.items()}
+    if float in (args or (hint,)) and isinstance(value, str):
+        # YAML 1.1 reads `3e-4` (no dot) as a string; accept the number it obviously means.
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    try:
+        coerced = _adapter(hint).validate_python(value)
+    except pydantic.ValidationError as error:
+        kinds = {detail["type"] for detail in error.errors()}
+        return _type_error(hint, value, key_path, origins, "a finite number" if "finite_number" in kinds else None)
+    if isinstance(coerced, int) and not isinstance(coerced, bool) and abs(coerced) > MAX_RECIPE_INT:
+        return _type_error(hint, value, key_path, origins, f"a whole number of at most {MAX_RECIPE_INT:,} in size")
+    return coerced
+
+
+@functools.cache
+def _adapter(hint: object) -> pydantic.TypeAdapter:
+    # strict: no "5" -> 5 or 1 -> True guessing; allow_inf_nan off: nan/inf (and 1e999) are refused.
+    return pydantic.TypeAdapter(hint, config=pydantic.ConfigDict(strict=True, allow_inf_nan=False))
+
+
+def _type_error(hint, value, key_path, origins, expected: str | None = None) -> typing.NoReturn:
+    expected = expected or _type_name(hint)
+    raise RecipeError(
+        f"{origins.of(key_path)}: {'.'.join(key_path)}: expected {expected}, got {value!r}{_value_hint(hint, value)}"
+    )
+
+
+def _value_hint(hint: object, value: object) -> str:
+    """What the writer of a refused string most likely meant: null for `None` (where null is allowed), else a choice
+    it misspells."""
+    if not isinstance(value, str):
+        return ""
+    if value.strip().lower() == "none" and type(None) in typing.get_args(hint):
+        return " (write null, not None)"
+    # Stricter than for keys: a short value is close to unrelated words (at 0.6, `gpu` would suggest `cpu`).
+    close = _closest(value, _choices(hint), cutoff=0.75)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def _section_holding(key: str) -> str | None:
+    """Where in the recipe `key` is a field (`precision` -> `train.precision`), for a key put in the wrong section;
+    None unless exactly one section has it."""
+    paths, sections = [], [((), Recipe)]
+    while sections:
+        prefix, cls = sections.pop()
+        for name, hint in typing.get_type_hints(cls).items():
+            if name == key and prefix:
+                paths.append(".".join(prefix + (key,)))
+            if dataclasses.is_dataclass(hint):
+                sections.append((prefix + (name,), hint))
+    return paths[0] if len(paths) == 1 else None
+
+
+def _closest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The candidate that `word` most likely misspells, case aside; None when none is close enough."""
+    by_lower = {candidate.lower(): candidate for candidate in candidates}
+    close = difflib.get_close_matches(word.lower(), by_lower, n=1, cutoff=cutoff)
+    return by_lower[close[0]] if close else None
+
+
+def _choices(hint: object) -> list[str]:
+    """The string values a Literal field (also inside `... | None`) allows; empty for any other type."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return [arg for arg in args if isinstance(arg, str)]
+    if origin in (typing.Union, types.UnionType):
+        return [choice for arg in args for choice in _choices(arg)]
+    return []
+
+
+def _type_name(hint: object) -> str:
+    """Readable expected type: `one of 'was', 'mse' (or null)`, `int or null`, `list of float`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "null"
+    if origin in (typing.Union, types.UnionType):
+        names = " or ".join(_type_name(arg) for arg in args if arg is not type(None))
+        if type(None) not in args:
+            return names
+        # After a list of values, in parentheses: null is not one more value to write in quotes.
+        return f"{names} (or null)" if _choices(hint) else f"{names} or null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return "mapping"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -1,0 +1,211 @@
+"""Run a training launcher so that stopping it stops the whole run, and nothing of the run outlives it.
+
+    python -m ntl_pretrain.supervisor [--grace-seconds S] -- deepspeed ... --module ntl_pretrain.train RECIPE ...
+
+`ntl-pretrain train` runs its launcher this way; launch/multinode.sh and launch/slurm/train.sbatch wrap each node's
+launcher in it. The launcher (DeepSpeed's runner, its per-node `launch.py`, the ranks) starts in a session of its
+own, so a terminal's Ctrl-C or a scheduler's signal reaches the supervisor alone, which forwards SIGTERM, SIGINT
+or SIGUSR1 once to each training rank: the ranks save at the next step boundary and exit with
+`stopping.EXIT_STOPPED` (stopping.py), then the launcher exits with their code. Before any rank exists the signal
+goes to the launcher's whole session instead (nothing to save yet). Whatever is left of the session when the
+launcher has exited, or `--grace-seconds` after the first signal, is killed; a second signal is forwarded too
+(the ranks then stop at once). A rank still alive when the grace has passed is named before the kill: it could not
+run its signal handler (frozen in a collective or in I/O).
+
+The ranks die with the supervisor whatever ends it, and report to it whether they finished or stopped with a
+checkpoint, so that the supervisor exits with 0 or `EXIT_STOPPED` also when the signal reached DeepSpeed's
+launchers, which then exit 143 or 1 (`lifeline.py`).
+
+The launcher's stdout and stderr reach the console through `console_relay.py`, so a console that stops reading (a
+full pipe, `| head`, a closed terminal) drops lines instead of freezing or killing a rank; SIGHUP (the terminal went
+away) stops the run like SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from ntl_pretrain.runtime import lifeline
+from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV, ConsoleRelay, console_is_terminal
+from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS
+
+RANK_MODULE = "ntl_pretrain.train"
+# Past the ranks' own grace (train.stop_grace_seconds), they exit by themselves; this margin only catches a frozen
+# rank, and is shorter than the 30 s after which DeepSpeed's launch.py kills the ranks left beside one that exited,
+# so that the supervisor still finds the frozen rank to name it.
+EXIT_MARGIN_S = 15.0
+DEFAULT_GRACE_SECONDS = 300.0 + EXIT_MARGIN_S  # train.stop_grace_seconds' default
+# After the launcher's session is gone, how long the relay may still be copying its last output.
+RELAY_DRAIN_S = 5.0
+
+
+def training_ranks(launcher: psutil.Process) -> list[psutil.Process]:
+    """The launcher's descendants that run `python -m ntl_pretrain.train` (not their forked data-loader workers,
+    whose parent is a rank; DeepSpeed's runner names the module after `--module`, not `-m`)."""
+    ranks = []
+    for process in launcher.children(recursive=True):
+        try:
+            if _is_rank(process) and not _is_rank(process.parent()):
+                ranks.append(process)
+        except psutil.Error:  # it exited while we looked
+            continue
+    return ranks
+
+
+def _is_rank(process: psutil.Process | None) -> bool:
+    if process is None:
+        return False
+    command = process.cmdline()
+    return any(option == "-m" and module == RANK_MODULE for option, module in zip(command, command[1:], strict=False))
+
+
+def supervise(
+    command: list[str],
+    env: dict | None = None,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    last_line: Callable[[int], str | None] | None = None,
+) -> int:
+    """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns 0 when the
+    ranks reported that they finished, `EXIT_STOPPED` when they stopped on a signal with a checkpoint, else the
+    command's exit code (128 + signal when a signal ended it). `last_line(code)`: a line for stderr after the run's
+    own output (through the same relay, so that it cannot block either)."""
+    handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
+    os.close(handle)
+    outcome_file = Path(name)
+    relays = ConsoleRelay(_descriptor(sys.stdout, 1)), ConsoleRelay(_descriptor(sys.stderr, 2))
+    terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(relays[1].destination_fd) else {}
+    try:
+        env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
+        code = _run(command, env, grace_seconds, relays)
+        outcome = lifeline.reported_outcome(outcome_file)
+        code = {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED}.get(outcome, code)
+        line = last_line(code) if last_line is not None else None
+        _close_relays(relays, line)
+        return code
+    finally:
+        outcome_file.unlink(missing_ok=True)
+
+
+def _descriptor(stream, default: int) -> int:
+    """The file descriptor behind `stream`; the process's own (1, 2) where a test or a notebook replaced it."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return default
+
+
+def _close_relays(relays: tuple[ConsoleRelay, ConsoleRelay], line: str | None) -> None:
+    """Copy what is left of the run's output, then the last line and a count of what the console did not take."""
+    for relay in relays:
+        relay.wait_for_child_output(RELAY_DRAIN_S)
+    stdout, stderr = relays
+    if line is not None:
+        stderr.say(line)
+    dropped = stdout.dropped_bytes + stderr.dropped_bytes
+    if dropped:
+        stderr.say(f"ntl-pretrain: the console did not take {dropped:,} bytes of the run's output (metrics.jsonl "
+                   f"has every record)")  # fmt: skip
+    for relay in relays:
+        relay.close()
+
+
+def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[ConsoleRelay, ConsoleRelay]) -> int:
+    stdout, stderr = relays
+    launcher = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout.write_fd,
+                                stderr=stderr.write_fd)  # fmt: skip
+    for relay in relays:
+        relay.start()
+    first_signal: list[tuple[float, str]] = []
+
+    def forward(signum: int, _frame) -> None:
+        first_signal[:] = first_signal or [(time.monotonic(), signal.Signals(signum).name)]
+        ranks = training_ranks(psutil.Process(launcher.pid))
+        if not ranks:
+            _signal_session(launcher.pid, signum)
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    try:
+        while launcher.poll() is None:
+            if first_signal and time.monotonic() - first_signal[0][0] > grace_seconds:
+                _name_frozen_ranks(launcher, grace_seconds, first_signal[0][1], stderr.say)
+                _signal_session(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+                break
+            time.sleep(0.2)
+        deadline = first_signal[0][0] + grace_seconds if first_signal else time.monotonic()
+        _end_session(launcher.pid, deadline)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    code = launcher.returncode
+    return 128 - code if code < 0 else code
+
+
+def _name_frozen_ranks(
+    launcher: subprocess.Popen, grace_seconds: float, signal_name: str, say: Callable[[str], None]
+) -> None:
+    """One line per rank that outlived the grace: it never ran its signal handler, so it is stuck where Python
+    cannot interrupt it (a collective whose peer is gone, a hung file system)."""
+    for rank in training_ranks(psutil.Process(launcher.pid)):
+        try:
+            number, status = rank.environ().get("RANK", "?"), rank.status()
+        except psutil.Error:
+            continue
+        say(f"ntl-pretrain: supervisor: rank {number} (pid {rank.pid}, {status}) has not stopped {grace_seconds:g} s "
+            f"after {signal_name}: frozen where it cannot run its signal handler (a collective whose peer is gone, "
+            f"a hung file system); killing the run")  # fmt: skip
+
+
+def _signal_session(session_id: int, signum: int) -> None:
+    try:
+        os.killpg(session_id, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _end_session(session_id: int, deadline: float) -> None:
+    """Let what is left of the launcher's session (ranks still saving) finish until `deadline`, then kill it."""
+    while _session_alive(session_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _signal_session(session_id, signal.SIGKILL)
+
+
+def _session_alive(session_id: int) -> bool:
+    try:
+        os.killpg(session_id, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ntl_pretrain.runtime.supervisor", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_SECONDS,
+                        help="after the first stop signal, kill what is left of the run this much later")  # fmt: skip
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the launcher command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the launcher command after --")
+    sys.exit(supervise(command, grace_seconds=args.grace_seconds))
+
+
+if __name__ == "__main__":
+    main()
