@@ -95,9 +95,20 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     from ntl_pretrain.runtime.supervisor import EXIT_MARGIN_S, supervise
 
+    print(f"ntl-pretrain: {launch_line(args, recipe)}", file=sys.stderr, flush=True)
     started = time.time()
     grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
     return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
+
+
+def launch_line(args: argparse.Namespace, recipe: Recipe) -> str:
+    """Said once the recipe passed every check: what the next half minute or more (the ranks import torch and
+    DeepSpeed and build the model, silently) is spent on, and which recipe file it follows."""
+    processes = f"{args.nproc} process" + ("es" if args.nproc > 1 else "")
+    return (
+        f"training {Path(args.recipe).resolve()} into {recipe.train.output_dir}: starting {processes}; each "
+        "loads the libraries and builds the model before step 1"
+    )
 
 
 def end_line(recipe: Recipe, code: int, started: float) -> str | None:

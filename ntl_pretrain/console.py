@@ -172,7 +172,13 @@ class RunConsole:
         step = record["step"]
         due = self.every_steps and step % self.every_steps == 0
         if due or step in (self.first_step + 1, self.total_steps):
-            self.say(f"step {step}/{self.total_steps} {step_fields(record)}")
+            self.say(f"step {step}/{self.total_steps} {step_fields(record)}; {self._timing(step)}")
+
+    def _timing(self, step: int) -> str:
+        """Elapsed time of this session and the time left at its pace so far (the bar shows its own)."""
+        elapsed = time.monotonic() - self.started
+        left = elapsed / max(step - self.first_step, 1) * (self.total_steps - step)
+        return f"{duration(elapsed)} elapsed, ETA {duration(left)}"
 
     def evaluated(self, record: dict) -> None:
         if record["split"] == "validation":

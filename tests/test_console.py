@@ -43,7 +43,10 @@ def test_unattended_console_starts_with_the_runs_shape(unattended):
     output_dir, console = unattended
     config = AutoConfig.from_pretrained(output_dir / "checkpoints" / "step_4" / "hf_config")
     parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    assert ours(console)[:2] == [
+    # said by `ntl-pretrain train` once the checks passed: the ranks' half minute of start-up is not silent
+    assert ours(console)[0] == (f"training {TINY.resolve()} into {output_dir}: starting 1 process; each loads the "
+                                "libraries and builds the model before step 1")  # fmt: skip
+    assert ours(console)[1:3] == [
         f"{output_dir}: starting from scratch; attention sdpa; AdamW default",
         f"{parameters:,} parameters; world size 1; micro-batch 2, global batch 4 sequences (gradient accumulation 2); "
         "128 tokens per step (32 per sequence); precision fp32",
@@ -56,12 +59,13 @@ def test_unattended_console_prints_plain_steps_and_evaluations_as_they_come(unat
     output_dir, console = unattended
     steps, validation = records(output_dir), records(output_dir, "validation")
     assert "\r" not in console  # no progress bar redrawn into the log
-    printed = [line for line in ours(console)[2:] if line.startswith("step ")]
+    printed = [line for line in ours(console)[3:] if line.startswith("step ")]
 
     def step_line(step: int) -> str:
         r = steps[step]
         return (f"step {step}/4 loss {r['loss']:.4f} ce {r['ce']:.4f} ntl {r['ntl']:.4f} lr {r['lr']:.3g} "
-                f"{r['tokens_per_s']:,.0f} tok/s mem {r['peak_mem_mib']:,.0f} MiB")  # fmt: skip
+                f"{r['tokens_per_s']:,.0f} tok/s mem {r['peak_mem_mib']:,.0f} MiB; 0m00s elapsed, ETA "
+                "0m00s")  # fmt: skip
 
     def validation_line(step: int) -> str:  # the tiny recipe's validation sources are Q/A: answer labels too
         r = validation[step]
@@ -70,7 +74,13 @@ def test_unattended_console_prints_plain_steps_and_evaluations_as_they_come(unat
                 f"{r['val_answer_ntl']:.4f}, over {r['val_tokens']:,} tokens")  # fmt: skip
 
     # the first step, every 3rd, the last; each validation right after its step
+    timing = re.compile(r"\d+m\d\ds elapsed, ETA \d+m\d\ds$")
+    assert all(timing.search(line) for line in printed if "/4 " in line), printed
+    printed = [timing.sub("0m00s elapsed, ETA 0m00s", line) for line in printed]
     assert printed == [step_line(1), validation_line(2), step_line(3), step_line(4), validation_line(4)]
+    # what takes time between steps is announced before it starts
+    announced = [line for line in ours(console) if line.startswith(("saving", "validating"))]
+    assert announced == ["validating at step 2", "validating at step 4", "saving checkpoint step 4"], announced
 
 
 @pytest.mark.slow

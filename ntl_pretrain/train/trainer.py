@@ -199,7 +199,7 @@ class Trainer:
     def _stop_early(self) -> None:
         """Checkpoint the step just finished and record the stop; the same command continues from here."""
         if self.last_saved_step != self.step:
-            self.save()
+            self._checkpoint()
         self.logger.log({"step": self.step, "split": "stop", "signal": self._stop_signal()})
         self.console.close_bar()
         self.console.say(f"saved step {self.step}; stopping (exit code {EXIT_STOPPED})")
@@ -222,27 +222,40 @@ class Trainer:
         self.logger.log(record)
         self.console.evaluated(record)
 
+    # What takes seconds to minutes between steps is announced first, so that a console is never silent for long.
+    def _checkpoint(self) -> None:
+        self.console.say(f"saving checkpoint step {self.step}")
+        self.save()
+
+    def _validate(self) -> None:
+        self.console.say(f"validating at step {self.step}")
+        self._log_evaluation(self.evaluate())
+
+    def _generate(self) -> None:
+        self.console.say(f"generating answers to eval.qa_sets at step {self.step}")
+        self._log_evaluation(self.generation_eval())
+
     def _save_and_evaluate_when_due(self) -> None:
         """The step's checkpoint first: an evaluation that fails must not cost it."""
         eval_every, save_every = self.recipe.train.eval_every_steps, self.recipe.checkpoint.every_steps
         if save_every and self.step % save_every == 0:
-            self.save()
+            self._checkpoint()
         if eval_every and self.step % eval_every == 0:
-            self._log_evaluation(self.evaluate())
+            self._validate()
         generate_every = self.recipe.eval.every_steps
         if generate_every and self.step % generate_every == 0:
-            self._log_evaluation(self.generation_eval())
+            self._generate()
 
     def _finish(self) -> None:
         """The last step is always checkpointed and, when evaluation is on, evaluated; then the summary."""
         if self.last_saved_step != self.step:
-            self.save()
+            self._checkpoint()
         eval_every = self.recipe.train.eval_every_steps
         if eval_every and self.step % eval_every:
-            self._log_evaluation(self.evaluate())
+            self._validate()
         generate_every = self.recipe.eval.every_steps
         if generate_every and self.step % generate_every:
-            self._log_evaluation(self.generation_eval())
+            self._generate()
         self.console.summary(checkpoint.checkpoints_root(self.output_dir) / f"step_{self.last_saved_step}",
                              self.output_dir)  # fmt: skip
 
