@@ -68,7 +68,8 @@ class NtlConfig:
     kind: Literal["was", "mse", "mae", "huber", "digits", "number"] | None = "was"
     """NTL variant; null trains with plain cross-entropy through the same code path. was|mse|mae|huber judge each
     number token by its value (scaled by its class: 10^(digits-1)); "digits" judges it digit by digit (a near miss
-    in the last digit of `157` costs 1/3, as on a single-digit token); "number" judges whole numbers: one relative
+    in the last digit of `157` costs 1/3, as on a single-digit token; study v4 found it lowers exact match at
+    weight 0.3 on a 1-3-digit tokenizer, docs/evaluation.md); "number" judges whole numbers: one relative
     error per number across its tokens (docs/loss.md)."""
     weight: float = 0.3
     """λ in `CE + λ·NTL`."""
