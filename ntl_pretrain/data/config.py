@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ntl_pretrain.data.files import resolve_files, source_format
-from ntl_pretrain.data.probe import probe_source
 
 Format = Literal["auto", "jsonl", "json", "parquet", "txt", "arrow", "hub"]
 LabelSet = Literal["all", "answer"]
@@ -70,6 +69,9 @@ class SourceConfig:
         if len(formats) > 1:
             raise ValueError(f"path: {self.path!r} mixes formats {sorted(formats)}; use one source per format")
         self._check_keys_apply(formats.pop() if formats else self.format)
+        # The file readers load when a source is checked, not with the schema (`ntl-pretrain --help`).
+        from ntl_pretrain.data.probe import probe_source
+
         probe_source(self)
 
     def _check_keys_apply(self, file_format: str) -> None:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.loss.ce_ntl import LossOutput
 from ntl_pretrain.loss.chunked import default_chunk_rows, linear_ce_ntl_rows
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
-from ntl_pretrain.loss.spec import NtlSpec
 from ntl_pretrain.numbers import NumberVocab
 
 
@@ -87,7 +87,7 @@ class VocabParallelHead(nn.Module):
             )
         self.weight = nn.Parameter(weight_slice)
         self.vocab_size, self.group = vocab_size, group
-        self.number_vocab, self.ntl = number_vocab, NtlSpec(kind, ntl_weight, reweigh, float_level)
+        self.number_vocab, self.ntl = number_vocab, NtlConfig(kind, ntl_weight, reweigh, float_level)
         # Without a chunk size every rank takes the default for the widest shard: the same on all ranks, known
         # here, where `linear_ce_ntl_loss` would agree on it with an all-reduce and a host sync on every call.
         widest = max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))

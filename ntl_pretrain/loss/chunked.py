@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.loss.ce_ntl import LossOutput, check_loss_arguments, no_number_shard
 from ntl_pretrain.loss.fused import (
     Targets,
@@ -45,7 +46,6 @@ from ntl_pretrain.loss.fused import (
 )
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.loss.number_level import NumberSpans, find_number_spans, gradient_at_first
-from ntl_pretrain.loss.spec import NtlSpec
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 # A chunk's logits hold about this many elements (256 MiB in fp32) by default: enough rows for the matmuls to run at
@@ -94,7 +94,7 @@ def linear_ce_ntl_loss(
     chunks (at least one); None: `WEIGHT_GROUP_ELEMENTS` worth where grouping pays (module docstring), else a chunk.
     """
     rows = linear_ce_ntl_rows(
-        hidden, weight, labels, nv, NtlSpec(kind, ntl_weight, reweigh, float_level), reduction=reduction,
+        hidden, weight, labels, nv, NtlConfig(kind, ntl_weight, reweigh, float_level), reduction=reduction,
         chunk_size=chunk_size, group=group, vocab_start=vocab_start, num_tokens=num_tokens,
         num_number_tokens=num_number_tokens, transform=transform, ntl_labels=ntl_labels,
         weight_grad_rows=weight_grad_rows, ignore_index=ignore_index,
@@ -131,7 +131,7 @@ def linear_ce_ntl_rows(
     weight: torch.Tensor,
     labels: torch.Tensor,
     nv: NumberVocab | None,
-    ntl: NtlSpec,
+    ntl: NtlConfig,
     *,
     reduction: str,
     chunk_size: int | None = None,
@@ -145,7 +145,7 @@ def linear_ce_ntl_rows(
     ignore_index: int = -100,
 ) -> LinearLossRows:
     """`linear_ce_ntl_loss` before the per-position terms are summed: the heads' entry (the same arguments, the NTL
-    settings as one `ntl` spec: a recipe's `loss.ntl` section is one)."""
+    settings as one object, the recipe's `loss.ntl` section)."""
     kind, ntl_weight, reweigh, float_level = ntl.kind, ntl.weight, ntl.reweigh, ntl.float_level
     labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size, weight_grad_rows)

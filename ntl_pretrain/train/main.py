@@ -23,7 +23,6 @@ from ntl_pretrain.runtime import lifeline, run_lock
 from ntl_pretrain.runtime.process_group import (
     bind_local_device,
     default_backend,
-    exit_without_finalising,
     rendezvous_failure,
 )
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
@@ -142,7 +141,3 @@ def hold_output_dir(recipe: Recipe) -> Path | None:
     if outcome[1] is not None:
         raise run_lock.RunLocked(outcome[1])
     return outcome[0] if dist.get_rank() == 0 else None
-
-
-if __name__ == "__main__":
-    exit_without_finalising(main())
