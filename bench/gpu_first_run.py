@@ -27,6 +27,8 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -73,13 +75,17 @@ class Run:
     def site(self) -> Path:
         return self.work / "site-packages"
 
+    @property
+    def logs(self) -> Path:
+        return self.work / "logs"
+
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     def command(self, name: str, args: list[str], timeout: float, expect_timeout: bool = False) -> None:
         """Run `args` (log: logs/<name>.log) within `timeout` s; raise StageFailed when it fails or overruns
         (unless `expect_timeout`: the study probe is ended by its time box)."""
-        log = self.out / "logs" / f"{name}.log"
+        log = self.logs / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as output:
             output.write(f"$ {' '.join(args)}\n")
@@ -191,14 +197,15 @@ def install(run: Run) -> dict:
         if not run.wheels.is_dir():
             raise StageFailed(f"install: no wheels folder {run.wheels} (carry it: docs/doctor.md, 'The first GPU')")
         wheels, absent = pinned_wheels(run.wheels, read_pins(run.pins))
-        args = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(run.site),
-                *map(str, wheels)]  # fmt: skip
+        # --upgrade: a warm machine keeps ignored folders between calls, and --target keeps what is already there
+        args = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade", "--target",
+                str(run.site), *map(str, wheels)]  # fmt: skip
         run.command("install", args, min(120.0, run.remaining()))
         figures = {"wheels": [wheel.name for wheel in wheels], "megabytes": sum(w.stat().st_size for w in wheels) / 1e6,
                    "optional_absent": absent}  # fmt: skip
     probe = "import deepspeed, pydantic, psutil, xxhash, zstandard; print(deepspeed.__version__)"
     run.command("install", [sys.executable, "-c", probe], min(120.0, run.remaining()))
-    return {**figures, "deepspeed": last_line(run.out / "logs" / "install.log")}
+    return {**figures, "deepspeed": last_line(run.logs / "install.log")}
 
 
 def last_line(log: Path) -> str:
@@ -276,7 +283,7 @@ def step_figures(records: list[dict]) -> dict:
 
 def study_plan(run: Run) -> list[str]:
     """The protocol's GPU-arm command without its report arguments (the probe never reaches the report)."""
-    runs_dir, archive = run.work / "study-v3-gpu", run.out / "study-v3-gpu" / "runs"
+    runs_dir, archive = run.work / "study-v3-gpu", run.logs / "study-v3-gpu-runs"
     seeds = ["0"] if run.dry_run else [str(seed) for seed in range(64)]
     toy = ["train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"] if run.dry_run else []
     return ["--variants", *STUDY_VARIANTS, "--seeds", *seeds, "--runs-dir", str(runs_dir), "--archive", str(archive),
@@ -291,7 +298,7 @@ def study_probe(run: Run) -> dict:
     run.command("study_probe", [*study, *study_plan(run), *placement], probe_s, expect_timeout=True)
     minutes = (time.monotonic() - started) / 60
     run.command("study_probe", [*study, *study_plan(run), "--status"], min(60.0, run.remaining()))
-    return throughput(last_line(run.out / "logs" / "study_probe.log"), minutes)
+    return throughput(last_line(run.logs / "study_probe.log"), minutes)
 
 
 STATUS = re.compile(r"all: (\d+) of (\d+) planned runs done.*have trained ([\d.]+) runs' worth of steps")
@@ -339,6 +346,17 @@ def write_summary(run: Run, started: float) -> None:
                "marker": f"{MARKER}={run.env[MARKER]}", "stages": [*run.stages, *pending]}  # fmt: skip
     (run.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     (run.out / "summary.md").write_text(markdown(summary))
+    pack_logs(run)
+
+
+def pack_logs(run: Run) -> None:
+    """The stage logs and the study probe's archived runs as one file, `logs.tgz`: the device tool returns at most
+    8 files from $OUT, none deeper than two folders."""
+    if run.logs.is_dir():
+        partial = run.out / "logs.tgz.partial"
+        with tarfile.open(partial, "w:gz") as archive:
+            archive.add(run.logs, arcname="logs")
+        partial.replace(run.out / "logs.tgz")
 
 
 def markdown(summary: dict) -> str:
@@ -366,19 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="every stage on CPU at toy sizes")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out/gpu-first-run"))
-    parser.add_argument(
-        "--work",
-        type=Path,
-        default=REPO / "runs" / "gpu-first-run",
-        help="the runs and the installed wheels (default: %(default)s)",
-    )
+    work_help = "the runs, logs and installed wheels (default: a new temporary folder: a warm machine starts clean)"
+    parser.add_argument("--work", type=Path, help=work_help)
     parser.add_argument("--wheels", type=Path, default=REPO / "wheels-gpu")
     parser.add_argument("--pins", type=Path, default=REPO / "launch" / "gpu-wheels.txt")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (default 8 minutes)")
     parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
     args = parser.parse_args(argv)
     out = args.out.resolve()
-    work = args.work.resolve()
+    work = (args.work or Path(tempfile.mkdtemp(prefix="gpu-first-run-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -202,13 +202,21 @@ def _verify_folder(folder: Path, mode: str) -> bool:
     return bool(problems)
 
 
+def package_version() -> str:
+    """The installed distribution's version; a checkout run from PYTHONPATH (not installed) has none."""
+    try:
+        return importlib.metadata.version("ntl_pretrain")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a checkout)"
+
+
 def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argparse.ArgumentParser:
     """This module's commands plus the `delegated` ones (importing those takes seconds, so `main` asks only for
     the one that will run)."""
     every_command = ",".join((*OWN_COMMANDS, *DELEGATED_COMMANDS))
     parser = OneLineParser(prog="ntl-pretrain", description="Pretraining with CE + λ·NTL on DeepSpeed",
                            usage=f"%(prog)s [-h] [--version] [--verbose] {{{every_command}}} ...")  # fmt: skip
-    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('ntl_pretrain')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, prog="ntl-pretrain")
 
     train = commands.add_parser("train", help="validate a recipe, then launch it with the deepspeed launcher")

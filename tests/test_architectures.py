@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.tiny_models import VOCAB, tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.export import model_from_state
 from ntl_pretrain.heads import build_head
 from ntl_pretrain.heads.architectures import CHECKED, OUTPUT_BIAS, checked_rule
-from ntl_pretrain.heads.forward_rules import forward_rule
+from ntl_pretrain.heads.forward_rules import forward_rule, read_forward
 from ntl_pretrain.loss.logit_transform import IDENTITY
 from ntl_pretrain.model import CausalLMWithLoss
 
@@ -79,6 +80,31 @@ def test_heads_give_transformers_loss_and_export_keeps_the_weights(model_type, t
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
     for name, tensor in lm.state_dict().items():
         assert torch.equal(reloaded[name], tensor), f"{model_type}: {name} changed through export"
+
+
+class LlamaOfTransformers517(LlamaForCausalLM):
+    """LlamaForCausalLM's forward as transformers 5.17 wrote it (the GPU machine's version, 2026-11-27): it slices
+    to `logits_to_keep` inside the projection instead of calling `slice_logits_to_keep`."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, cache_position=None, logits_to_keep=0,
+                **kwargs):  # fmt: skip
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             cache_position=cache_position, **kwargs)  # fmt: skip
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+
+def test_the_older_inline_slicing_forward_reads_as_the_same_rule():
+    older = read_forward("llama", "LlamaForCausalLM", LlamaOfTransformers517)
+    assert older == forward_rule("llama")
+    assert older.output_layer == "lm_head" and older.refused is None
 
 
 def test_an_unchecked_type_is_refused_naming_why():

@@ -56,3 +56,22 @@ def test_a_command_that_runs_still_registers_its_arguments():
     """Only the named command's module is imported, with all its arguments (the others are listed by `--help`)."""
     result, output = started(["eval", "--help"])
     assert result["code"] == 0 and "--max-examples" in output and "--ntl-kind" in output
+
+
+def test_a_checkout_that_is_not_installed_still_answers(monkeypatch):
+    """The first GPU run used the CLI from a checkout on PYTHONPATH: no package metadata there (every command crashed
+    building `--version` until it said so instead)."""
+    import importlib.metadata
+
+    from ntl_pretrain import cli
+
+    installed = importlib.metadata.version
+
+    def not_installed(name):
+        if name == "ntl_pretrain":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.package_version() == "(not installed: run from a checkout)"
+    assert cli.build_parser().parse_args(["train", "recipe.yaml"]).command == "train"

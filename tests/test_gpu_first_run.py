@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from pathlib import Path
@@ -60,6 +61,11 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert stages["study_probe"]["figures"]["runs_planned"] == 4
     for name in ("doctor-report.json", "heads.json", "train-125m-metrics.jsonl", "summary.md"):
         assert (out / name).is_file(), name
+    # The device tool returns at most 8 files from $OUT: the logs travel as one archive.
+    assert len([path for path in out.rglob("*") if path.is_file()]) <= 8
+    with tarfile.open(out / "logs.tgz") as logs:
+        names = logs.getnames()
+    assert {f"logs/{stage}.log" for stage in stages} <= set(names)
     assert runner().marked_processes(summary["marker"].partition("=")[2]) == []  # the probe's runs were killed
 
 
@@ -101,3 +107,28 @@ def test_a_missing_pinned_wheel_fails_the_install_and_names_it(tmp_path):
         gpu_first_run.pinned_wheels(wheels, {"ntl_toy_wheel": pins["ntl_toy_wheel"]})
     assert gpu_first_run.read_pins(REPO / "launch" / "gpu-wheels.txt")["deepspeed"] == ("0.19.8", False)
     assert gpu_first_run.read_pins(REPO / "launch" / "gpu-wheels.txt")["liger_kernel"] == ("0.8.5", True)
+
+
+def test_the_gpu_pins_satisfy_each_other_as_their_packages_require():
+    """Every pinned package installed here at its pinned version: what it requires of another pinned package is
+    met by that pin (the first GPU run failed on pydantic 2.14.4 with pydantic-core pinned at 2.46.4, not 2.50.5)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    pins = {name: version for name, (version, _) in runner().read_pins(REPO / "launch" / "gpu-wheels.txt").items()}
+    checked, unmet = [], []
+    for name, version in pins.items():
+        try:
+            installed = distribution(name)
+        except PackageNotFoundError:
+            continue
+        if installed.version != version:
+            continue
+        checked.append(name)
+        for requirement in map(Requirement, installed.requires or []):
+            pinned = pins.get(runner().normalise(requirement.name))
+            if pinned is not None and not requirement.marker and pinned not in requirement.specifier:
+                unmet.append(f"{name}=={version} needs {requirement}, pinned {pinned}")
+    assert {"deepspeed", "pydantic"} <= set(checked), checked
+    assert not unmet

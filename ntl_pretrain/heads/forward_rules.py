@@ -39,13 +39,16 @@ HARMLESS = [
     r"if labels is not None:\n    use_cache = False",
     r"hidden_states = \w+(?:\.last_hidden_state|\[0\])",
     r"hidden_states = slice_logits_to_keep\((?:hidden_states|\w+\.last_hidden_state), logits_to_keep\)",
+    # transformers < 5.2x slices inline: the slice is applied in the projection (`hidden_states[:, slice_indices, :]`)
+    r"slice_indices = slice\(-logits_to_keep, None\) if isinstance\(logits_to_keep, int\) else logits_to_keep",
     r"if hidden_states\.shape\[1\] == \(input_ids if input_ids is not None else inputs_embeds\)\.shape\[1\]:\n"
     r"    hidden_states = slice_logits_to_keep\(hidden_states, logits_to_keep\)",
     r"if not return_dict:\n(?:    .*\n)*    return .*",
 ]
 ROUTER_LOGITS = (r"output_router_logits = \(?output_router_logits if output_router_logits is not None else "
                  r"self\.config\.output_router_logits\)?(?: and self\.config\.is_moe)?")  # fmt: skip
-PROJECTION = (r"(?:lm_)?logits = self\.(\w+)\(hidden_states(?:\.to\((?:dtype=)?self\.\w+\.weight\.dtype\))?\)"
+PROJECTION = (r"(?:lm_)?logits = self\.(\w+)\(hidden_states(?:\[:, slice_indices, :\])?"
+              r"(?:\.to\((?:dtype=)?self\.\w+\.weight\.dtype\))?\)"
               r"(?:\.float\(\)|\.contiguous\(\))?(?: (?P<op>[*/]) (?P<factor>" + ATTRIBUTE + "))?")  # fmt: skip
 SCALE = r"(?:logits = logits|hidden_states = hidden_states) (?P<op>[*/]) (?P<factor>" + ATTRIBUTE + ")"
 SOFTCAP = (r"if \(?(?:\w+ := )?(?P<cap>" + ATTRIBUTE + r")\)? is not None:\n    logits = logits(?:\.float\(\))? / \S+\n"
@@ -113,12 +116,12 @@ def forward_rule(model_type: str) -> ForwardRule:
         if any(re.search(MULTIMODAL, name) for name in sub_configs):
             raise Refused(f"a multimodal model (its config holds {', '.join(sorted(sub_configs))}): train its text "
                           f"model's type")  # fmt: skip
-        return _read_forward(model_type, class_name, getattr(transformers, class_name))
+        return read_forward(model_type, class_name, getattr(transformers, class_name))
     except Refused as reason:
         return ForwardRule(model_type, class_name, refused=str(reason))
 
 
-def _read_forward(model_type: str, class_name: str, model_class: type) -> ForwardRule:
+def read_forward(model_type: str, class_name: str, model_class: type) -> ForwardRule:
     source = textwrap.dedent(inspect.getsource(model_class.forward))
     body = [s for s in ast.parse(source).body[0].body if not _is_docstring(s)]
     trunk_at = next((i for i, s in enumerate(body) if _trunk_call(s) is not None), None)
