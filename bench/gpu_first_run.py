@@ -7,6 +7,7 @@ Stages, in order of what a short-lived GPU should give first:
   heads       bench/gpu_heads.py: the loss and the output layer in bf16, ours vs torch CE (and Liger-Kernel)
   train_125m  100 bf16 steps of a SmolLM2-135M-shaped Llama (30x576, vocabulary 49,152) at sequence 2,048:
               tokens/s, MFU, peak memory, and the step apart from the wait for data
+  plain_step  bench/plain_step.py: the same model and batch in plain torch (no DeepSpeed), and our step over it
   study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
               --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
 
@@ -281,6 +282,21 @@ def step_figures(records: list[dict]) -> dict:
             steps[-1]["loss"]]}  # fmt: skip
 
 
+def plain_step(run: Run) -> dict:
+    """The same model and batch as train_125m without DeepSpeed (bench/plain_step.py), and our step's time over its."""
+    out = run.out / "plain-step.json"
+    toy = [key for key in MODEL_TOY if key.startswith("model.config.")]
+    keys = [key.removeprefix("model.config.") for key in (toy if run.dry_run else MODEL_125M)]
+    keys += ["seq_len=64", "micro_batch_size=2"] if run.dry_run else ["seq_len=2048", "micro_batch_size=8"]
+    device = ["--device", "cpu", "--steps", "3", "--warmup", "1"] if run.dry_run else []
+    run.command("plain_step", [sys.executable, "bench/plain_step.py", "--out", str(out), *device, *keys],
+                min(90.0, run.remaining()))  # fmt: skip
+    report = json.loads(out.read_text())
+    ours = next((s["figures"].get("step_seconds") for s in run.stages if s["name"] == "train_125m"), None)
+    figures = {key: report[key] for key in ("step_seconds", "tokens_per_s", "mfu", "peak_mem_mib")}
+    return {**figures, "ours_over_plain": None if not ours else ours / report["step_seconds"]}
+
+
 def study_plan(run: Run) -> list[str]:
     """The protocol's GPU-arm command without its report arguments (the probe never reaches the report)."""
     runs_dir, archive = run.work / "study-v3-gpu", run.logs / "study-v3-gpu-runs"
@@ -319,7 +335,8 @@ def throughput(status_line: str, minutes: float) -> dict:
 
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
-                                            "train_125m": train_125m, "study_probe": study_probe}  # fmt: skip
+                                            "train_125m": train_125m, "plain_step": plain_step,
+                                            "study_probe": study_probe}  # fmt: skip
 
 
 # ---- the run ------------------------------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""The training step without DeepSpeed: the yardstick for `ntl-pretrain train`'s step on the same model.
+
+The first GPU run (docs/benchmarks.md, "GPU") found our step at 3.4% MFU on a 135M Llama, bound by per-layer
+overhead. This times the plainest fast step of the same model on the same batch: transformers' Llama, SDPA, bf16
+autocast over fp32 weights, its own cross-entropy, fused AdamW on the device; no ZeRO, no hooks, no NTL. Medians
+of `--steps` after `--warmup`, with the device synchronised around each step. bench/gpu_first_run.py compares it
+with its train_125m stage; the ratio says how much of our step is the training stack, not the arithmetic.
+
+    python bench/plain_step.py --out plain-step.json [--device cuda] [--steps 20] [--warmup 5] [KEY=VALUE ...]
+
+KEY=VALUE are the Llama config's keys (hidden_size=576 ...) plus seq_len and micro_batch_size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ntl_pretrain.metrics import device_peak_flops, mfu
+from ntl_pretrain.model import model_flops_per_token
+
+BATCH_KEYS = {"seq_len": 2048, "micro_batch_size": 8}
+
+
+def parse_settings(pairs: list[str]) -> tuple[dict, dict]:
+    """(Llama config keys, batch keys) from KEY=VALUE; values are ints, or `true`/`false`."""
+    config, batch = {}, dict(BATCH_KEYS)
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        value = {"true": True, "false": False}.get(text.lower(), None)
+        value = int(text) if value is None else value
+        (batch if key in BATCH_KEYS else config)[key] = value
+    return config, batch
+
+
+def synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_seconds(lm, optimizer, input_ids, device: torch.device) -> float:
+    synchronise(device)
+    started = time.perf_counter()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss = lm(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    synchronise(device)
+    return time.perf_counter() - started
+
+
+def measure(config: dict, batch: dict, device: torch.device, steps: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa")).to(device)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4, fused=device.type == "cuda")
+    shape = (batch["micro_batch_size"], batch["seq_len"])
+    input_ids = torch.randint(0, lm.config.vocab_size, shape, device=device)
+    times = [step_seconds(lm, optimizer, input_ids, device) for _ in range(warmup + steps)][warmup:]
+    seconds = statistics.median(times)
+    tokens_per_s = shape[0] * shape[1] / seconds
+    peak = device_peak_flops(device, "bf16")
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "config": config,
+            **batch, "parameters": sum(p.numel() for p in lm.parameters()), "step_seconds": seconds,
+            "tokens_per_s": tokens_per_s, "mfu": mfu(model_flops_per_token(lm, shape[1]), tokens_per_s, peak, 1),
+            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("settings", nargs="*", help="Llama config keys, seq_len, micro_batch_size (KEY=VALUE)")
+    args = parser.parse_args(argv)
+    config, batch = parse_settings(args.settings)
+    report = measure(config, batch, torch.device(args.device), args.steps, args.warmup)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"plain step: {report['step_seconds'] * 1e3:.1f} ms, {report['tokens_per_s']:,.0f} tokens/s, MFU {report['mfu']}")
+
+
+if __name__ == "__main__":
+    main()
