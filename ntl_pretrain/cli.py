@@ -76,11 +76,14 @@ def run_train(args: argparse.Namespace) -> int:
     from ntl_pretrain import preflight
     from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.heads.architectures import check_recipe_architecture
+    from ntl_pretrain.schedule import warmup_note
 
     args.nproc = args.nproc or default_nproc()
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
     preflight.check_world(recipe, args.master_port)
     check_recipe_architecture(recipe)
+    if note := warmup_note(recipe.schedule, recipe.train.max_steps):
+        print(f"ntl-pretrain: note: {note}", file=sys.stderr, flush=True)
     done = preflight.finished_step(recipe)
     finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
         "nothing to train (raise train.max_steps to continue)"  # fmt: skip

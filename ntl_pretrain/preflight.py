@@ -325,9 +325,18 @@ def check_output_dir(output_dir: str) -> None:
     folder = Path(output_dir).expanduser()
     if folder.exists() and not folder.is_dir():
         raise RecipeError(f"train.output_dir: {folder} is a file, not a folder")
-    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    existing = _nearest_existing(folder)
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise RecipeError(f"train.output_dir: {folder} cannot be created or written ({existing} is not writable)")
+    lock = run_lock.lock_path(folder)  # beside the folder: its parent must take a file too
+    beside = _nearest_existing(lock.parent)
+    if not os.access(beside, os.W_OK | os.X_OK):
+        raise RecipeError(f"train.output_dir: the run's lock {lock} cannot be written ({beside} is not writable); "
+                          f"choose a folder whose parent you can write to")  # fmt: skip
+
+
+def _nearest_existing(path: Path) -> Path:
+    return next(parent for parent in (path, *path.parents) if parent.exists())
 
 
 def check_master_port(port: int | None) -> None:

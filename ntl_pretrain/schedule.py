@@ -32,6 +32,15 @@ def lr_multiplier(schedule: ScheduleConfig, total_steps: int) -> Callable[[int],
     return multiplier
 
 
+def warmup_note(schedule: ScheduleConfig, max_steps: int) -> str | None:
+    """A line for a warmup longer than the run (accepted: a short trial of a long run's recipe is one), else None."""
+    if schedule.warmup_steps <= max_steps:
+        return None
+    reached = lr_multiplier(schedule, max_steps)(max_steps - 1)
+    return (f"schedule.warmup_steps={schedule.warmup_steps} is longer than train.max_steps={max_steps}: the "
+            f"learning rate is still warming up at the last step, {reached:.0%} of optimizer.lr, and never decays")  # fmt: skip
+
+
 def _toward_min(schedule: ScheduleConfig, fraction_of_range: float) -> float:
     """Map 1 -> peak and 0 -> min_lr_ratio."""
     return schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * fraction_of_range

@@ -70,3 +70,15 @@ def test_wandb_asked_for_but_not_installed_is_refused_before_launch(tmp_path, ca
     monkeypatch.setattr(preflight, "installed", lambda name: True)
     monkeypatch.setenv("WANDB_MODE", "offline")  # online needs a key and the server (tests/test_wandb_preflight.py)
     assert dry_run(tmp_path, "logging.wandb=true") == 0
+
+
+def test_an_output_folder_whose_parent_takes_no_lock_is_refused_before_launch(tmp_path, monkeypatch):
+    """The folder exists and is writable, its parent is not (issue 42): the lock lives in the parent, so the run
+    would die in its ranks. os.access stands in for the permission: tests run as root, which passes every check."""
+    parent = tmp_path / "shared"
+    (parent / "run").mkdir(parents=True)
+    access = preflight.os.access
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: Path(path) != parent and access(path, mode))
+    with pytest.raises(preflight.RecipeError, match=r"the run's lock .*run\.lock cannot be written \(.*shared is not"):
+        preflight.check_output_dir(str(parent / "run"))
+    preflight.check_output_dir(str(tmp_path / "elsewhere" / "run"))  # a parent to be created under a writable one

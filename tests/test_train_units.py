@@ -18,7 +18,7 @@ from ntl_pretrain.config.recipe import NtlConfig, ScheduleConfig
 from ntl_pretrain.heads import DenseHead
 from ntl_pretrain.metrics import MetricsLogger
 from ntl_pretrain.model import CausalLMWithLoss, model_flops_per_token, parameter_groups
-from ntl_pretrain.schedule import lr_multiplier
+from ntl_pretrain.schedule import lr_multiplier, warmup_note
 
 
 def tiny_llama(tie: bool = False, head_dim: int | None = None) -> LlamaForCausalLM:
@@ -41,6 +41,21 @@ class TestSchedules:
         assert f(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
         assert f(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
         assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+    def test_a_warmup_longer_than_the_run_is_said_with_where_the_rate_ends(self):
+        schedule = ScheduleConfig(kind="cosine", warmup_steps=500, warmup_start_ratio=0.0)
+        assert warmup_note(schedule, 500) is None
+        note = warmup_note(schedule, 300)
+        assert note.startswith("schedule.warmup_steps=500 is longer than train.max_steps=300")
+        assert "60% of optimizer.lr" in note  # update 300 of a 500-step warmup from 0: 300/500
+
+    def test_the_train_command_says_so_before_launching(self, capsys):
+        from ntl_pretrain import cli
+
+        overrides = ["schedule.warmup_steps=50", "train.max_steps=10", "train.output_dir=unused-dry-run"]
+        recipe = str(Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml")
+        assert cli.main(["train", recipe, "--nproc", "1", "--dry-run", *overrides]) == 0
+        assert "ntl-pretrain: note: schedule.warmup_steps=50 is longer than train.max_steps=10" in capsys.readouterr().err
 
     def test_warmup_stable_decay(self):
         schedule = ScheduleConfig(kind="wsd", warmup_steps=10, min_lr_ratio=0.0, decay_fraction=0.2)

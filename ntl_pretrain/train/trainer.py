@@ -40,7 +40,7 @@ from ntl_pretrain.runtime.process_group import (
     slow_work_group,
 )
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
-from ntl_pretrain.schedule import lr_multiplier
+from ntl_pretrain.schedule import lr_multiplier, warmup_note
 from ntl_pretrain.tokenizer import load_tokenizer
 from ntl_pretrain.train import resume_guard
 
@@ -180,6 +180,9 @@ class Trainer:
         self.console.say(startup_line(count_parameters(self.built.module.lm), self.world_size, train.micro_batch_size,
                                       train.global_batch_size, self.grad_accum, self.recipe.data.seq_len,
                                       train.precision))  # fmt: skip
+        warmup = warmup_note(self.recipe.schedule, train.max_steps)
+        if warmup is not None:
+            self.console.say(f"note: {warmup}")
         balancing = balancing_line(self.built.module.lm, self.built.module.balancing)
         if balancing is not None:
             self.console.say(balancing)
