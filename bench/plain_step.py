@@ -69,7 +69,8 @@ def measure(config: dict, batch: dict, device: torch.device, steps: int, warmup:
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "config": config,
             **batch, "parameters": sum(p.numel() for p in lm.parameters()), "step_seconds": seconds,
             "tokens_per_s": tokens_per_s, "mfu": mfu(model_flops_per_token(lm, shape[1]), tokens_per_s, peak, 1),
-            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}  # fmt: skip
+            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     config, batch = parse_settings(args.settings)
     report = measure(config, batch, torch.device(args.device), args.steps, args.warmup)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"plain step: {report['step_seconds'] * 1e3:.1f} ms, {report['tokens_per_s']:,.0f} tokens/s, MFU {report['mfu']}")
+    seconds, tokens_per_s = report["step_seconds"], report["tokens_per_s"]
+    print(f"plain step: {seconds * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, MFU {report['mfu']}")
 
 
 if __name__ == "__main__":

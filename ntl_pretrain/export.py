@@ -37,7 +37,10 @@ def export_checkpoint(
 ) -> Path:
     """Write `out_dir` as an HF folder holding the checkpoint's weights; `auto` = the run's training precision.
     `verify`: check the folder against its manifest first (False when the caller just did)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from ntl_pretrain.config.deepspeed import deepspeed_on_this_machine
+
+    with deepspeed_on_this_machine():  # no "Setting accelerator to CPU" warning on a machine without a GPU
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = Path(checkpoint_dir).resolve()
     if not (folder / HF_CONFIG).is_dir():

@@ -37,8 +37,8 @@ def warmup_note(schedule: ScheduleConfig, max_steps: int) -> str | None:
     if schedule.warmup_steps <= max_steps:
         return None
     reached = lr_multiplier(schedule, max_steps)(max_steps - 1)
-    return (f"schedule.warmup_steps={schedule.warmup_steps} is longer than train.max_steps={max_steps}: the "
-            f"learning rate is still warming up at the last step, {reached:.0%} of optimizer.lr, and never decays")  # fmt: skip
+    return (f"schedule.warmup_steps={schedule.warmup_steps} is longer than train.max_steps={max_steps}: the learning "
+            f"rate is still warming up at the last step, {reached:.0%} of optimizer.lr, and never decays")  # fmt: skip
 
 
 def _toward_min(schedule: ScheduleConfig, fraction_of_range: float) -> float:

@@ -15,7 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.launches import assert_model_reproduces_logged_validation, partition_all_config, records
+from helpers.launches import (
+    as_a_user_runs_it,
+    assert_model_reproduces_logged_validation,
+    partition_all_config,
+    records,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ntl_pretrain.config.loading import load_recipe
@@ -92,9 +97,16 @@ def test_run_directory_holds_resolved_recipe_and_last_checkpoints(tiny_run, ds_c
 def exported(tiny_run, tmp_path_factory) -> Path:
     """The last checkpoint exported to an HF folder by `ntl-pretrain export`."""
     out = tmp_path_factory.mktemp("export") / "hf"
-    subprocess.run([sys.executable, "-m", "ntl_pretrain.cli", "export", str(tiny_run / "checkpoints" / "step_50"),
-                    str(out)], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    command = [sys.executable, "-m", "ntl_pretrain.cli", "export", str(tiny_run / "checkpoints" / "step_50"), str(out)]
+    done = subprocess.run(command, check=True, cwd=REPO, env=as_a_user_runs_it(), capture_output=True, text=True)
+    (out.parent / "export.log").write_text(done.stdout + done.stderr)
     return out
+
+
+def test_export_on_a_machine_without_a_gpu_prints_no_accelerator_warning(exported):
+    """DeepSpeed guesses the CPU and warns about it unless told (issue 42: no such line off the happy path)."""
+    output = (exported.parent / "export.log").read_text()
+    assert str(exported) in output and "Setting accelerator to CPU" not in output
 
 
 def test_export_reproduces_the_engines_validation_loss(tiny_run, exported):

@@ -55,7 +55,8 @@ class TestSchedules:
         overrides = ["schedule.warmup_steps=50", "train.max_steps=10", "train.output_dir=unused-dry-run"]
         recipe = str(Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml")
         assert cli.main(["train", recipe, "--nproc", "1", "--dry-run", *overrides]) == 0
-        assert "ntl-pretrain: note: schedule.warmup_steps=50 is longer than train.max_steps=10" in capsys.readouterr().err
+        said = capsys.readouterr().err
+        assert "ntl-pretrain: note: schedule.warmup_steps=50 is longer than train.max_steps=10" in said
 
     def test_warmup_stable_decay(self):
         schedule = ScheduleConfig(kind="wsd", warmup_steps=10, min_lr_ratio=0.0, decay_fraction=0.2)

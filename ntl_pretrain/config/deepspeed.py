@@ -106,13 +106,13 @@ def _schema_refusal(error, path: Path, section: str = "") -> RecipeError:
 
 def _zero_schema():
     """DeepSpeed's pydantic model of the section."""
-    with _deepspeed_on_this_machine():
+    with deepspeed_on_this_machine():
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     return DeepSpeedZeroConfig
 
 
 @contextlib.contextmanager
-def _deepspeed_on_this_machine():
+def deepspeed_on_this_machine():
     """Importing DeepSpeed picks an accelerator; where DeepSpeed would pick the CPU (no GPU, DS_ACCELERATOR unset)
     it is named, so that DeepSpeed does not print a warning that it guessed."""
     import torch
@@ -145,7 +145,7 @@ def check_with_deepspeed(config: dict, path: Path) -> None:
     """The whole JSON parsed by DeepSpeed's own `DeepSpeedConfig`, as every rank's `deepspeed.initialize` will:
     what it rejects there (a section that is not an object, a bad dtype, an unknown key in a section with a schema)
     is one line here, before any process starts."""
-    with _deepspeed_on_this_machine():
+    with deepspeed_on_this_machine():
         import pydantic
         from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
