@@ -143,10 +143,13 @@ def launch_environment(device: str) -> dict[str, str]:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    check_output("out_dir", Path(args.out_dir), [args.checkpoint_dir], args.overwrite, folder=True)
+    if (Path(args.checkpoint_dir) / "hf_config").is_dir():  # a step folder (else export refuses it, in one line)
+        print(f"ntl-pretrain export: {args.checkpoint_dir} -> {args.out_dir}: loading the libraries, checking the "
+              f"checksums, gathering the weights, writing safetensors", file=sys.stderr, flush=True)  # fmt: skip
     from ntl_pretrain.console import stdout_to_stderr
     from ntl_pretrain.export import export_checkpoint
 
-    check_output("out_dir", Path(args.out_dir), [args.checkpoint_dir], args.overwrite, folder=True)
     with stdout_to_stderr():  # stdout carries the folder only
         folder = export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype)
     print(folder)

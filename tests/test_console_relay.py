@@ -122,3 +122,24 @@ def test_a_rank_takes_sighup_as_a_request_to_save_and_stop():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def test_the_launchers_error_line_for_a_graceful_stop_is_not_copied_and_other_codes_are():
+    """DeepSpeed's launcher logs `[ERROR] ... exits with return code = 75` on every graceful stop (issue 42); the
+    supervisor's stdout relay leaves that line out, and copies the same line for any other code."""
+    from ntl_pretrain.runtime.console_relay import ConsoleRelay
+    from ntl_pretrain.runtime.supervisor import LAUNCHER_NOISE
+
+    launcher = "[2026-11-27 10:00:00,000] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u'] exits with " \
+        "return code = "  # fmt: skip
+    read_end, write_end = os.pipe()  # the console
+    relay = ConsoleRelay(write_end, LAUNCHER_NOISE)
+    with os.fdopen(os.dup(relay.write_fd), "wb") as child:  # the launcher's stdout (start closes the relay's copy)
+        relay.start()
+        child.write(f"step 5\n{launcher}75\nsaved\n{launcher}1\n{launcher}750\n".encode())
+    relay.wait_for_child_output(10)
+    relay.close()
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as console:
+        copied = console.read().decode()
+    assert copied == f"step 5\nsaved\n{launcher}1\n{launcher}750\n"

@@ -3,6 +3,8 @@ model with known answers, float64 references, and 2 gloo ranks against one proce
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import math
 from decimal import Decimal
@@ -189,9 +191,9 @@ def test_generation_metrics_on_scripted_answers(tokenizer, tmp_path) -> None:
     assert model.training  # restored
 
 
-def greedy_one_by_one(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+def greedy_one_by_one(model, tokenizer, prompt: str, max_new_tokens: int, chat_template: str = "none") -> str:
     """Reference decoding: no padding, no cache, argmax over the full forward at each step."""
-    ids = prompt_ids(tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt, chat_template)
     new: list[int] = []
     for _ in range(max_new_tokens):
         with torch.no_grad():
@@ -210,6 +212,51 @@ def test_batched_left_padded_generation_equals_one_by_one_greedy(tokenizer) -> N
     with torch.no_grad():
         batched = generate_batch(model, tokenizer, prompts, cfg, synced=False)
     assert batched == [greedy_one_by_one(model, tokenizer, prompt, 8) for prompt in prompts]
+
+
+CHAT = (
+    "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|bot|>{% endif %}"
+)
+
+
+@pytest.fixture
+def chat_tokenizer(tokenizer):
+    """The tiny tokenizer with a chat template, as an Instruct model's has (a copy: the module's stays plain)."""
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT
+    return chat
+
+
+def test_auto_chat_template_sends_the_prompt_as_a_user_turn_and_none_as_text_after_eos(tokenizer, chat_tokenizer):
+    turn = chat_tokenizer("<|user|>12+7=<|end|><|bot|>", add_special_tokens=False)["input_ids"]
+    assert prompt_ids(chat_tokenizer, "12+7=", "auto") == turn
+    text = [tokenizer.eos_token_id, *tokenizer("12+7=", add_special_tokens=False)["input_ids"]]
+    assert prompt_ids(chat_tokenizer, "12+7=", "none") == text
+    assert prompt_ids(tokenizer, "12+7=", "auto") == text  # no template: the text, as pretraining showed it
+
+
+def test_generation_with_the_chat_template_equals_one_by_one_greedy_on_its_turns(chat_tokenizer) -> None:
+    model = tiny_model(chat_tokenizer)
+    prompts = ["What is 2 + 3?", "Hi", "Calculate 23440 divided by 80."]
+    cfg = EvalConfig(max_new_tokens=6, chat_template="auto")
+    with torch.no_grad():
+        batched = generate_batch(model, chat_tokenizer, prompts, cfg, synced=False)
+        plain = generate_batch(model, chat_tokenizer, prompts, EvalConfig(max_new_tokens=6), synced=False)
+    assert batched == [greedy_one_by_one(model, chat_tokenizer, prompt, 6, "auto") for prompt in prompts]
+    assert batched != plain  # the template reached the model
+
+
+def test_eval_takes_the_chat_template_from_the_flag_else_the_run():
+    from ntl_pretrain.evaluation.commands import eval_config_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    run = EvalConfig(chat_template="auto")
+    assert eval_config_from_args(parser.parse_args(["eval", "x"]), run).chat_template == "auto"
+    flagged = parser.parse_args(["eval", "x", "--chat-template", "none"])
+    assert eval_config_from_args(flagged, run).chat_template == "none"
+    assert eval_config_from_args(parser.parse_args(["eval", "x"])).chat_template == "none"
 
 
 # ---- validation loss ----------------------------------------------------------------------------------------

@@ -143,6 +143,7 @@ def test_sigterm_saves_stops_with_code_75_and_the_same_command_continues(uninter
     last_line = f"ntl-pretrain: stopped at step {stopped_at} of {STEPS} with a checkpoint; run the same command to " \
         f"continue (exit code {EXIT_STOPPED})"  # fmt: skip
     assert log.read_text().splitlines()[-1] == last_line  # after the launcher's own lines
+    assert "[ERROR]" not in log.read_text()  # the launcher's line for a rank's code 75 is left out (issue 42)
 
     run_to_end(argv, log)
     assert_same_losses(output_dir, uninterrupted, range(stopped_at + 1, STEPS + 1))

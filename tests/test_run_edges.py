@@ -123,3 +123,23 @@ def test_a_failed_write_on_an_almost_full_disk_is_called_a_full_disk(tmp_path, m
     assert said.startswith(f"the disk is full ({tmp_path}, 1,048,576 bytes free; RuntimeError: ") and "pos 128" in said
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=10 << 30))
     assert checkpoint._describe_write_error(error, tmp_path).startswith("RuntimeError: [enforce fail")
+
+
+def test_a_failed_write_names_a_file_size_limit_a_permission_or_a_read_only_disk(tmp_path, monkeypatch):
+    """`ulimit -f` makes torch's zip writer say "unexpected pos 2034624 vs 2034516" (measured: a tiny run's first
+    save under `ulimit -f 2000`); the save's message must say it is the file-size limit, and name the errno causes."""
+    import errno
+    import resource
+
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2034624 vs 2034516")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (2000 * 1024, resource.RLIM_INFINITY))
+    said = checkpoint._describe_write_error(short_write, tmp_path)
+    assert said.startswith(f"a file reached the file-size limit: 2,048,000 bytes (ulimit -f) ({tmp_path}; Runtime")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert checkpoint._describe_write_error(short_write, tmp_path).startswith("RuntimeError: [enforce fail")
+    too_large = OSError(errno.EFBIG, "File too large")
+    assert checkpoint._describe_write_error(too_large, tmp_path).startswith("a file reached the file-size limit (")
+    denied = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "step_2.tmp"))
+    assert checkpoint._describe_write_error(denied, tmp_path).startswith(f"permission denied ({tmp_path}; Permission")
+    read_only = OSError(errno.EROFS, "Read-only file system")
+    assert checkpoint._describe_write_error(read_only, tmp_path).startswith("the filesystem is read-only (")

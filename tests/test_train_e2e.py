@@ -99,7 +99,7 @@ def exported(tiny_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "hf"
     command = [sys.executable, "-m", "ntl_pretrain.cli", "export", str(tiny_run / "checkpoints" / "step_50"), str(out)]
     done = subprocess.run(command, check=True, cwd=REPO, env=as_a_user_runs_it(), capture_output=True, text=True)
-    (out.parent / "export.log").write_text(done.stdout + done.stderr)
+    (out.parent / "export.log").write_text(done.stderr + done.stdout)  # its console's lines, then the folder
     return out
 
 
@@ -107,6 +107,7 @@ def test_export_on_a_machine_without_a_gpu_prints_no_accelerator_warning(exporte
     """DeepSpeed guesses the CPU and warns about it unless told (issue 42: no such line off the happy path)."""
     output = (exported.parent / "export.log").read_text()
     assert str(exported) in output and "Setting accelerator to CPU" not in output
+    assert output.startswith("ntl-pretrain export: ") and f"-> {exported}: loading the libraries" in output
 
 
 def test_export_reproduces_the_engines_validation_loss(tiny_run, exported):

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import re
+import resource
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -45,6 +46,8 @@ HF_CONFIG = "hf_config"
 CLIENT_STATE_KEY = "ntl_pretrain"
 TOKENIZER = "tokenizer"
 RANK_STATE = "rank_state"
+WRITE_ERRNO_CAUSES = {errno.EDQUOT: "the disk quota is exceeded", errno.EACCES: "permission denied",
+                      errno.EPERM: "permission denied", errno.EROFS: "the filesystem is read-only"}  # fmt: skip
 LOW_SPACE_BYTES = 64 << 20  # a checkpoint write that fails with less free than this is blamed on the full disk
 logger = logging.getLogger(__name__)
 
@@ -234,17 +237,25 @@ def _attempt(write: Callable[[], object], folder: Path) -> str | None:
 
 
 def _describe_write_error(error: Exception, folder: Path) -> str:
-    """The error, called a full disk when it is one: ENOSPC, or any failed write with less than `LOW_SPACE_BYTES`
-    left (torch's zip writer then says only "unexpected pos 128 vs 0")."""
-    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    """The error, with its cause named where it is one a user can fix: a full disk (ENOSPC, or any failed write with
+    less than `LOW_SPACE_BYTES` left: torch's zip writer then says only "unexpected pos 128 vs 0"), a file-size limit
+    (EFBIG, or that short write under `ulimit -f`), a quota, a permission or a read-only filesystem."""
+    raw = f"{type(error).__name__}: {error}"
+    code = error.errno if isinstance(error, OSError) else None
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         free = None
-    if full or "No space left on device" in str(error) or (free is not None and free < LOW_SPACE_BYTES):
+    if code == errno.ENOSPC or "No space left on device" in str(error) or (free is not None and free < LOW_SPACE_BYTES):
         left = "" if free is None else f", {free:,} bytes free"
-        return f"the disk is full ({folder}{left}; {type(error).__name__}: {error})"
-    return f"{type(error).__name__}: {error}"
+        return f"the disk is full ({folder}{left}; {raw})"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if code == errno.EFBIG or (limit != resource.RLIM_INFINITY and "unexpected pos" in str(error)):
+        shown = "" if limit == resource.RLIM_INFINITY else f": {limit:,} bytes (ulimit -f)"
+        return f"a file reached the file-size limit{shown} ({folder}; {raw})"
+    if code in WRITE_ERRNO_CAUSES:
+        return f"{WRITE_ERRNO_CAUSES[code]} ({folder}; {raw})"
+    return raw
 
 
 def _write_manifest(temp: Path, failure: str | None, entries: dict) -> str | None:

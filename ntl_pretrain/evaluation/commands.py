@@ -141,6 +141,9 @@ def register(subparsers: argparse._SubParsersAction, summary: str | None = None)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="prompts per generate call")
     parser.add_argument("--prompt-template", default=None,
                         help=f"default: the run's eval.prompt_template, else {defaults.prompt_template!r}")  # fmt: skip
+    parser.add_argument("--chat-template", choices=["auto", "none"], default=None,
+                        help="auto: prompts as user messages in the tokenizer's chat template (Instruct models); "
+                        "default: the run's eval.chat_template, else none")  # fmt: skip
     parser.add_argument("--validation", action="append", default=None, metavar="PATH",
                         help="held-out source (repeatable); default: the run's data.validation")  # fmt: skip
     parser.add_argument(
@@ -172,6 +175,7 @@ def eval_config_from_args(args: argparse.Namespace, from_run: EvalConfig | None 
         max_new_tokens=args.max_new_tokens or task.max_new_tokens,
         batch_size=args.batch_size,
         prompt_template=args.prompt_template or task.prompt_template,
+        chat_template=args.chat_template or task.chat_template,
         max_validation_batches=args.max_validation_batches,
     )
     if args.qa:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ntl_pretrain.data.config import SourceConfig
 from ntl_pretrain.package_files import resolve_path
@@ -58,6 +59,11 @@ class EvalConfig:
     prompt_template: str = "{question}"
     """Prompt built from a record; must be the training template's text before the answer (the model writes the
     separating space itself, as it learned to)."""
+    chat_template: Literal["none", "auto"] = "none"
+    """`auto`: each prompt goes to the model as a user message in its tokenizer's chat template, where the tokenizer
+    has one (an Instruct or chat model: raw text, it answers with its end-of-turn token at once); `none`: the prompt
+    as text after an EOS, as pretraining showed it. Not `auto` by default: base models' tokenizers often carry a chat
+    template too (Llama 3, Qwen 2.5, SmolLM2), and a base model answers the raw prompt."""
     max_examples: int | None = 256
     """First N records of each set (in file order, so every evaluation sees the same ones); null = all."""
     max_new_tokens: int = 16

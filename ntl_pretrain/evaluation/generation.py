@@ -128,9 +128,13 @@ def summarise(sums: torch.Tensor, total_variance: float) -> dict[str, float]:
     }
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: str = "none") -> list[int]:
     """EOS first: in packed training every document follows the previous one's EOS, so that is the context the
-    model learned to start a question in."""
+    model learned to start a question in. With `chat_template: auto` and a tokenizer that has one, the prompt is
+    a user message and the model's turn is opened (`EvalConfig.chat_template`)."""
+    if chat_template == "auto" and tokenizer.chat_template:
+        message = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(message, add_generation_prompt=True, return_dict=False))
     return [tokenizer.eos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
 
 
@@ -138,7 +142,7 @@ def generate_batch(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], cfg: EvalConfig, synced: bool
 ) -> list[str]:
     """Greedy continuations (text up to EOS) of left-padded prompts."""
-    encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    encoded = [prompt_ids(tokenizer, prompt, cfg.chat_template) for prompt in prompts]
     width = max(len(ids) for ids in encoded)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids_BP = torch.full((len(encoded), width), pad_id, dtype=torch.long)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import threading
 import time
 
@@ -28,8 +29,11 @@ CONSOLE_TTY_ENV = "NTL_PRETRAIN_CONSOLE_TTY"
 class ConsoleRelay:
     """One pipe's worth: `write_fd` goes to the child as its stdout or stderr; `destination_fd` is ours."""
 
-    def __init__(self, destination_fd: int):
+    def __init__(self, destination_fd: int, noise: re.Pattern[bytes] | None = None):
+        """`noise`: whole lines (with their newline) not to copy, matched within each chunk read; a line split
+        between two reads is copied as it is (the filter never holds output back)."""
         self.destination_fd = destination_fd
+        self.noise = noise
         self._read_fd, self.write_fd = os.pipe()
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -49,7 +53,10 @@ class ConsoleRelay:
 
     def _read(self) -> None:
         while chunk := os.read(self._read_fd, READ_BYTES):
-            self._enqueue(chunk)
+            if self.noise is not None:
+                chunk = self.noise.sub(b"", chunk)
+            if chunk:
+                self._enqueue(chunk)
         os.close(self._read_fd)
 
     def _enqueue(self, data: bytes) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,10 @@ from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV, ConsoleRelay, co
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS
 
 RANK_MODULE = "ntl_pretrain.train"
+# DeepSpeed's launcher logs (on stdout) `[ERROR] [launch.py:N:sigkill_handler] [cmd] exits with return code = 75`
+# when a run stops as asked: an error line on the graceful path, which `stop_line` says properly. Other codes pass.
+LAUNCHER_NOISE = re.compile(rb"(?m)^[^\n]*\[ERROR\] \[launch\.py:\d+:sigkill_handler\] [^\n]* exits with return code = "
+                            + str(EXIT_STOPPED).encode() + rb"\r?\n")  # fmt: skip
 # Past the ranks' own grace (train.stop_grace_seconds), they exit by themselves; this margin only catches a frozen
 # rank, and is shorter than the 30 s after which DeepSpeed's launch.py kills the ranks left beside one that exited,
 # so that the supervisor still finds the frozen rank to name it.
@@ -82,7 +87,7 @@ def supervise(
     handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
     os.close(handle)
     outcome_file = Path(name)
-    relays = ConsoleRelay(_descriptor(sys.stdout, 1)), ConsoleRelay(_descriptor(sys.stderr, 2))
+    relays = ConsoleRelay(_descriptor(sys.stdout, 1), LAUNCHER_NOISE), ConsoleRelay(_descriptor(sys.stderr, 2))
     terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(relays[1].destination_fd) else {}
     try:
         env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
