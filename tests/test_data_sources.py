@@ -131,7 +131,8 @@ def test_shards_are_disjoint_and_complete(tmp_path, num_shards, fmt):
     assert sorted(seen) == sorted(texts)
     assert len(set(seen)) == len(seen)
     records = [len(documents) + skipped.total() for documents, skipped in results]
-    assert max(records) - min(records) <= 1
+    # jsonl: record k to reader k mod n; parquet (fewer files than readers): row group k (7 records) to reader k mod n
+    assert max(records) - min(records) <= (1 if fmt == "jsonl" else 7)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -149,7 +150,8 @@ def test_cursor_resumes_exactly_twice_across_epochs(tmp_path, fmt):
 
     reference = stream()
     expected = [reference.next_document() for _ in range(20)]
-    assert expected[:5] == texts[1::2] and expected[5:10] == texts[1::2]  # epochs cycle
+    mine = texts[1::2] if fmt == "jsonl" else texts[4:8]  # every other record; row group 1 of 3 (pieces.py)
+    assert expected[: len(mine)] == mine and expected[len(mine) : 2 * len(mine)] == mine  # epochs cycle
     resumed, got = stream(), []
     for stop in (3, 8, 20):  # checkpoint, restart in a fresh object, twice (mid-epoch and across epochs)
         got += [resumed.next_document() for _ in range(stop - len(got))]
@@ -157,7 +159,7 @@ def test_cursor_resumes_exactly_twice_across_epochs(tmp_path, fmt):
         resumed = stream()
         resumed.load_state_dict(state)
     assert got == expected
-    assert resumed.state_dict()["epoch"] == 3
+    assert resumed.state_dict()["epoch"] == 20 // len(mine) - 1
 
 
 def test_too_few_records_for_the_readers_is_an_error(tmp_path):

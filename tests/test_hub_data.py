@@ -131,13 +131,16 @@ def test_one_listing_and_whole_files_per_reader(tmp_path, monkeypatch) -> None:
                                    for j in range(RECORDS_PER_FILE))  # fmt: skip
 
 
-def test_fewer_files_than_readers_falls_back_to_every_nth_record(tmp_path) -> None:
+def test_fewer_files_than_readers_read_row_groups_dealt_in_turn(tmp_path) -> None:
+    """2 files of 3 row groups (5, 5 and 2 records) at 3 readers: row group k of the 6 goes to reader k mod 3
+    (tests/test_data_pieces.py counts the bytes)."""
     source = write_hub_folder(tmp_path / "hub", files=2)
     listing = list_once([source])[listing_key(source)]
     shares = [documents(SourceStream(source, k, 3, cycle=False, skipped=Counter(), listing=listing)) for k in range(3)]
-    assert sorted(sum(shares, [])) == sorted(f"file {i} record {j} costs {i * 100 + j} yen" for i in range(2)
-                                             for j in range(RECORDS_PER_FILE))  # fmt: skip
-    assert all({file_of(text) for text in share} == {0, 1} for share in shares)  # every reader reads both files
+    groups = [[(i, j) for j in range(g * 5, min(g * 5 + 5, RECORDS_PER_FILE))] for i in range(2) for g in range(3)]
+    for reader, share in enumerate(shares):
+        mine = [record for group in groups[reader::3] for record in group]
+        assert share == [f"file {i} record {j} costs {i * 100 + j} yen" for i, j in mine]
 
 
 def test_resume_is_exact_and_refused_when_the_files_changed(tmp_path) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, TYPE_CHECKING
 
+from ntl_pretrain.data import pieces
 from ntl_pretrain.data.errors import DataError, reading_errors
 from ntl_pretrain.data.files import COMPRESSION_SUFFIXES, is_remote, resolve_files, source_format
 from ntl_pretrain.data.hub import HubListing, list_source
@@ -58,6 +59,14 @@ class Cursor:
     """Hub sources: the digest of the file list the stream reads (`hub.HubListing.digest`)."""
     listed_at: str | None = None
     """Hub sources: the commit the list was made at."""
+    by_pieces: bool = True
+    """A source with fewer files than readers (or one remote line file) is read by pieces (`pieces.py`) when it
+    has at least one per reader. False for a stream saved before there was this choice: it resumes as it was."""
+    cut: str | None = None
+    """The digest of the cut this reader reads by pieces (`pieces.digest`); None when it reads by records."""
+    piece: int = 0
+    """Reading by pieces: the index, among this reader's pieces, of the one being read; `offset` is then the byte
+    offset of the next line (line files) or the rows already read of it (parquet)."""
 
 
 class QAText(str):
@@ -235,13 +244,15 @@ class SourceStream:
         self.listing = listing
         self.cursor = self._fresh_cursor(epoch=0)
         self._documents: Iterator[str] | None = None
+        self._cut: Cut | None | bool = False  # False: not worked out yet (it reads footers or sizes)
 
     def state_dict(self) -> dict:
         return asdict(self.cursor)
 
     def load_state_dict(self, state: dict) -> None:
-        self.cursor = Cursor(**{"whole_files": False, **state})  # saved before `whole_files`: HF's own sharding
-        self._documents = None
+        # Saved before `whole_files`: HF's own sharding; before `by_pieces`: every n-th record below a file per reader.
+        self.cursor = Cursor(**{"whole_files": False, "by_pieces": False, **state})
+        self._documents, self._cut = None, False
         if self.cursor.listing is not None and self.cursor.listing != self._hub_listing().digest:
             pin = f"set hub_revision: {self.cursor.listed_at}" if self.cursor.listed_at else "restore its files"
             raise DataError(
@@ -251,11 +262,12 @@ class SourceStream:
             )
 
     def _fresh_cursor(self, epoch: int) -> Cursor:
-        whole_files = self.cursor.whole_files if epoch else True
+        kept = {"whole_files": self.cursor.whole_files, "by_pieces": self.cursor.by_pieces,
+                "cut": self.cursor.cut} if epoch else {}  # fmt: skip
         if self.format != "hub":
-            return Cursor(epoch=epoch, whole_files=whole_files)
-        return Cursor(epoch=epoch, whole_files=whole_files, listing=self._hub_listing().digest,
-                      listed_at=self._hub_listing().revision)  # fmt: skip
+            return Cursor(epoch=epoch, **kept)
+        return Cursor(epoch=epoch, listing=self._hub_listing().digest, listed_at=self._hub_listing().revision,
+                      **kept)  # fmt: skip
 
     def _hub_listing(self) -> HubListing:
         if self.listing is None:
@@ -287,7 +299,13 @@ class SourceStream:
         self._documents = None
 
     def _read_epoch(self) -> Iterator[str]:
-        if self._is_hf():
+        cut = self._pieces_cut()
+        if cut is not None:
+            line_format = "txt" if self.format == "txt" else "jsonl"
+            units = self._piece_units(cut)
+            parse = (lambda record: render(record, self.source)) if cut.kind == "parquet" else (
+                lambda raw: parse_unit(raw, line_format, self.source))  # fmt: skip
+        elif self._is_hf():
             units, parse = self._hf_records(), lambda record: render(record, self.source)
         else:
             line_format = "txt" if self.format == "txt" else "jsonl"
@@ -300,6 +318,77 @@ class SourceStream:
                 continue
             self.cursor.documents_this_epoch += 1
             yield document
+
+    def _pieces_cut(self) -> Cut | None:
+        """The cut this reader reads by pieces, or None to read by records (or whole files); worked out once."""
+        if self._cut is False:
+            self._cut = self._make_cut() if self.cursor.by_pieces else None
+        if self._cut is not None:
+            if self.cursor.cut is None:
+                self.cursor.cut = self._cut.digest
+            elif self.cursor.cut != self._cut.digest:
+                raise DataError(
+                    f"source {self.source.label!r} ({self.source.path}): its files changed since the checkpoint "
+                    f"(sizes or row groups: the cut into pieces differs); restore them to resume exactly"
+                )
+        return self._cut
+
+    def _make_cut(self) -> Cut | None:
+        """A cut when the source needs one (fewer files than readers, or a remote line file) and it gives every
+        reader at least one piece; else None (every n-th record: each reader reads the whole stream)."""
+        found = self._files_to_cut()
+        if found is None:
+            return None
+        kind, files = found
+        with reading_errors(self.source, self.source.path):
+            if kind == "parquet":
+                cut, footers = pieces.parquet_pieces(files)
+            else:
+                cut, footers = pieces.line_pieces([pieces.file_size(file) for file in files], self.num_shards), []
+        if len(cut) < self.num_shards:
+            return None
+        return Cut(kind, files, cut, pieces.digest(files, cut, self.num_shards), footers)
+
+    def _files_to_cut(self) -> tuple[str, list[str]] | None:
+        """("parquet" | "lines", the files) for a source that would otherwise read all of itself in every reader."""
+        if self.format == "hub":
+            listing = self._hub_listing()
+            files = list(listing.files)
+            if len(files) >= self.num_shards or set(listing.config_kwargs) - {"columns"}:
+                return None
+            if listing.builder == "parquet":
+                return "parquet", files
+            jsonl = all(file.lower().endswith(".jsonl") for file in files) and not listing.config_kwargs
+            return ("lines", files) if listing.builder == "json" and jsonl else None
+        if self.format == "parquet" and len(self.files) < self.num_shards:
+            return "parquet", self.files
+        line_file = self.format == "jsonl" or (self.format == "txt" and self.source.sample_by == "line")
+        if line_file and is_remote(self.files[0]) and pieces.splittable_lines(self.files):
+            return "lines", self.files
+        return None
+
+    def _piece_units(self, cut: Cut) -> Iterator[bytes | dict]:
+        """This reader's pieces (every num_shards-th of the cut), from the cursor: rows (parquet) or lines."""
+        cursor, mine = self.cursor, cut.pieces[self.shard :: self.num_shards]
+        columns = self._hub_listing().config_kwargs.get("columns") if self.format == "hub" else None
+        while cursor.piece < len(mine):
+            piece = mine[cursor.piece]
+            path = cut.files[piece.file]
+            with reading_errors(self.source, path), pieces.open_file(path) as stream:
+                if cut.kind == "parquet":
+                    for row in pieces.parquet_rows(stream, cut.footers[piece.file], piece, cursor.offset, columns):
+                        cursor.offset += 1
+                        cursor.unit_index += 1
+                        yield row
+                else:
+                    for line, end in pieces.piece_lines(stream, piece, cursor.offset or piece.start):
+                        first = end == len(line)  # the file's first line: it may start with a byte-order mark
+                        cursor.offset = end
+                        if line.strip():
+                            cursor.unit_index += 1
+                            yield line.removeprefix(UTF8_BOM) if first else line
+            cursor.piece += 1
+            cursor.offset = 0
 
     def _is_hf(self) -> bool:
         return self.format in HF_FORMATS or (self.format == "json" and _is_json_array(self.files[0]))
@@ -354,6 +443,19 @@ class SourceStream:
             return self._hub_listing().open()
         builder = {"parquet": "parquet", "arrow": "arrow", "json": "json"}[self.format]
         return load_dataset(builder, data_files=self.files, split="train", streaming=True)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A source cut into pieces (`pieces.py`): how they are read, the files they index, the pieces in order."""
+
+    kind: str
+    """"parquet" (row groups) or "lines" (byte ranges of line files)."""
+    files: list[str]
+    pieces: list[pieces.Piece]
+    digest: str
+    footers: list
+    """Parquet: each file's `FileMetaData`, read when the cut was made."""
 
 
 def _is_json_array(path: str) -> bool:
