@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from test_data_loader import through_checkpoint
 from test_hub_data import documents
 
@@ -169,3 +170,24 @@ def test_too_few_pieces_for_the_readers_falls_back_to_every_nth_record(tmp_path)
     shares = [documents(SourceStream(source, k, 5, cycle=False, skipped=Counter(), listing=listing)) for k in range(5)]
     assert sorted(sum(shares, [])) == sorted(texts)
     assert all({text.split()[1] for text in share} == {"0", "1"} for share in shares)  # every reader reads both
+
+
+def test_a_run_reading_pieces_resumes_on_another_number_of_ranks_with_the_same_batches(tmp_path, monkeypatch):
+    """4 ranks read 2 local parquet files by row groups; saved after 2 optimizer steps and resumed on 3 ranks (and
+    on 1), every later step holds the uninterrupted run's rows: the pieces are the streams', not the ranks'."""
+    from test_resume_world_size import data_config, global_steps, loaders, resumed
+
+    folder = tmp_path / "corpus"
+    write_parquet_hub(folder, records=1_500)  # 2 files x 3 row groups: 6 pieces for 4 readers
+    cfg = data_config()
+    cfg.sources = [SourceConfig(path=str(folder / "data"))]
+    cuts, cut = [], pieces.parquet_pieces
+    monkeypatch.setattr(pieces, "parquet_pieces", lambda files: cuts.append(files) or cut(files))
+    reference = global_steps(loaders(cfg, 4, 1), 5)
+    saving = loaders(cfg, 4, 1)
+    global_steps(saving, 2)
+    states = [loader.state_dict() for loader in saving]
+    assert cuts  # the streams read by pieces
+    for world, micro_batch_size in ((3, 2), (1, 4)):
+        for step, rows in enumerate(global_steps(resumed(cfg, states, world, micro_batch_size), 3), start=2):
+            assert torch.equal(rows, reference[step]), (world, step)
