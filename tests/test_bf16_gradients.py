@@ -14,6 +14,7 @@ from helpers.launches import REPO, TINY
 
 from ntl_pretrain.config.deepspeed import build_deepspeed_config
 from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
 
 MICRO_BATCHES = 16
 # 2 ranks x 1 row x 16 micro-batches = 32 sequences: 16 micro-batches per step, as the 8B recipe on 8 GPUs.
@@ -26,6 +27,23 @@ def test_bf16_runs_accumulate_and_reduce_gradients_in_fp32():
     assert config["communication_data_type"] == "fp32"
     fp32 = build_deepspeed_config(load_recipe(TINY, ["train.precision=fp32"]), 2)
     assert "data_types" not in fp32 and "communication_data_type" not in fp32
+
+
+def test_the_recipe_chooses_the_reduction_dtype_and_a_disagreeing_json_is_refused(tmp_path):
+    config = build_deepspeed_config(load_recipe(TINY, [*BF16_OVERRIDES, "train.reduce_dtype=bf16"]), 2)
+    assert config["communication_data_type"] == "bf16" and config["data_types"] == {"grad_accum_dtype": "fp32"}
+    chosen = json.loads((REPO / "configs" / "zero3.json").read_text())
+    chosen["communication_data_type"] = "fp32"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(chosen))
+    with pytest.raises(
+        RecipeError, match=r"train.reduce_dtype: bf16, but .*ds.json sets communication_data_type: fp32"
+    ):
+        build_deepspeed_config(
+            load_recipe(TINY, [*BF16_OVERRIDES, "train.reduce_dtype=bf16", f"deepspeed.config={path}"]), 2
+        )
+    with pytest.raises(RecipeError, match=r"train.reduce_dtype: only for precision bf16"):
+        load_recipe(TINY, ["train.precision=fp32", "train.reduce_dtype=bf16"])
 
 
 def test_a_deepspeed_json_may_choose_bf16_reduction(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Literal
@@ -53,6 +54,30 @@ def test_overrides_parse_as_yaml_and_apply_last(tmp_path):
     assert recipe.loss.ntl.weight == 0.5 and recipe.loss.ntl.kind is None
     assert recipe.optimizer.lr == pytest.approx(1e-4)  # YAML reads 1e-4 as a string; the float field takes it
     assert recipe.model.config["hidden_size"] == 32 and recipe.model.config["num_hidden_layers"] == 2
+
+
+GPU_RECIPES = [path for path in ALL_RECIPES if "device: cuda" in path.read_text()]
+RANKS = re.compile(r"^# Ranks: 1 to ([\d,]+) GPUs as written", re.M)
+AT_GPUS = re.compile(r"at (\d+) GPUs(?: add)?\s+(train\.micro_batch_size=\d+)")
+
+
+@pytest.mark.parametrize("recipe_path", GPU_RECIPES, ids=lambda p: p.name)
+def test_gpu_recipes_scale_to_the_ranks_their_header_names(recipe_path):
+    """Each GPU recipe's header says up to how many GPUs its own batch arithmetic goes, and what to override beyond
+    (issue 41: 64 ranks); both hold: every power of two up to it is accepted, twice it is refused, the overrides
+    make the named world sizes fit."""
+    header = "".join(line for line in recipe_path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    found = RANKS.search(header)
+    assert found, f"{recipe_path.name}: no '# Ranks: 1 to N GPUs as written' line"
+    largest = int(found[1].replace(",", ""))
+    recipe = load_recipe(recipe_path)
+    for world in (2**k for k in range(largest.bit_length())):
+        assert grad_accum_steps(recipe, world) == recipe.train.global_batch_tokens // recipe.data.seq_len // (
+            recipe.train.micro_batch_size * world)  # fmt: skip
+    with pytest.raises(RecipeError, match="not a multiple of train.micro_batch_size"):
+        grad_accum_steps(recipe, 2 * largest)
+    for world, override in AT_GPUS.findall(header.replace("\n# ", " ")):
+        assert grad_accum_steps(load_recipe(recipe_path, [override]), int(world)) >= 1, (world, override)
 
 
 @pytest.mark.parametrize(

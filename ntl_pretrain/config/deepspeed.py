@@ -184,6 +184,7 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
         bf16={"enabled": recipe.train.precision == "bf16"},
     )
     if recipe.train.precision == "bf16":
+        choose_reduce_dtype(config, recipe.train.reduce_dtype, path)
         set_bf16_gradient_dtypes(config)
     config.pop("fp16", None)
     config.pop("optimizer", None)
@@ -191,6 +192,17 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     config.setdefault("steps_per_print", 2**31 - 1)
     check_with_deepspeed(config, path)
     return config
+
+
+def choose_reduce_dtype(config: dict, reduce_dtype: str | None, path: Path) -> None:
+    """`train.reduce_dtype` into the DeepSpeed config, where the JSON did not choose otherwise."""
+    if reduce_dtype is None:
+        return
+    chosen = config.get("communication_data_type")
+    if chosen is not None and chosen != reduce_dtype:
+        raise RecipeError(f"train.reduce_dtype: {reduce_dtype}, but {path} sets communication_data_type: {chosen}; "
+                          f"choose in one place")  # fmt: skip
+    config["communication_data_type"] = reduce_dtype
 
 
 def set_bf16_gradient_dtypes(config: dict) -> None:
