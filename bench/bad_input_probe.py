@@ -109,6 +109,7 @@ BAD_RECIPE_VALUES: dict[str, list] = {
     "train.global_batch_tokens": [-1, 100],
     "train.device": ["tpu", 1],
     "train.precision": ["fp16", "bf17"],
+    "train.reduce_dtype": ["fp16", 16, "fp8"],
     "train.resume": [5, "/no/such/checkpoint"],
     "train.overwrite": ["yes"],
     "train.stop_grace_seconds": [-1, "x"],
@@ -123,6 +124,7 @@ BAD_RECIPE_VALUES: dict[str, list] = {
     "logging.console_every_steps": [-1, "x"],  # 0 is valid: the first and last step only
     "logging.wandb": ["yes"],
     "logging.peak_flops_per_device": [-1, "x"],
+    "eval.chat_template": ["yes", "chatml", 1],
     "deepspeed.config": ["/no/such.json", 5, "", "{ws}/inputs/empty", "{ws}/inputs/text.txt", "{ws}/inputs/list.json"],
     "init_from": ["/no/such/model", 5, "{ws}/inputs/empty", "{ws}/inputs/config-only"],
     "data.seq_len": [0, -1, "x", 10**9],
@@ -215,6 +217,7 @@ BAD_OVERRIDES: list[tuple[str, str]] = [  # (override, what the refusal must nam
     ("data.sources=[{", "data.sources"),
     ("data.sources={}", "data.sources"),
     ("optimizer.betas.0=1.5", "optimizer.betas"),
+    ("train.precision=fp32 train.reduce_dtype=bf16", "reduce_dtype"),
     ("optimizer.betas.5=0.1", "optimizer.betas.5"),
     ("optimizer.betas=[0.9]", "optimizer.betas"),
     ("loss.ntl=5", "loss.ntl"),
@@ -260,6 +263,7 @@ BAD_TRAIN_OPTIONS: list[tuple[list[str], str]] = [  # (train's options, what the
 OTHER_COMMANDS: list[tuple[str, list[str], str]] = [  # (name, argv, what the refusal must name)
     # eval
     ("eval-missing", ["eval", "{ws}/nope"], "nope"),
+    ("eval-chat-template-word", ["eval", "{ws}/hf", "--chat-template", "chatml"], "--chat-template"),
     ("eval-a-file", ["eval", "{ws}/inputs/text.txt"], "text.txt"),
     ("eval-empty-folder", ["eval", "{ws}/inputs/empty"], "empty"),
     ("eval-config-only", ["eval", "{ws}/inputs/config-only"], "config-only"),

@@ -69,19 +69,31 @@ def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
     return ["--include", "localhost:" + ",".join(devices[:nproc])]
 
 
-def run_train(args: argparse.Namespace) -> int:
-    if args.nproc is not None and args.nproc < 1:
-        raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
-    load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
+def checked_recipe(args: argparse.Namespace) -> Recipe:
+    """The recipe after every check a launch makes before any process starts (seconds: imports torch)."""
     from ntl_pretrain import preflight
     from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.heads.architectures import check_recipe_architecture
-    from ntl_pretrain.schedule import warmup_note
 
     args.nproc = args.nproc or default_nproc()
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
     preflight.check_world(recipe, args.master_port)
     check_recipe_architecture(recipe)
+    return recipe
+
+
+def run_train(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc < 1:
+        raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
+    load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
+    from ntl_pretrain.console import transient_line
+
+    with transient_line(f"checking {args.recipe} before launch: libraries, model config, tokenizer, data files, "
+                        f"DeepSpeed config ..."):  # fmt: skip
+        recipe = checked_recipe(args)
+    from ntl_pretrain import preflight
+    from ntl_pretrain.schedule import warmup_note
+
     if note := warmup_note(recipe.schedule, recipe.train.max_steps):
         print(f"ntl-pretrain: note: {note}", file=sys.stderr, flush=True)
     done = preflight.finished_step(recipe)

@@ -113,6 +113,27 @@ def last_failure_line(output_dir: Path, since: float) -> str | None:
     return min(logs, key=lambda log: log.stat().st_mtime).read_text().splitlines()[0]
 
 
+ERASE_LINE = "\r\033[K"
+
+
+@contextlib.contextmanager
+def transient_line(text: str, stream: TextIO | None = None) -> Iterator[None]:
+    """On a terminal, `text` shown while the block runs and erased after it (success or refusal), so that seconds
+    of checks are not silence and a refusal still reads as one line. Off a terminal (a pipe, a log file) nothing:
+    what follows there is the record."""
+    stream = stream or sys.stderr
+    shown = stream.isatty()
+    if shown:
+        stream.write(PREFIX + text)
+        stream.flush()
+    try:
+        yield
+    finally:
+        if shown:
+            stream.write(ERASE_LINE)
+            stream.flush()
+
+
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """For commands whose stdout is data (`eval`'s JSON, `export`'s folder): whatever is written to stdout inside goes

@@ -6,8 +6,10 @@ import is not."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -75,3 +77,40 @@ def test_a_checkout_that_is_not_installed_still_answers(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     assert cli.package_version() == "(not installed: run from a checkout)"
     assert cli.build_parser().parse_args(["train", "recipe.yaml"]).command == "train"
+
+
+def on_a_terminal(argv: list[str]) -> tuple[float, str, int]:
+    """`ntl-pretrain ARGV` with stderr on a pseudo-terminal: (seconds to its first byte there, all it wrote, code)."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "ntl_pretrain.cli", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=terminal)  # fmt: skip
+    os.close(terminal)
+    chunks, first = [], None
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not chunk:
+            break
+        first = time.monotonic() - started if first is None else first
+        chunks.append(chunk)
+    os.close(controller)
+    return first, b"".join(chunks).decode(), process.wait(timeout=120)
+
+
+def test_train_shows_what_it_checks_on_a_terminal_at_once_and_a_refusal_stays_one_line(tmp_path):
+    """Seconds of checks (torch, the model config, the data files) are not silence on a terminal (issue 42), and the
+    line is erased, so that a refusal after it reads as one line."""
+    checks = "ntl-pretrain: checking recipes/tiny-cpu.yaml before launch: libraries, model config, tokenizer, data"
+    first, shown, code = on_a_terminal(["train", "recipes/tiny-cpu.yaml", "--dry-run", f"train.output_dir={tmp_path}"])
+    assert code == 0 and shown.startswith(checks) and shown.endswith("\r\x1b[K")
+    assert first < 5.0  # before torch is imported (0.7 s on an idle machine)
+    # 16 sequences per step on 3 ranks: found by the DeepSpeed config's checks, after the line
+    _, shown, code = on_a_terminal(["train", "recipes/tiny-cpu.yaml", "--dry-run", "--nproc", "3"])
+    assert code == 2 and shown.startswith(checks), shown
+    refusal = shown.split("\r\x1b[K", 1)[1]
+    assert refusal.startswith("ntl-pretrain train: ") and "3 ranks" in refusal and refusal.count("\n") == 1, shown
