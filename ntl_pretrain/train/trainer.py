@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import shutil
 import sys
@@ -36,6 +37,7 @@ from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, logged_steps, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
 from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
+from ntl_pretrain.runtime import lifeline
 from ntl_pretrain.runtime.process_group import (
     slow_work_group,
 )
@@ -181,7 +183,7 @@ class Trainer:
                                       train.global_batch_size, self.grad_accum, self.recipe.data.seq_len,
                                       train.precision))  # fmt: skip
         warmup = warmup_note(self.recipe.schedule, train.max_steps)
-        if warmup is not None:
+        if warmup is not None and lifeline.VARIABLE not in os.environ:  # `ntl-pretrain train` said it before launch
             self.console.say(f"note: {warmup}")
         balancing = balancing_line(self.built.module.lm, self.built.module.balancing)
         if balancing is not None:
