@@ -38,6 +38,7 @@ class ConsoleRelay:
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self.dropped_bytes = 0
+        self.received = False  # the child has written something (the supervisor's start-up lines stop then)
         self._console_failed = False
         self._closed = False  # no more output will come: the writer ends once the queue is empty
         self._changed = threading.Condition()
@@ -53,6 +54,7 @@ class ConsoleRelay:
 
     def _read(self) -> None:
         while chunk := os.read(self._read_fd, READ_BYTES):
+            self.received = True
             if self.noise is not None:
                 chunk = self.noise.sub(b"", chunk)
             if chunk:

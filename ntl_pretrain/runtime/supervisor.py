@@ -41,6 +41,7 @@ from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV, ConsoleRelay, co
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS
 
 RANK_MODULE = "ntl_pretrain.train"
+STARTUP_TICK_S = 10.0
 # DeepSpeed's launcher logs (on stdout) `[ERROR] [launch.py:N:sigkill_handler] [cmd] exits with return code = 75`
 # when a run stops as asked: an error line on the graceful path, which `stop_line` says properly. Other codes pass.
 LAUNCHER_NOISE = re.compile(rb"(?m)^[^\n]*\[ERROR\] \[launch\.py:\d+:sigkill_handler\] [^\n]* exits with return code = "
@@ -79,11 +80,14 @@ def supervise(
     env: dict | None = None,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     last_line: Callable[[int], str | None] | None = None,
+    startup_tick_s: float = STARTUP_TICK_S,
 ) -> int:
     """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns 0 when the
     ranks reported that they finished, `EXIT_STOPPED` when they stopped on a signal with a checkpoint, else the
     command's exit code (128 + signal when a signal ended it). `last_line(code)`: a line for stderr after the run's
-    own output (through the same relay, so that it cannot block either)."""
+    own output (through the same relay, so that it cannot block either). Until the run writes its first byte, a
+    line every `startup_tick_s` says it is still starting (the ranks import torch and build the model: 30 s and
+    more, which would otherwise be silence)."""
     handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
     os.close(handle)
     outcome_file = Path(name)
@@ -91,7 +95,7 @@ def supervise(
     terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(relays[1].destination_fd) else {}
     try:
         env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
-        code = _run(command, env, grace_seconds, relays)
+        code = _run(command, env, grace_seconds, relays, startup_tick_s)
         outcome = lifeline.reported_outcome(outcome_file)
         code = {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED}.get(outcome, code)
         line = last_line(code) if last_line is not None else None
@@ -124,8 +128,11 @@ def _close_relays(relays: tuple[ConsoleRelay, ConsoleRelay], line: str | None) -
         relay.close()
 
 
-def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[ConsoleRelay, ConsoleRelay]) -> int:
+def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[ConsoleRelay, ConsoleRelay],
+         startup_tick_s: float) -> int:  # fmt: skip
     stdout, stderr = relays
+    started = time.monotonic()
+    next_tick = started + startup_tick_s
     launcher = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout.write_fd,
                                 stderr=stderr.write_fd)  # fmt: skip
     for relay in relays:
@@ -151,6 +158,10 @@ def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[Cons
                 _signal_session(launcher.pid, signal.SIGKILL)
                 launcher.wait()
                 break
+            if time.monotonic() >= next_tick and not any(relay.received for relay in relays):
+                stderr.say(f"ntl-pretrain: still starting ({time.monotonic() - started:.0f} s): the ranks import torch "
+                           f"and DeepSpeed, then build the model")  # fmt: skip
+                next_tick += startup_tick_s
             time.sleep(0.2)
         deadline = first_signal[0][0] + grace_seconds if first_signal else time.monotonic()
         _end_session(launcher.pid, deadline)
