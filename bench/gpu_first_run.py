@@ -6,7 +6,8 @@ Stages, in order of what a short-lived GPU should give first:
   doctor      `ntl-pretrain doctor` on the one GPU (1 rank), its JSON report
   heads       bench/gpu_heads.py: the loss and the output layer in bf16, ours vs torch CE (and Liger-Kernel)
   train_125m  100 bf16 steps of a SmolLM2-135M-shaped Llama (30x576, vocabulary 49,152) at sequence 2,048:
-              tokens/s, MFU, peak memory, and the step apart from the wait for data
+              tokens/s, MFU, peak memory, the step apart from the wait for data, and steps 50-52 profiled
+              (CPU op time, kernel time, ops and kernel launches per step; the table in logs.tgz)
   plain_step  bench/plain_step.py: the same model and batch in plain torch (no DeepSpeed), and our step over it
   study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
               --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
@@ -49,7 +50,7 @@ MODEL_125M = ["model.config.hidden_size=576", "model.config.intermediate_size=15
 MODEL_TOY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "data.seq_len=64",
              "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=3", "train.device=cpu",
-             "train.precision=fp32"]  # fmt: skip
+             "train.precision=fp32", "logging.profile_steps=[2,1]"]  # fmt: skip
 
 
 class StageFailed(Exception):
@@ -256,7 +257,7 @@ def train_overrides(run: Run, output_dir: Path) -> list[str]:
            "eval.every_steps=null", "checkpoint.every_steps=null", "logging.progress_bar=false", "logging.wandb=false",
            "schedule.warmup_steps=10", *MODEL_125M, "data.seq_len=2048", "data.num_workers=2",
            "train.micro_batch_size=8", "train.global_batch_size=8", "train.max_steps=100", "train.device=cuda",
-           "train.precision=bf16"]  # fmt: skip
+           "train.precision=bf16", "logging.profile_steps=[50,3]"]  # fmt: skip
     return [*gpu, *MODEL_TOY] if run.dry_run else gpu
 
 
@@ -267,7 +268,12 @@ def train_125m(run: Run) -> dict:
     run.command("train_125m", args, min(180.0, run.remaining()))
     metrics = output_dir / "metrics.jsonl"
     (run.out / "train-125m-metrics.jsonl").write_bytes(metrics.read_bytes())
-    return step_figures([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
+    figures = step_figures([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
+    profiled = sorted((output_dir / "profile").glob("steps-*"))  # torch.profiler's table and per-step figures
+    for path in profiled:
+        (run.logs / f"train-125m-profile-{path.name}").write_bytes(path.read_bytes())
+    summaries = [json.loads(path.read_text()) for path in profiled if path.suffix == ".json"]
+    return {**figures, "profile": summaries[0] if summaries else None}
 
 
 def step_figures(records: list[dict]) -> dict:

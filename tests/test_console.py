@@ -5,6 +5,7 @@ deprecation warnings its collectives raise in torch."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
 import shlex
@@ -58,6 +59,17 @@ def test_unattended_console_starts_with_the_runs_shape(unattended):
         "128 tokens per step (32 per sequence); precision fp32",
     ]
     assert "[INFO]" not in console and "FutureWarning" not in console and "[WARNING]" not in console, console
+
+
+@pytest.mark.slow
+def test_the_profiled_steps_are_written_and_said_once(unattended):
+    output_dir, console = unattended
+    summary = json.loads((output_dir / "profile" / "steps-2-3.json").read_text())
+    assert summary["steps"] == [2, 3] and summary["aten_ops_per_step"] > 100 and summary["self_cpu_ms_per_step"] > 0
+    assert "aten::mm" in (output_dir / "profile" / "steps-2-3.txt").read_text()
+    profiled = [line for line in ours(console) if line.startswith("profile of steps")]
+    assert len(profiled) == 1 and profiled[0].endswith(f"{output_dir / 'profile' / 'steps-2-3'}.txt")
+    assert "USDT" not in console  # the profiler's own start/stop lines stay off the console
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert stages["doctor"]["figures"]["bf16 gradient accumulation"].startswith("ok: ")
     assert stages["heads"]["figures"]["head: chunked head CE+NTL-WAS"].endswith("x")
     assert stages["train_125m"]["figures"]["steps"] == 3 and stages["train_125m"]["figures"]["tokens_per_s"] > 0
+    assert stages["train_125m"]["figures"]["profile"]["steps"] == [2, 2]
     plain = stages["plain_step"]["figures"]
     assert plain["step_seconds"] > 0 and plain["ours_over_plain"] > 0
     assert stages["study_probe"]["figures"]["runs_planned"] == 4
@@ -68,6 +69,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     with tarfile.open(out / "logs.tgz") as logs:
         names = logs.getnames()
     assert {f"logs/{stage}.log" for stage in stages} <= set(names)
+    assert "logs/train-125m-profile-steps-2-2.txt" in names
     assert runner().marked_processes(summary["marker"].partition("=")[2]) == []  # the probe's runs were killed
 
 

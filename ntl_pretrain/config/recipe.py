@@ -282,8 +282,15 @@ class LoggingConfig:
     peak_flops_per_device: float | None = None
     """Peak FLOP/s of one device for MFU; null = the device's dense bf16 peak from `metrics.BF16_PEAK_FLOPS` for a
     bf16 run on a GPU it lists, else no MFU (null: CPU, unknown GPUs, fp32)."""
+    profile_steps: list[int] | None = None
+    """[first, count]: torch.profiler over optimizer steps first .. first + count - 1 (after the warm-up: [20, 5]);
+    rank 0 writes <output_dir>/profile/steps-A-B.txt (ops by self time) and .json (per step: CPU op time, device
+    kernel time, ops, kernel launches); null = off."""
 
     def check(self) -> None:
+        if self.profile_steps is not None and (len(self.profile_steps) != 2 or min(self.profile_steps) < 1):
+            raise ValueError(f"profile_steps: [first step, number of steps], both >= 1, or null; got "
+                             f"{self.profile_steps}")  # fmt: skip
         if self.console_every_steps < 0:
             raise ValueError(f"console_every_steps: must be >= 0, got {self.console_every_steps}")
         if self.peak_flops_per_device is not None and self.peak_flops_per_device <= 0:

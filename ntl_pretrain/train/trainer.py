@@ -37,6 +37,7 @@ from ntl_pretrain.loss.number_level import count_numbers
 from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, logged_steps, mfu, peak_memory_mib
 from ntl_pretrain.model import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
 from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
+from ntl_pretrain.profiling import StepProfiler
 from ntl_pretrain.runtime import lifeline
 from ntl_pretrain.runtime.process_group import (
     slow_work_group,
@@ -134,11 +135,15 @@ class Trainer:
         self.logger = self._make_logger()
         resumed_at = self.step
         steps = self._step_batches()
+        profiler = StepProfiler(self.recipe.logging.profile_steps, self.output_dir, torch.device(self.engine.device),
+                                dist.get_rank(), self.console.say)  # fmt: skip
         try:
             while self.step < self.recipe.train.max_steps:
                 waited = time.perf_counter()
                 batches = next(steps)
+                profiler.before(self.step + 1)
                 record = self.train_step(batches, data_seconds=time.perf_counter() - waited)
+                profiler.after(self.step)
                 if self.step == resumed_at + 1:
                     self._take_output_dir(resumed_at)
                 self.logger.log(record)
@@ -151,6 +156,7 @@ class Trainer:
                     return False
             self._finish()
         finally:
+            profiler.close()
             self.console.close_bar()
             self.logger.close()
         return True

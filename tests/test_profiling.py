@@ -1,0 +1,53 @@
+"""`logging.profile_steps`: the window of steps torch.profiler records, what rank 0 writes, and the refusals. The
+trainer's use of it runs in the unattended run (tests/test_console.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.launches import TINY
+
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
+from ntl_pretrain.profiling import StepProfiler
+
+
+def steps_of(profiler: StepProfiler, count: int, work) -> None:
+    for step in range(1, count + 1):
+        profiler.before(step)
+        work()
+        profiler.after(step)
+
+
+def test_the_window_is_written_with_per_step_figures(tmp_path):
+    said = []
+    profiler = StepProfiler([2, 3], tmp_path, torch.device("cpu"), 0, said.append)
+    weight = torch.randn(64, 64, requires_grad=True)
+    steps_of(profiler, 6, lambda: (weight @ weight).sum().backward())
+    summary = json.loads((tmp_path / "profile" / "steps-2-4.json").read_text())
+    assert summary["steps"] == [2, 4] and summary["device"] == "cpu"
+    assert summary["aten_ops_per_step"] >= 3  # mm, sum, their backward, per step (the window is 3 steps)
+    assert summary["self_cpu_ms_per_step"] > 0 and summary["kernel_launches_per_step"] == 0
+    table = (tmp_path / "profile" / "steps-2-4.txt").read_text()
+    assert "aten::mm" in table and "Self CPU" in table
+    assert said == [f"profile of steps 2-4, per step: {summary['self_cpu_ms_per_step']:.1f} ms of CPU ops "
+                    f"({summary['aten_ops_per_step']:,.0f} ops), 0.0 ms of device kernels (0 launches); "
+                    f"{tmp_path / 'profile' / 'steps-2-4'}.txt"]  # fmt: skip
+
+
+def test_other_ranks_and_a_run_stopped_inside_the_window_write_nothing(tmp_path):
+    other_rank = StepProfiler([1, 1], tmp_path / "a", torch.device("cpu"), 1, print)
+    steps_of(other_rank, 2, lambda: torch.ones(3).sum())
+    stopped = StepProfiler([2, 5], tmp_path / "b", torch.device("cpu"), 0, print)
+    steps_of(stopped, 3, lambda: torch.ones(3).sum())
+    stopped.close()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert stopped.active is None
+
+
+@pytest.mark.parametrize("value", ["[0, 5]", "[3]", "[2, 0]", "[1, 2, 3]"])
+def test_a_bad_window_is_refused_naming_the_key(value):
+    with pytest.raises(RecipeError, match=r"logging.profile_steps: \[first step, number of steps\], both >= 1"):
+        load_recipe(TINY, [f"logging.profile_steps={value}"])
