@@ -125,6 +125,7 @@ BAD_RECIPE_VALUES: dict[str, list] = {
     "logging.wandb": ["yes"],
     "logging.peak_flops_per_device": [-1, "x"],
     "eval.chat_template": ["yes", "chatml", 1],
+    "logging.profile_steps": [[0, 5], [3], "x", [1, 2, 3]],
     "deepspeed.config": ["/no/such.json", 5, "", "{ws}/inputs/empty", "{ws}/inputs/text.txt", "{ws}/inputs/list.json"],
     "init_from": ["/no/such/model", 5, "{ws}/inputs/empty", "{ws}/inputs/config-only"],
     "data.seq_len": [0, -1, "x", 10**9],
