@@ -9,6 +9,8 @@ Stages, in order of what a short-lived GPU should give first:
               tokens/s, MFU, peak memory, the step apart from the wait for data, and steps 50-52 profiled
               (CPU op time, kernel time, ops and kernel launches per step; the table in logs.tgz)
   plain_step  bench/plain_step.py: the same model and batch in plain torch (no DeepSpeed), and our step over it
+  train_125m_persistent  30 steps of train_125m with ZeRO-3 gathering nothing (every matrix persistent, plain
+              linear layers): how much of the step is ZeRO-3's per-module gather and release
   study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
               --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
 
@@ -266,12 +268,36 @@ def train_125m(run: Run) -> dict:
     args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1",
             *train_overrides(run, output_dir)]  # fmt: skip
     run.command("train_125m", args, min(180.0, run.remaining()))
+    (run.out / "train-125m-metrics.jsonl").write_bytes((output_dir / "metrics.jsonl").read_bytes())
+    return trained_figures(run, output_dir, "train-125m")
+
+
+def train_125m_persistent(run: Run) -> dict:
+    """The same run, 30 steps, with ZeRO-3 keeping every matrix of the 135M model gathered (a persistence threshold
+    above the largest, 28M elements) and plain linear layers (`memory_efficient_linear: false`): what is left of
+    the step when ZeRO-3 gathers and releases nothing (its hooks still run). Against train_125m's step: how much of
+    the 3.4% MFU of the first run is the per-module gather and release."""
+    output_dir, config = run.work / "train-125m-persistent", run.work / "zero3-persistent.json"
+    tuned = json.loads((REPO / "configs" / "zero3.json").read_text())
+    tuned["zero_optimization"].update(stage3_param_persistence_threshold=10**8, memory_efficient_linear=False)
+    config.write_text(json.dumps(tuned, indent=1))
+    overrides = [*train_overrides(run, output_dir), f"deepspeed.config={config}"]
+    overrides += [] if run.dry_run else ["train.max_steps=30", "logging.profile_steps=[20,3]"]
+    args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *overrides]
+    run.command("train_125m_persistent", args, min(120.0, run.remaining()))
+    figures = trained_figures(run, output_dir, "train-125m-persistent")
+    first = next((s["figures"].get("step_seconds") for s in run.stages if s["name"] == "train_125m"), None)
+    ratio = first / figures["step_seconds"] if first and figures["step_seconds"] else None
+    return {**figures, "train_125m_step_over_this": ratio}
+
+
+def trained_figures(run: Run, output_dir: Path, name: str) -> dict:
+    """A stage's run: step medians, and its profile (the table and figures also into logs.tgz)."""
     metrics = output_dir / "metrics.jsonl"
-    (run.out / "train-125m-metrics.jsonl").write_bytes(metrics.read_bytes())
     figures = step_figures([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
     profiled = sorted((output_dir / "profile").glob("steps-*"))  # torch.profiler's table and per-step figures
     for path in profiled:
-        (run.logs / f"train-125m-profile-{path.name}").write_bytes(path.read_bytes())
+        (run.logs / f"{name}-profile-{path.name}").write_bytes(path.read_bytes())
     summaries = [json.loads(path.read_text()) for path in profiled if path.suffix == ".json"]
     return {**figures, "profile": summaries[0] if summaries else None}
 
@@ -342,6 +368,7 @@ def throughput(status_line: str, minutes: float) -> dict:
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
                                             "train_125m": train_125m, "plain_step": plain_step,
+                                            "train_125m_persistent": train_125m_persistent,
                                             "study_probe": study_probe}  # fmt: skip
 
 

@@ -59,6 +59,9 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert stages["heads"]["figures"]["head: chunked head CE+NTL-WAS"].endswith("x")
     assert stages["train_125m"]["figures"]["steps"] == 3 and stages["train_125m"]["figures"]["tokens_per_s"] > 0
     assert stages["train_125m"]["figures"]["profile"]["steps"] == [2, 2]
+    persistent = stages["train_125m_persistent"]["figures"]
+    assert persistent["steps"] == 3 and persistent["train_125m_step_over_this"] > 0
+    assert persistent["profile"]["steps"] == [2, 2]
     plain = stages["plain_step"]["figures"]
     assert plain["step_seconds"] > 0 and plain["ours_over_plain"] > 0
     assert stages["study_probe"]["figures"]["runs_planned"] == 4
