@@ -8,11 +8,14 @@ import logging
 import shutil
 import sys
 import types
+from pathlib import Path
 
 import pytest
+import torch
 from helpers.distributed import run_distributed
 
 from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.profiling import StepProfiler
 from ntl_pretrain.runtime import supervisor
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED
 from ntl_pretrain.train.trainer import Trainer
@@ -36,6 +39,9 @@ class ScriptedTrainer(Trainer):
 
     def _make_logger(self):
         return types.SimpleNamespace(log=lambda record: None, progress=lambda record: None, close=lambda: None)
+
+    def _make_profiler(self) -> StepProfiler:
+        return StepProfiler(None, Path("unused"), torch.device("cpu"), 0, print)  # no window: profiles nothing
 
     def _take_output_dir(self, resumed_at: int) -> None:
         pass

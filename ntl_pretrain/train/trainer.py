@@ -135,8 +135,7 @@ class Trainer:
         self.logger = self._make_logger()
         resumed_at = self.step
         steps = self._step_batches()
-        profiler = StepProfiler(self.recipe.logging.profile_steps, self.output_dir, torch.device(self.engine.device),
-                                dist.get_rank(), self.console.say)  # fmt: skip
+        profiler = self._make_profiler()
         try:
             while self.step < self.recipe.train.max_steps:
                 waited = time.perf_counter()
@@ -160,6 +159,10 @@ class Trainer:
             self.console.close_bar()
             self.logger.close()
         return True
+
+    def _make_profiler(self) -> StepProfiler:
+        return StepProfiler(self.recipe.logging.profile_steps, self.output_dir, torch.device(self.engine.device),
+                            dist.get_rank(), self.console.say)  # fmt: skip
 
     def _step_batches(self) -> Iterator[list[dict]]:
         """Each step's micro-batches. The first step's are read before any rank enters the step's collectives, and

@@ -62,6 +62,19 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., None], a
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_destructors()
+
+
+def exit_without_destructors() -> None:
+    """Exit 0 at once, once a rank's work and checks are done and its group is gone. At interpreter exit a C++
+    destructor (a gloo or DeepSpeed thread still joinable) now and then aborts with "terminate called without an
+    active exception" (SIGABRT): seen in CI in test_slow_work and test_evaluate_zero3 after every assertion had
+    passed (sessions 6-9). What a test checks is done by then; the abort is not its subject."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextmanager
