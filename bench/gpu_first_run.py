@@ -286,9 +286,14 @@ def train_125m_persistent(run: Run) -> dict:
     args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *overrides]
     run.command("train_125m_persistent", args, min(120.0, run.remaining()))
     figures = trained_figures(run, output_dir, "train-125m-persistent")
-    first = next((s["figures"].get("step_seconds") for s in run.stages if s["name"] == "train_125m"), None)
+    first = stage_figure(run, "train_125m", "step_seconds")
     ratio = first / figures["step_seconds"] if first and figures["step_seconds"] else None
     return {**figures, "train_125m_step_over_this": ratio}
+
+
+def stage_figure(run: Run, stage: str, key: str):
+    """A figure an earlier stage of this run measured; None when it did not run or measure it."""
+    return next((done["figures"].get(key) for done in run.stages if done["name"] == stage), None)
 
 
 def trained_figures(run: Run, output_dir: Path, name: str) -> dict:
@@ -324,7 +329,7 @@ def plain_step(run: Run) -> dict:
     run.command("plain_step", [sys.executable, "bench/plain_step.py", "--out", str(out), *device, *keys],
                 min(90.0, run.remaining()))  # fmt: skip
     report = json.loads(out.read_text())
-    ours = next((s["figures"].get("step_seconds") for s in run.stages if s["name"] == "train_125m"), None)
+    ours = stage_figure(run, "train_125m", "step_seconds")
     figures = {key: report[key] for key in ("step_seconds", "tokens_per_s", "mfu", "peak_mem_mib")}
     return {**figures, "ours_over_plain": None if not ours else ours / report["step_seconds"]}
 

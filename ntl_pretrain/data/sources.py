@@ -300,15 +300,14 @@ class SourceStream:
 
     def _read_epoch(self) -> Iterator[str]:
         cut = self._pieces_cut()
+        line_format = "txt" if self.format == "txt" else "jsonl"
         if cut is not None:
-            line_format = "txt" if self.format == "txt" else "jsonl"
             units = self._piece_units(cut)
             parse = (lambda record: render(record, self.source)) if cut.kind == "parquet" else (
                 lambda raw: parse_unit(raw, line_format, self.source))  # fmt: skip
         elif self._is_hf():
             units, parse = self._hf_records(), lambda record: render(record, self.source)
         else:
-            line_format = "txt" if self.format == "txt" else "jsonl"
             units, parse = self._line_units(), lambda raw: parse_unit(raw, line_format, self.source)
         for raw in units:
             try:
