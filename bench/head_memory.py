@@ -43,7 +43,7 @@ def worker(variant: str, steps: int, output_dir: str) -> dict:
 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     from ntl_pretrain.config.deepspeed import load_run
-    from ntl_pretrain.metrics import peak_memory_mib
+    from ntl_pretrain.reporting.metrics import peak_memory_mib
     from ntl_pretrain.train.main import init_distributed
     from ntl_pretrain.train.trainer import Trainer
 
@@ -70,7 +70,7 @@ def transformers_loss_steps(recipe, ds_config):
     import torch
 
     from ntl_pretrain.data import build_dataloader
-    from ntl_pretrain.model import build_model, parameter_groups
+    from ntl_pretrain.model.build import build_model, parameter_groups
     from ntl_pretrain.tokenizer import load_tokenizer
 
     class TransformersLoss(torch.nn.Module):

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ntl_pretrain.metrics import device_peak_flops, mfu
-from ntl_pretrain.model import model_flops_per_token
+from ntl_pretrain.model.build import model_flops_per_token
+from ntl_pretrain.reporting.metrics import device_peak_flops, mfu
 
 BATCH_KEYS = {"seq_len": 2048, "micro_batch_size": 8}
 

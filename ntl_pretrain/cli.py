@@ -71,13 +71,13 @@ def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
 
 def checked_recipe(args: argparse.Namespace) -> Recipe:
     """The recipe after every check a launch makes before any process starts (seconds: imports torch)."""
-    from ntl_pretrain import preflight
     from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.heads.architectures import check_recipe_architecture
+    from ntl_pretrain.preflight.world import check_world
 
     args.nproc = args.nproc or default_nproc()
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
-    preflight.check_world(recipe, args.master_port)
+    check_world(recipe, args.master_port)
     check_recipe_architecture(recipe)
     return recipe
 
@@ -86,17 +86,17 @@ def run_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
     load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
-    from ntl_pretrain.console import transient_line
+    from ntl_pretrain.reporting.console import transient_line
 
     with transient_line(f"checking {args.recipe} before launch: libraries, model config, tokenizer, data files, "
                         f"DeepSpeed config ..."):  # fmt: skip
         recipe = checked_recipe(args)
-    from ntl_pretrain import preflight
-    from ntl_pretrain.schedule import warmup_note
+    from ntl_pretrain.optim.schedule import warmup_note
+    from ntl_pretrain.preflight.world import finished_step
 
     if note := warmup_note(recipe.schedule, recipe.train.max_steps):
         print(f"ntl-pretrain: note: {note}", file=sys.stderr, flush=True)
-    done = preflight.finished_step(recipe)
+    done = finished_step(recipe)
     finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
         "nothing to train (raise train.max_steps to continue)"  # fmt: skip
     env = launch_environment(recipe.train.device)
@@ -130,7 +130,7 @@ def end_line(recipe: Recipe, code: int, started: float) -> str | None:
     """A run stopped by a signal, or failed inside, ends with one line of its own after the launcher's lines."""
     from pathlib import Path
 
-    from ntl_pretrain.console import last_failure_line, stop_line
+    from ntl_pretrain.reporting.console import last_failure_line, stop_line
     from ntl_pretrain.runtime.stopping import EXIT_STOPPED
 
     output_dir = Path(recipe.train.output_dir)
@@ -159,8 +159,8 @@ def run_export(args: argparse.Namespace) -> int:
     if (Path(args.checkpoint_dir) / "hf_config").is_dir():  # a step folder (else export refuses it, in one line)
         print(f"ntl-pretrain export: {args.checkpoint_dir} -> {args.out_dir}: loading the libraries, checking the "
               f"checksums, gathering the weights, writing safetensors", file=sys.stderr, flush=True)  # fmt: skip
-    from ntl_pretrain.console import stdout_to_stderr
-    from ntl_pretrain.export import export_checkpoint
+    from ntl_pretrain.export.hf_folder import export_checkpoint
+    from ntl_pretrain.reporting.console import stdout_to_stderr
 
     with stdout_to_stderr():  # stdout carries the folder only
         folder = export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype)
@@ -169,8 +169,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_convert_gguf(args: argparse.Namespace) -> int:
-    from ntl_pretrain.console import stdout_to_stderr
-    from ntl_pretrain.export import convert_gguf
+    from ntl_pretrain.export.hf_folder import convert_gguf
+    from ntl_pretrain.reporting.console import stdout_to_stderr
 
     gguf = [] if args.gguf.startswith("pkg:") else [args.gguf]
     check_output("out_dir", Path(args.out_dir), gguf, args.overwrite, folder=True)

@@ -12,12 +12,12 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ntl_pretrain.config.recipe import Recipe
-from ntl_pretrain.export import model_from_state
+from ntl_pretrain.export.hf_folder import model_from_state
 from ntl_pretrain.heads import build_head
 from ntl_pretrain.heads.architectures import CHECKED, OUTPUT_BIAS, checked_rule
 from ntl_pretrain.heads.forward_rules import forward_rule, read_forward
 from ntl_pretrain.loss.logit_transform import IDENTITY
-from ntl_pretrain.model import CausalLMWithLoss
+from ntl_pretrain.model.build import CausalLMWithLoss
 
 SEQ = 12
 # Enlarged constants (the real ones, soft-cap 30 or scale 0.1-ish, move CE too little on random logits to be seen).

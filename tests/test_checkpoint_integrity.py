@@ -330,8 +330,8 @@ def check_ranks_resume_the_newest_checkpoint_past_a_bad_pointer(run: str) -> Non
 def test_a_bad_latest_pointer_is_reported_and_resume_takes_the_newest_checkpoint(tmp_path, capsys):
     """An empty `latest`, one naming a missing step, and one naming an empty `step_999` folder: resume (on 2 gloo
     ranks) and the pre-flight take step_20, and `verify` names the pointer and the stray folder (exit code 1)."""
-    from ntl_pretrain import preflight
     from ntl_pretrain.config.loading import load_recipe
+    from ntl_pretrain.preflight import world as preflight
 
     root = checkpoint.checkpoints_root(tmp_path / "run")
     small_checkpoints(root, [10, 20])

@@ -18,7 +18,7 @@ import pytest
 from helpers.launches import as_a_user_runs_it, records, train_one_rank, unattended_run
 from transformers.utils import logging as transformers_logging
 
-from ntl_pretrain.console import RunConsole, evaluation_line, stop_line
+from ntl_pretrain.reporting.console import RunConsole, evaluation_line, stop_line
 from ntl_pretrain.train.main import quiet_console
 
 REPO = Path(__file__).resolve().parents[1]

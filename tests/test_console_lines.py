@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 
-from ntl_pretrain.console import whole_lines
+from ntl_pretrain.reporting.console import whole_lines
 
 
 class RecordedWrites(io.RawIOBase):

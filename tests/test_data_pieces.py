@@ -21,9 +21,9 @@ from test_data_loader import through_checkpoint
 from test_hub_data import documents
 
 from ntl_pretrain.data import pieces
-from ntl_pretrain.data.config import SourceConfig
 from ntl_pretrain.data.errors import DataError
 from ntl_pretrain.data.hub import list_once, listing_key
+from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.data.sources import SourceStream
 
 READERS = 8

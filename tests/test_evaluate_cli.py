@@ -11,7 +11,7 @@ import pytest
 from helpers.launches import REPO, as_a_user_runs_it, unattended_run
 from test_evaluate_generation import TINY_TOKENIZER, greedy_one_by_one, tiny_model
 
-from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.evaluation import EvalConfig, QaSetConfig, generation_metrics, validation_metrics
 from ntl_pretrain.evaluation.commands import main
 from ntl_pretrain.evaluation.model_folder import resolve_target

@@ -18,7 +18,8 @@ from helpers.float64_reference import count_ntl_terms, reference_rows
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ntl_pretrain.data import build_dataloader
-from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.evaluation import EvalConfig, QaSetConfig, generation_metrics, validation_metrics
 from ntl_pretrain.evaluation.generation import (
     Answered,

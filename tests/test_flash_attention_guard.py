@@ -13,10 +13,11 @@ import torch
 from helpers.launches import TINY
 from transformers import LlamaConfig
 
-from ntl_pretrain import flash_attention, preflight
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
-from ntl_pretrain.model import attention_backend
+from ntl_pretrain.model import flash_attention
+from ntl_pretrain.model.build import attention_backend
+from ntl_pretrain.preflight import world as preflight
 
 PACKAGES = {
     "broken": "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n",

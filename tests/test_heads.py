@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.heads import ChunkedHead, DenseHead, build_head
 from ntl_pretrain.loss.logit_transform import LogitTransform
-from ntl_pretrain.model import CausalLMWithLoss
+from ntl_pretrain.model.build import CausalLMWithLoss
 
 VOCAB, HIDDEN, SEQ = 64, 32, 12
 SIZES = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -153,7 +153,7 @@ def test_trainer_validation_equals_the_exported_models_forward(tmp_path, model_t
     from helpers.launches import assert_model_reproduces_logged_validation, environment, partition_all_config
     from transformers import AutoTokenizer
 
-    from ntl_pretrain.export import export_checkpoint
+    from ntl_pretrain.export.hf_folder import export_checkpoint
 
     repo, steps, run = Path(__file__).resolve().parents[1], 10, tmp_path / "run"
     recipe = yaml.safe_load((repo / "recipes" / "tiny-cpu.yaml").read_text())

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
-from ntl_pretrain.preflight_model import check_weights
+from ntl_pretrain.preflight.model import check_weights
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
 # model type: a tensor name as the saved folder holds it (not as the model holds it in memory)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ntl_pretrain import cli, preflight
+from ntl_pretrain import cli
 from ntl_pretrain.evaluation.answers import parse_reference
 from ntl_pretrain.evaluation.commands import eval_config_from_args, register
 from ntl_pretrain.evaluation.generation import QaExample
+from ntl_pretrain.preflight import world as preflight
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"

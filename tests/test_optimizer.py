@@ -8,7 +8,7 @@ import json
 import pytest
 from helpers.launches import REPO, partition_all_config, single_launcher_run, step_records
 
-from ntl_pretrain.optimizer import optimizer_kind
+from ntl_pretrain.optim.optimizer import optimizer_kind
 
 CONFIGS = REPO / "configs"
 

@@ -12,9 +12,9 @@ from helpers.launches import TINY
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ntl_pretrain.data.packing import make_batch
-from ntl_pretrain.document_attention import varlen_arguments
 from ntl_pretrain.evaluation.validation import packed_forward
-from ntl_pretrain.model import CausalLMWithLoss
+from ntl_pretrain.model.build import CausalLMWithLoss
+from ntl_pretrain.model.document_attention import varlen_arguments
 
 FIRST, SECOND = [5, 17, 42, 8, 3], [9, 23, 61, 7, 30, 11]  # two documents; the second starts at position 0
 ROWS = 2  # flash-attention-2 in transformers separates documents only in a batch of one row; sdpa/eager in any
@@ -155,9 +155,10 @@ class HiddenStates(torch.nn.Module):
 def test_per_document_flash_attention_is_refused_where_transformers_drops_the_varlen_arguments(monkeypatch):
     from transformers import modeling_flash_attention_utils
 
-    from ntl_pretrain import document_attention, flash_attention, preflight
     from ntl_pretrain.config.loading import load_recipe
     from ntl_pretrain.config.recipe import RecipeError
+    from ntl_pretrain.model import document_attention, flash_attention
+    from ntl_pretrain.preflight import world as preflight
 
     assert document_attention.transformers_takes_varlen_arguments()  # the installed version does
     recipe = load_recipe(TINY, ["model.attention=flash_attention_2", "data.per_document_attention=true"])

@@ -108,7 +108,7 @@ def test_plot_refuses_runs_without_metrics(tmp_path: Path, capsys) -> None:
 def test_a_watcher_of_a_live_run_reads_only_whole_records(tmp_path: Path) -> None:
     """What `study --status` and the tests that poll a training run read: a torn record that a resume ended, and the
     record the run is half-way through writing, are not records yet (the CI failure of a JSON decode mid-write)."""
-    from ntl_pretrain.metrics import MetricsLogger, written_records
+    from ntl_pretrain.reporting.metrics import MetricsLogger, written_records
 
     run = write_run(tmp_path / "run", training_records(2, 1.0))
     path = run / "metrics.jsonl"
@@ -125,7 +125,7 @@ def test_a_watcher_of_a_live_run_reads_only_whole_records(tmp_path: Path) -> Non
 
 def test_a_torn_last_record_survives_the_next_resume_and_plot(tmp_path: Path, capsys) -> None:
     """A full disk cut the last record short; the resumed run appends after it and `plot` skips it, naming it."""
-    from ntl_pretrain.metrics import MetricsLogger
+    from ntl_pretrain.reporting.metrics import MetricsLogger
 
     run = write_run(tmp_path / "run", training_records(3, 1.0))
     with (run / "metrics.jsonl").open("a") as metrics:
@@ -154,7 +154,7 @@ def test_a_last_record_cut_at_any_position_is_skipped_not_refused(tmp_path: Path
 
 def test_a_restart_before_the_first_checkpoint_supersedes_the_attempt_before_it(tmp_path: Path) -> None:
     """Issue 42: an attempt killed at step 3 before any checkpoint, then started again: no step is counted twice."""
-    from ntl_pretrain.metrics import logged_steps
+    from ntl_pretrain.reporting.metrics import logged_steps
 
     run = write_run(tmp_path / "run", training_records(3, 1.0))
     assert logged_steps(run / "metrics.jsonl") and not logged_steps(tmp_path / "none" / "metrics.jsonl")

@@ -11,7 +11,7 @@ from helpers.launches import TINY
 
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
-from ntl_pretrain.profiling import StepProfiler
+from ntl_pretrain.reporting.profiling import StepProfiler
 
 
 def steps_of(profiler: StepProfiler, count: int, work) -> None:

@@ -234,7 +234,7 @@ ROWS = [
     ),
     ("ds-json-missing", CHILD, ["deepspeed.config={tmp}/none.json"], [], ["deepspeed.config", "none.json"]),
     ("ds-json-invalid", CHILD, ["deepspeed.config={tmp}/bad.json"], [], ["deepspeed.config", "bad.json"]),
-    # pre-flight: the world (ntl_pretrain/preflight.py)
+    # pre-flight: the world (ntl_pretrain/preflight/world.py)
     ("no-data-section", "base: {nodata}\n", [], [], ["data.sources", "at least one"]),
     ("model-type-typo", CHILD, ["model.model_type=lama"], [], ["model.model_type", "'lama'", "llama"]),
     ("seq-len-beyond-positions", CHILD, ["data.seq_len=1024"], [], ["data.seq_len", "max_position_embeddings (512)"]),
@@ -254,7 +254,7 @@ ROWS = [
         [],
         ["model.config.hidden_sise", "did you mean hidden_size"],
     ),
-    # pre-flight: the model (ntl_pretrain/preflight_model.py)
+    # pre-flight: the model (ntl_pretrain/preflight/model.py)
     ("kv-heads", CHILD, ["model.config.num_key_value_heads=3"], [], ["model.config.num_key_value_heads", "divide"]),
     ("hidden-negative", CHILD, ["model.config.hidden_size=-64"], [], ["model.config.hidden_size", ">= 1"]),
     ("layers-zero", CHILD, ["model.config.num_hidden_layers=0"], [], ["model.config.num_hidden_layers", ">= 1"]),
@@ -550,8 +550,8 @@ def test_the_installed_command_refuses_in_one_line(workspace, overrides, fragmen
 def test_rope_scaling_lets_seq_len_exceed_the_trained_positions(tmp_path, rope_scaling, refused):
     from transformers import LlamaConfig
 
-    from ntl_pretrain import preflight
     from ntl_pretrain.config.recipe import RecipeError
+    from ntl_pretrain.preflight import world as preflight
 
     LlamaConfig(max_position_embeddings=512, rope_scaling=rope_scaling).save_pretrained(tmp_path)
     recipe = load_recipe(TINY, [f"init_from={tmp_path}", "model.model_type=null", "train.resume=null",

@@ -21,7 +21,7 @@ from ntl_pretrain.heads import build_head
 from ntl_pretrain.heads.architectures import CHECKED
 from ntl_pretrain.heads.forward_rules import forward_rule
 from ntl_pretrain.heads.router_aux import balancing_line, router_balancing
-from ntl_pretrain.model import CausalLMWithLoss
+from ntl_pretrain.model.build import CausalLMWithLoss
 
 SEQ = 12
 COEFFICIENT = 0.5  # large: leaving the term out moves the loss by several percent

@@ -15,7 +15,7 @@ import torch
 from helpers.distributed import run_distributed
 
 from ntl_pretrain.checkpoint import store as checkpoint
-from ntl_pretrain.profiling import StepProfiler
+from ntl_pretrain.reporting.profiling import StepProfiler
 from ntl_pretrain.runtime import supervisor
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED
 from ntl_pretrain.train.trainer import Trainer

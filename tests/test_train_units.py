@@ -16,9 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.recipe import NtlConfig, ScheduleConfig
 from ntl_pretrain.heads import DenseHead
-from ntl_pretrain.metrics import MetricsLogger
-from ntl_pretrain.model import CausalLMWithLoss, model_flops_per_token, parameter_groups
-from ntl_pretrain.schedule import lr_multiplier, warmup_note
+from ntl_pretrain.model.build import CausalLMWithLoss, model_flops_per_token, parameter_groups
+from ntl_pretrain.optim.schedule import lr_multiplier, warmup_note
+from ntl_pretrain.reporting.metrics import MetricsLogger
 
 
 def tiny_llama(tie: bool = False, head_dim: int | None = None) -> LlamaForCausalLM:
@@ -173,7 +173,8 @@ def test_wandb_missing_names_the_extra(tmp_path, monkeypatch):
 def test_auto_attention_picks_what_can_run(monkeypatch, model_type, flash, dtype, expected):
     from transformers import AutoConfig
 
-    from ntl_pretrain import flash_attention, model
+    from ntl_pretrain.model import build as model
+    from ntl_pretrain.model import flash_attention
 
     # flash-attn is chosen when it imports, not when it is found (flash_attention.py; tests/test_flash_attention_guard)
     monkeypatch.setattr(flash_attention, "import_error", lambda: None if flash else "flash-attn is not installed")
@@ -184,7 +185,7 @@ def test_auto_attention_picks_what_can_run(monkeypatch, model_type, flash, dtype
 
 
 def test_mfu_peak_comes_from_the_device_table_or_is_unknown(monkeypatch):
-    from ntl_pretrain import metrics
+    from ntl_pretrain.reporting import metrics
 
     names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
@@ -198,7 +199,7 @@ def test_flops_of_a_mixture_of_experts_count_the_experts_a_token_uses(model_type
     routed tokens): 6 × the active parameters, not the total. Qwen2-MoE adds a shared expert every token uses."""
     from helpers.tiny_models import tiny_model
 
-    from ntl_pretrain.model import active_parameters, count_parameters
+    from ntl_pretrain.model.build import active_parameters, count_parameters
 
     lm, batch, seq_len = tiny_model(model_type).train(), 2, 16
     lm.set_experts_implementation("eager")

@@ -154,7 +154,7 @@ def check_generation_with_sharded_output_layer() -> None:
     from ntl_pretrain.config.recipe import Recipe
     from ntl_pretrain.heads.vocab_parallel import VocabParallelOutputHead, VocabParallelOutputLayer
     from ntl_pretrain.loss.logit_transform import IDENTITY
-    from ntl_pretrain.model import model_flops_per_token
+    from ntl_pretrain.model.build import model_flops_per_token
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 from helpers.launches import TINY
 
-from ntl_pretrain import preflight
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
+from ntl_pretrain.preflight import world as preflight
 from ntl_pretrain.train.trainer import Trainer
 
 

@@ -285,8 +285,8 @@ def _previous(root: Path) -> str:
 
 def _replace_recovery_scripts(root: Path) -> None:
     """DeepSpeed's `zero_to_fp32.py` / `zero_to_torch.py` beside the checkpoints would write the trainer module's
-    state dict; ours write an HF folder from the same command lines (`ntl_pretrain/zero_to_fp32.py`)."""
-    script = Path(__file__).parents[1] / "zero_to_fp32.py"
+    state dict; ours write an HF folder from the same command lines (`ntl_pretrain/export/zero_to_fp32.py`)."""
+    script = Path(__file__).parents[1] / "export" / "zero_to_fp32.py"
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         shutil.copyfile(script, root / name)
         (root / name).chmod(0o755)

@@ -9,7 +9,7 @@ from ntl_pretrain.lazy_exports import lazy_getattr
 
 _HOMES = {
     "DataConfig": "ntl_pretrain.data.config",
-    "SourceConfig": "ntl_pretrain.data.config",
+    "SourceConfig": "ntl_pretrain.data.source_config",
     "validate_sources": "ntl_pretrain.data.config",
     "PackedLoader": "ntl_pretrain.data.loader",
     "build_dataloader": "ntl_pretrain.data.loader",

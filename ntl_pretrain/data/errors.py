@@ -11,7 +11,7 @@ from ntl_pretrain.data.files import COMPRESSION_NAMES
 from ntl_pretrain.errors import InputError
 
 if TYPE_CHECKING:
-    from ntl_pretrain.data.config import SourceConfig
+    from ntl_pretrain.data.source_config import SourceConfig
 
 
 class DataError(InputError):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ntl_pretrain.package_files import resolve_path
 
 if TYPE_CHECKING:
-    from ntl_pretrain.data.config import SourceConfig
+    from ntl_pretrain.data.source_config import SourceConfig
 
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt", ".arrow": "arrow"}
 COMPRESSION_NAMES = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ntl_pretrain.data.errors import DataError, reading_errors
 
 if TYPE_CHECKING:
-    from ntl_pretrain.data.config import SourceConfig
+    from ntl_pretrain.data.source_config import SourceConfig
 
 # Builder-config fields that say where the data is, not how to read it; every other field set by the dataset card
 # (a parquet `columns`, a csv `sep`, a json `field`) travels with the list.

@@ -22,7 +22,7 @@ from ntl_pretrain.data.files import COMPRESSION_NAMES, is_remote, resolve_files,
 from ntl_pretrain.data.sources import UTF8_BOM, BadRecord, open_binary, parse_unit, render
 
 if TYPE_CHECKING:
-    from ntl_pretrain.data.config import SourceConfig
+    from ntl_pretrain.data.source_config import SourceConfig
 
 BETWEEN_ELEMENTS = re.compile(r"[\s,]*")
 PROBE_RECORDS = 64
@@ -36,6 +36,27 @@ MAGIC = (
     (b"ARROW1", "arrow"),
     (b"\xff\xff\xff\xff", "arrow"),  # the IPC stream format that HF `datasets` writes
 )
+
+
+def check_files_of(sections: dict[str, list[SourceConfig]]) -> None:
+    """`check_source_files` of every source of a recipe section's lists; the error names the item
+    (`sources.1.path: ...`)."""
+    for section, sources in sections.items():
+        for index, source in enumerate(sources):
+            try:
+                check_source_files(source)
+            except ValueError as error:
+                raise ValueError(f"{section}.{index}.{error}") from None
+
+
+def check_source_files(source: SourceConfig) -> None:
+    """What `SourceConfig.check` cannot see without the files: they exist, are of one format whose reader takes the
+    keys set, and their first bytes and records hold what the source reads. `ValueError("<key>: ...")` otherwise."""
+    formats = {source_format(source, path) for path in resolve_files(source)}
+    if len(formats) > 1:
+        raise ValueError(f"path: {source.path!r} mixes formats {sorted(formats)}; use one source per format")
+    source.check_keys_apply(formats.pop() if formats else source.format)
+    probe_source(source)
 
 
 def probe_source(source: SourceConfig) -> None:

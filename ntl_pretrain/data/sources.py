@@ -28,7 +28,7 @@ from ntl_pretrain.data.hub import HubListing, list_source
 from ntl_pretrain.data.label_bits import NO_CE, NO_NTL
 
 if TYPE_CHECKING:
-    from ntl_pretrain.data.config import SourceConfig
+    from ntl_pretrain.data.source_config import SourceConfig
 
 UTF8_BOM = b"\xef\xbb\xbf"
 SKIP_REASONS = ("invalid_utf8", "invalid_json", "not_a_record", "missing_field", "not_string", "empty")

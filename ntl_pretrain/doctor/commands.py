@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.console import whole_lines
 from ntl_pretrain.doctor.collectives import collectives_check, request_nccl_log
 from ntl_pretrain.doctor.environment import environment_check
 from ntl_pretrain.doctor.gpu_paths import GPU_PATH_CHECKS
@@ -24,6 +23,7 @@ from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write
 from ntl_pretrain.doctor.speed import speed_check
 from ntl_pretrain.doctor.training import TINY_RECIPE, local_ranks, throughput_check, train_checks
 from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
+from ntl_pretrain.reporting.console import whole_lines
 from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 
 # Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).

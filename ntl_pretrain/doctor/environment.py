@@ -49,7 +49,7 @@ def bf16_works(device: torch.device) -> bool:
 def auto_attention(device: torch.device) -> str:
     from transformers import LlamaConfig
 
-    from ntl_pretrain.model import attention_backend
+    from ntl_pretrain.model.build import attention_backend
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return attention_backend("auto", LlamaConfig(), dtype)

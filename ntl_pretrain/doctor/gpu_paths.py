@@ -120,13 +120,13 @@ def flash_documents_check(device: torch.device) -> Check:
     name = "flash-attention documents"
     if device.type != "cuda":
         return Check(name, None, "GPU only")
-    from ntl_pretrain import flash_attention
+    from ntl_pretrain.model import flash_attention
 
     if (error := flash_attention.import_error()) is not None:
         return Check(name, None if not flash_attention.installed() else False, f"flash-attn: {error}")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ntl_pretrain.document_attention import varlen_arguments
+    from ntl_pretrain.model.document_attention import varlen_arguments
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip

@@ -177,7 +177,7 @@ def matmul_flops(device: torch.device, size: int = 8192, repeats: int = 10) -> f
 def throughput_check(device: torch.device, work_dir: Path, recipe: Path = TINY_RECIPE) -> Check:
     if device.type != "cuda":
         return Check("throughput", None, "GPU only")
-    from ntl_pretrain.metrics import device_peak_flops
+    from ntl_pretrain.reporting.metrics import device_peak_flops
 
     output_dir = work_dir / "throughput"
     matmul = matmul_flops(device)

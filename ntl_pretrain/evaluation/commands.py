@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.checkpoint.store import verify_before_reading
-from ntl_pretrain.console import stdout_to_stderr, whole_lines
-from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.probe import check_source_files
+from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.errors import InputError, add_verbose, run_reporting
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
@@ -35,8 +36,9 @@ from ntl_pretrain.evaluation.model_folder import (
     resolve_target,
 )
 from ntl_pretrain.evaluation.validation import validation_metrics
-from ntl_pretrain.metrics import open_for_append
 from ntl_pretrain.outputs import check_output, write_text
+from ntl_pretrain.reporting.console import stdout_to_stderr, whole_lines
+from ntl_pretrain.reporting.metrics import open_for_append
 from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 from ntl_pretrain.tokenizer import resolve_path
 
@@ -213,15 +215,17 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
         raise InputError(f"--log-metrics: {args.target} is an HF folder, not a run: it has no metrics.jsonl")
     if target.checkpoint is not None:  # every process alike, before any file of the checkpoint is read
         verify_before_reading(target.checkpoint)
+    for path in args.validation or []:
+        source = SourceConfig(path=path, template=args.template)
+        try:
+            source.check()
+            check_source_files(source)
+        except ValueError as error:
+            raise InputError(f"--validation {path}: {error}") from error
     try:
         cfg = eval_config_from_args(args, recipe_eval(target))
     except ValueError as error:  # the flags on top of the run's eval section
         raise InputError(f"eval settings: {error}") from error
-    for source in cfg.validation:
-        try:
-            source.check()
-        except ValueError as error:
-            raise InputError(f"--validation {source.path}: {error}") from error
     for qa in cfg.qa_sets:  # the run's own sets may have moved since it was trained
         if not resolve_path(qa.path).is_file():
             raise InputError(f"--qa: no such question/answer file {qa.path}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ntl_pretrain.data.config import SourceConfig
+from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.package_files import resolve_path
 
 CORPUS = "pkg:ntl_pretrain/corpus"
@@ -98,3 +98,6 @@ class EvalConfig:
         labels = [qa.label for qa in self.qa_sets]
         if len(set(labels)) != len(labels):
             raise ValueError(f"qa_sets: several sets are labelled {labels}; give them distinct `name`s")
+        from ntl_pretrain.data.probe import check_files_of  # opens files: last, and loaded only here
+
+        check_files_of({"validation": self.validation})

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.loading import read_yaml_file
-from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
-from ntl_pretrain.preflight_model import position_limits, safetensors_shapes
+from ntl_pretrain.preflight.model import position_limits, safetensors_shapes
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -88,8 +89,8 @@ def model_config(target: Target) -> dict | None:
 
 
 def check_seq_len(config: dict | None, seq_len: int | None, max_new_tokens: int = 1) -> None:
-    """`--seq-len` fits the model's positions, as `data.seq_len` must for training (preflight.check_positions), and
-    `--max-new-tokens` leaves room for a prompt."""
+    """`--seq-len` fits the model's positions, as `data.seq_len` must for training
+    (preflight.world.check_positions), and `--max-new-tokens` leaves room for a prompt."""
     if config is None:
         return
     for key, limit in position_limits(config).items():
@@ -103,7 +104,7 @@ def check_seq_len(config: dict | None, seq_len: int | None, max_new_tokens: int 
 def export_for_eval(target: Target, out_dir: Path) -> Target:
     """Write the checkpoint's fp32 master weights as an HF folder (evaluation never rounds to bf16); the eval
     command verified the checkpoint already."""
-    from ntl_pretrain.export import export_checkpoint
+    from ntl_pretrain.export.hf_folder import export_checkpoint
 
     return Target(export_checkpoint(target.checkpoint, out_dir, dtype="float32", verify=False), target.checkpoint)
 

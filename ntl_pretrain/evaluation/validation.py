@@ -24,7 +24,8 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ntl_pretrain.data import build_dataloader
-from ntl_pretrain.data.config import DataConfig, SourceConfig
+from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
 

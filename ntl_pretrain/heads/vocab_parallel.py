@@ -35,8 +35,8 @@ from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.heads.vocab_parallel_layer import VocabParallelHead, assemble_output_matrix
 from ntl_pretrain.loss.logit_transform import LogitTransform
 from ntl_pretrain.numbers import NumberVocab
-from ntl_pretrain.optimizer import build_optimizer, on_device_kind
-from ntl_pretrain.schedule import lr_multiplier
+from ntl_pretrain.optim.optimizer import build_optimizer, on_device_kind
+from ntl_pretrain.optim.schedule import lr_multiplier
 
 FOLDER = "vocab_parallel"  # inside a checkpoint step folder
 LAYOUT = "layout.json"

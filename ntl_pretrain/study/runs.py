@@ -14,7 +14,7 @@ import yaml
 
 from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.evaluation.answers import error_profile
-from ntl_pretrain.metrics import written_records
+from ntl_pretrain.reporting.metrics import written_records
 from ntl_pretrain.study.archive import is_complete, read_answers
 from ntl_pretrain.study.token_classes import exact_match_by_class, trained_tokenizer
 

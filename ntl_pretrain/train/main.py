@@ -17,8 +17,8 @@ import torch.distributed as dist
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.recipe import Recipe, TrainConfig
-from ntl_pretrain.console import failure_line, first_line, whole_lines
 from ntl_pretrain.data.errors import DataError
+from ntl_pretrain.reporting.console import failure_line, first_line, whole_lines
 from ntl_pretrain.runtime import lifeline, run_lock
 from ntl_pretrain.runtime.process_group import (
     bind_local_device,

@@ -31,8 +31,8 @@ from ntl_pretrain import heads
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.loading import dump_recipe, read_yaml_file
 from ntl_pretrain.config.recipe import Recipe, RecipeError
-from ntl_pretrain.data.config import SourceConfig
 from ntl_pretrain.data.files import is_remote, resolve_files
+from ntl_pretrain.data.source_config import SourceConfig
 
 DATA_FINGERPRINT = "data_sources.json"  # inside a checkpoint step folder
 EDGE_BYTES = 1 << 20  # a source file's identity: its size and a digest of its first and last MiB
@@ -156,7 +156,7 @@ def check_resume(folder: Path | None, recipe: Recipe, tokenizer, global_batch: i
 
 def model_differences(folder: Path, recipe: Recipe, tokenizer) -> list[Difference]:
     """The HF config this recipe builds against the checkpoint's, key by key (keys in both)."""
-    from ntl_pretrain.model import hf_config
+    from ntl_pretrain.model.build import hf_config
 
     saved_path = folder / checkpoint.HF_CONFIG / "config.json"
     if not saved_path.is_file():

@@ -27,23 +27,23 @@ from ntl_pretrain.checkpoint import reshard
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.loading import dump_recipe
 from ntl_pretrain.config.recipe import Recipe
-from ntl_pretrain.console import RunConsole, startup_line
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.hub import list_for_all_ranks
-from ntl_pretrain.document_attention import needs_varlen_arguments, varlen_arguments
 from ntl_pretrain.evaluation import generation_metrics
 from ntl_pretrain.heads.router_aux import balancing_line
 from ntl_pretrain.loss.number_level import count_numbers
-from ntl_pretrain.metrics import MetricsLogger, device_peak_flops, logged_steps, mfu, peak_memory_mib
-from ntl_pretrain.model import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
-from ntl_pretrain.optimizer import build_optimizer, optimizer_kind
-from ntl_pretrain.profiling import StepProfiler
+from ntl_pretrain.model.build import BuiltModel, build_model, count_parameters, model_flops_per_token, parameter_groups
+from ntl_pretrain.model.document_attention import needs_varlen_arguments, varlen_arguments
+from ntl_pretrain.optim.optimizer import build_optimizer, optimizer_kind
+from ntl_pretrain.optim.schedule import lr_multiplier, warmup_note
+from ntl_pretrain.reporting.console import RunConsole, startup_line
+from ntl_pretrain.reporting.metrics import MetricsLogger, device_peak_flops, logged_steps, mfu, peak_memory_mib
+from ntl_pretrain.reporting.profiling import StepProfiler
 from ntl_pretrain.runtime import lifeline
 from ntl_pretrain.runtime.process_group import (
     slow_work_group,
 )
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
-from ntl_pretrain.schedule import lr_multiplier, warmup_note
 from ntl_pretrain.tokenizer import load_tokenizer
 from ntl_pretrain.train import resume_guard
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from helpers.distributed import free_port
-from ntl_pretrain.metrics import written_records
+from ntl_pretrain.reporting.metrics import written_records
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny-cpu.yaml"

@@ -22,14 +22,14 @@ from transformers import (
 )
 from transformers.integrations import HfDeepSpeedConfig
 
-from ntl_pretrain import flash_attention
 from ntl_pretrain.config.recipe import Recipe
-from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.heads.architectures import trunk_path
 from ntl_pretrain.heads.router_aux import RouterBalancing, router_balancing
-from ntl_pretrain.metrics import flops_per_token
+from ntl_pretrain.model import flash_attention
+from ntl_pretrain.model.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.reporting.metrics import flops_per_token
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -191,7 +191,7 @@ def active_parameters(lm: PreTrainedModel) -> int:
 
 
 def model_flops_per_token(lm: PreTrainedModel, seq_len: int, outside_parameters: int = 0) -> float:
-    """Training FLOPs per token (see `ntl_pretrain.metrics`): the input embedding is a lookup, not a matmul,
+    """Training FLOPs per token (see `ntl_pretrain.reporting.metrics`): the input embedding is a lookup, not a matmul,
     unless it is tied to the output projection; a mixture of experts counts the experts a token is routed to
     (`active_parameters`). `outside_parameters`: output parameters the head holds outside `lm`
     (`OutputHead.parameters_outside_model`)."""

@@ -4,11 +4,11 @@ A flash-attn wheel built for another torch or CUDA is found by `importlib.util.f
 (`ImportError: ... undefined symbol`), or kills the importing process outright. Choosing it because it is *found*
 crashed every rank at model build. So:
 
-- before launch (`preflight.check_attention`), the launching process imports it in a child process (a crash there
+- before launch (`preflight.world.check_attention`), the launching process imports it in a child process (a crash there
   is a message here); `model.attention: flash_attention_2` is refused with the import's error, and `auto` falls back
   to SDPA with one line saying why, and tells its ranks through `UNAVAILABLE` in their environment;
 - in every process, `import_error()` imports it in-process, guarded, once (cached), unless `UNAVAILABLE` already
-  says it does not import: what `model.attention_backend` asks before it picks flash_attention_2.
+  says it does not import: what `model.build.attention_backend` asks before it picks flash_attention_2.
 """
 
 from __future__ import annotations

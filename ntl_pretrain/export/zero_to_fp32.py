@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         from ntl_pretrain.errors import InputError
-        from ntl_pretrain.export import export_checkpoint
+        from ntl_pretrain.export.hf_folder import export_checkpoint
         from ntl_pretrain.outputs import check_output
     except ImportError:
         message = "this checkpoint was written by ntl_pretrain: install it (pip install ntl_pretrain) to convert it"

@@ -14,12 +14,12 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from ntl_pretrain import flash_attention
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.recipe import Recipe, RecipeError
-from ntl_pretrain.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
-from ntl_pretrain.preflight_model import check_given_sizes, check_model, position_limits
+from ntl_pretrain.model import flash_attention
+from ntl_pretrain.model.document_attention import transformers_takes_varlen_arguments
+from ntl_pretrain.preflight.model import check_given_sizes, check_model, position_limits
 from ntl_pretrain.runtime import run_lock
 from ntl_pretrain.tokenizer import resolve_path
 
