@@ -64,8 +64,8 @@ def rule_margin(sd: float, seeds_measured: int, n: int) -> float:
     return math.ceil(margin_for(NULL_CHANCE, upper, n) / MARGIN_STEP - 1e-9) * MARGIN_STEP
 
 
-def power_row(h: Hypothesis, sd: float, label: str, n: int) -> str:
-    cells = [both_alphas(lambda alpha, e=effect: paired_t_power(e, sd, n, alpha)) for effect in EFFECTS]
+def power_row(h: Hypothesis, sd: float, label: str, n: int, effects: tuple[float, ...] = EFFECTS) -> str:
+    cells = [both_alphas(lambda alpha, e=effect: paired_t_power(e, sd, n, alpha)) for effect in effects]
     cells.append(both_alphas(lambda alpha: detectable_effect(sd, n, alpha), digits=3))
     return f"| {h.name} | {sd:.3f} ({label}) | " + " | ".join(cells) + " |"
 

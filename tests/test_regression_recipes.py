@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.evaluation.answers import read_qa_file
-from ntl_pretrain.tokenizer import resolve_path
+from ntl_pretrain.tokenizer import load_tokenizer, resolve_path
 
 STUDY = Path(__file__).resolve().parent.parent / "recipes" / "study"
 ARMS = {"ce": (None, "all"), "ntl-was-answer": ("was", "answer"), "ntl-digits-answer": ("digits", "answer")}
@@ -50,3 +50,29 @@ def test_regression_task_differs_from_the_three_digit_study_only_in_its_data() -
     records = read_qa_file(resolve_path(regression.eval.qa_sets[0].path))
     assert len(records) == 1000 and max(len(answer) for _, answer in records) == 3  # one token, then EOS
     assert regression.eval.max_new_tokens >= 2
+
+
+def test_study_v5_single_digit_arms_differ_from_the_pilots_only_in_the_tokenizer() -> None:
+    """docs/study-v5-protocol.md: regression-1digit/<arm> is regression/<arm> under the single-digit tokenizer, and
+    every held-out answer, spelled digit by digit, fits the evaluation's new tokens with its EOS."""
+    for arm in ("ce", "ntl-was-answer"):
+        single = load_recipe(STUDY / "regression-1digit" / f"{arm}.yaml")
+        chunked = load_recipe(STUDY / "regression" / f"{arm}.yaml")
+        assert single.tokenizer.path == "pkg:ntl_pretrain/corpus/tiny-tokenizer"
+        assert single.train.output_dir == f"runs/study/regression-1digit/{arm}"
+        assert without(single, "tokenizer.path", "train.output_dir") == without(chunked, "tokenizer.path",
+                                                                                 "train.output_dir")  # fmt: skip
+    tokenizer = load_tokenizer(single.tokenizer.path)
+    records = read_qa_file(resolve_path(single.eval.qa_sets[0].path))
+    longest = max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for _, answer in records)
+    assert longest == 3 and longest + 1 <= single.eval.max_new_tokens
+
+
+def test_study_v5_lambda_pilot_changes_only_the_weight() -> None:
+    base = load_recipe(STUDY / "regression" / "ntl-was-answer.yaml")
+    for weight in (1, 3):
+        recipe = load_recipe(STUDY / "regression" / f"ntl-was-answer-lambda{weight}.yaml")
+        assert (recipe.loss.ntl.kind, recipe.loss.ntl.weight) == ("was", float(weight))
+        assert recipe.train.output_dir == f"runs/study/regression/ntl-was-answer-lambda{weight}"
+        assert without(recipe, "loss.ntl.weight", "train.output_dir") == without(base, "loss.ntl.weight",
+                                                                                  "train.output_dir")  # fmt: skip

@@ -10,15 +10,17 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
-from ntl_pretrain.evaluation.answers import error_profile
+from ntl_pretrain.evaluation.answers import error_profile, error_size
 from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.study.archive import ARCHIVED, archive_run
 from ntl_pretrain.study.commands import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
@@ -36,7 +38,8 @@ from ntl_pretrain.study.report import (
 )
 from ntl_pretrain.study.runs import StudyRun, baseline_of, plan
 
-STUDY_RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "study"
+ROOT = Path(__file__).resolve().parent.parent
+STUDY_RECIPES = ROOT / "recipes" / "study"
 SETS = ["addition_interpolation", "addition_extrapolation"]  # the labels of the study recipe's eval.qa_sets
 
 
@@ -160,6 +163,18 @@ def table_rows(text: str) -> dict[str, list[str]]:
     return {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines() if line.startswith("|")}
 
 
+def test_runs_go_seed_by_seed_so_a_stopped_study_leaves_whole_pairs(tmp_path: Path, monkeypatch) -> None:
+    """The plan is variant by variant; the runs start seed by seed (every variant of a seed, then the next), the
+    finished ones skipped, and `--stop-after` then leaves complete sets of paired runs behind."""
+    runs = plan(STUDY_RECIPES, ["ce", "ntl-was"], [5, 3, 4], tmp_path / "runs")
+    runs[1].run_dir.mkdir(parents=True)
+    runs[1].done_file.write_text("{}")  # ce seed 3 finished earlier
+    started = []
+    monkeypatch.setattr("ntl_pretrain.study.commands.execute", lambda run, *_: started.append(run.name))
+    run_all(runs, [], [], jobs=1, env={}, logs=tmp_path / "logs")
+    assert started == ["ce-seed5", "ntl-was-seed5", "ntl-was-seed3", "ce-seed4", "ntl-was-seed4"]
+
+
 def test_wall_clock_counts_only_time_with_a_run_in_progress(tmp_path: Path) -> None:
     """Two overlapping runs, then one started a day later (a resumed study): 150 s + 100 s, not a day."""
     runs = []
@@ -190,6 +205,20 @@ def test_error_profile_sorts_wrong_answers_by_their_last_digit() -> None:
     assert profile["last_digit_off_by_one"] == 1 / 2 and profile["last_digit_distance"] == 2.0
     nothing_wrong = error_profile([answer("1+1=", "2", "2")])
     assert nothing_wrong["exact"] == 1.0 and math.isnan(nothing_wrong["last_digit_distance"])
+
+
+def test_error_size_is_the_median_and_the_mean_of_the_best_90_percent() -> None:
+    """Against numpy on 20 answers with one wild one: the median ignores it, the best-90% mean drops the 2 largest;
+    answers without a number are left out, as from `eval`'s MAE."""
+    wanted = np.arange(100, 120)
+    got = wanted + np.array([0, 1, -1, 2, 3, -3, 0, 5, 8, -2, 1, 1, 0, -4, 6, 2, 316072, 0, -1, 9])
+    records = [answer("q", str(w), str(g)) for w, g in zip(wanted, got, strict=True)] + [answer("q", "7", "none")]
+    errors = np.abs(got - wanted)
+    size = error_size(records)
+    assert size["median_ae"] == np.median(errors)
+    assert size["trimmed_mae"] == pytest.approx(np.sort(errors)[:18].mean())
+    assert error_profile(records)["median_ae"] == size["median_ae"]
+    assert all(math.isnan(value) for value in error_size([answer("q", "7", "none")]).values())
 
 
 def test_error_profile_section_needs_every_runs_answers(tmp_path: Path) -> None:
@@ -232,13 +261,17 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     assert results["val_ntl_was"] == pytest.approx(trainer_validation["val_ntl"], rel=1e-5)
     assert results[f"eval/{SETS[0]}/examples"] == results[f"eval/{SETS[1]}/examples"] == 8  # the recipe's sets
     assert records[-1]["split"] == "eval"  # --log-metrics appended the evaluation for `ntl-pretrain plot`
-    assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s", "started", "finished"}
+    assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s", "started", "finished", "code"}
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    assert run.timing()["code"]["commit"] == head.stdout.strip()  # the checkout these tests import
     assert [record["set"] for record in run.answers()] == [SETS[0]] * 8 + [SETS[1]] * 8  # for error_profile
 
 
-def write_finished_run(run: StudyRun, results: dict, answers: list[dict], recipe: str = "{}") -> None:
+def write_finished_run(run: StudyRun, results: dict, answers: list[dict], recipe: str = "{}",
+                       code: dict | None = None) -> None:  # fmt: skip
     """What `execute` leaves in a run folder (without checkpoints): results, answers, the trainer's records; the
-    recipe names no tokenizer unless `recipe` does (then the answers are also scored per token class)."""
+    recipe names no tokenizer unless `recipe` does (then the answers are also scored per token class); `code`: the
+    code that ran it, as study/provenance.py records it (runs of older studies have none)."""
     run.run_dir.mkdir(parents=True)
     (run.run_dir / "eval.json").write_text(json.dumps(results))
     (run.run_dir / "answers.jsonl").write_text("".join(json.dumps(record) + "\n" for record in answers))
@@ -246,7 +279,7 @@ def write_finished_run(run: StudyRun, results: dict, answers: list[dict], recipe
     (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (run.run_dir / "recipe.yaml").write_text(recipe)
     timing = {"variant": run.variant, "seed": run.seed, "train_s": 60.0, "eval_s": 5.0, "started": 1e9 + 100 * run.seed,
-              "finished": 1e9 + 100 * run.seed + 65}  # fmt: skip
+              "finished": 1e9 + 100 * run.seed + 65} | ({} if code is None else {"code": code})  # fmt: skip
     (run.run_dir / "study.json").write_text(json.dumps(timing))
 
 
@@ -270,7 +303,8 @@ def paired_study(tmp_path: Path, archive: Path | None = None) -> list[StudyRun]:
                            None if archive is None else archive / name)  # fmt: skip
             results = fake_results(exact, 1.0, seed) | {f"eval/{SETS[0]}/log_mae": log_error}
             del results["seed"]
-            write_finished_run(run, results, answers_to(generated))
+            code = {"commit": "0123456789abcdef", "dirty": seed == 1} if seed < 2 else None
+            write_finished_run(run, results, answers_to(generated), code=code)
             runs.append(run)
     return runs
 
@@ -316,6 +350,10 @@ def test_report_pairs_every_metric_writes_runs_csv_and_states_the_verdict(tmp_pa
     assert float(rows[3][f"eval/{SETS[0]}/log_mae"]) == PAIRED[1][3]
     assert float(rows[2][f"errors/{SETS[0]}/last_digit_off_by_one"]) == ce_share[1]
     assert rows[0]["train_s"] == "60.0" and rows[0]["eval_s"] == "5.0" and "val_ntl_was" in rows[0]
+    assert [row["code"] for row in rows[::2]] == ["0123456789", "0123456789 +changes", "not recorded", "not recorded"]
+    assert ("- Code (the `code` field of each run's study.json): `0123456789` 2 runs; `0123456789 +changes` 2 runs; "
+            "`not recorded` 4 runs.") in section(text, "## Setup")  # fmt: skip
+    assert table_rows(section(text, "## Per run"))["ce-seed1"][-1].strip(" |") == "0123456789 +changes"
 
 
 def _signed(value: float) -> str:
@@ -521,8 +559,11 @@ def test_cpu_runs_split_the_threads_and_gpu_runs_share_the_device() -> None:
 def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys, monkeypatch) -> None:
     """The whole command with a GPU (faked): each run's train and eval commands and environment."""
     launched: list[tuple[list[str], dict]] = []
+    real_run = subprocess.run
 
-    def fake_subprocess_run(command: list[str], env: dict, **_) -> None:
+    def fake_subprocess_run(command: list[str], env: dict | None = None, **kwargs):
+        if command[0] == "git":  # the run's code record (study/provenance.py)
+            return real_run(command, env=env, **kwargs)
         launched.append((command, env))
         if "ntl_pretrain.evaluation" in command:
             folder = Path(command[command.index("ntl_pretrain.evaluation") + 1])

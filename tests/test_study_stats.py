@@ -293,3 +293,58 @@ def test_power_of_the_paired_t_test_against_simulation() -> None:
     assert within_margin_probability(margin_for(0.5, sd, n), sd, n) == pytest.approx(0.5)
     # 16 seeds put the true sd below 1.206 x the sample's with 80% confidence (χ² with 15 df)
     assert sd_upper_bound(0.1, 16) == pytest.approx(0.1 * math.sqrt(15 / scipy_stats.chi2.ppf(0.2, 15)))
+
+
+V5 = RULES["v5"]
+LOG_ERROR = "eval/regression_interpolation/log_mae"
+UNPARSEABLE = "eval/regression_interpolation/unparseable"
+
+
+def v5_runs(gains: dict[str, float], n: int = 24) -> dict[str, list[dict]]:
+    """CE runs of both tokenizers with seed-dependent log-error, and each NTL arm's runs lower by its gain plus a
+    little noise; no unparseable answers unless a test adds them."""
+    rng = random.Random(5)
+    grouped = {}
+    for folder in ("regression", "regression-1digit"):
+        ce = [0.9 + 0.2 * rng.random() for _ in range(n)]
+        grouped[f"{folder}/ce"] = [{"seed": s, LOG_ERROR: e, UNPARSEABLE: 0.0} for s, e in enumerate(ce)]
+        gain = gains[f"{folder}/ntl-was-answer"]
+        grouped[f"{folder}/ntl-was-answer"] = [{"seed": s, LOG_ERROR: e - gain + rng.gauss(0, 0.01), UNPARSEABLE: 0.0}
+                                               for s, e in enumerate(ce)]  # fmt: skip
+    return grouped
+
+
+def test_v5_h3_is_the_gain_under_one_tokenizer_minus_the_gain_under_the_other() -> None:
+    """NTL cuts log-error by 0.10 under 1–3-digit tokens and by 0.02 under single digits: H1 helps, H2 is within its
+    margin, H3 (the first gain minus the second, seed by seed, Holm over the three) helps; swapped, H3 hurts."""
+    grouped = v5_runs({"regression/ntl-was-answer": 0.10, "regression-1digit/ntl-was-answer": 0.0})
+    three, one = V5.hypotheses[0], V5.hypotheses[1]
+    per_seed_h1 = three.per_seed(grouped)
+    per_seed_h2 = one.per_seed(grouped)
+    expected = [a - b for a, b in zip(per_seed_h1, per_seed_h2, strict=True)]
+    h3 = V5.hypotheses[2]
+    assert h3.per_seed(grouped) == pytest.approx(expected) and len(expected) == 24
+    assert V5.variants() == {"regression/ce", "regression/ntl-was-answer", "regression-1digit/ce",
+                             "regression-1digit/ntl-was-answer"}  # fmt: skip
+    verdicts = decide(V5, grouped)
+    assert [v.outcome for v in verdicts] == [HELPS, NO_EFFECT, HELPS]
+    assert [v.primary.mean for v in verdicts] == pytest.approx([0.10, 0.0, 0.10], abs=0.01)
+    raw = [paired_stats(h.per_seed(grouped)) for h in V5.hypotheses]
+    assert [v.p_t_corrected for v in verdicts] == holm([stats.p_t for stats in raw])
+    line = verdict_lines(V5, verdicts)[6]
+    assert line.startswith("- H3, `regression/ntl-was-answer` vs `regression/ce` minus "
+                           "`regression-1digit/ntl-was-answer` vs `regression-1digit/ce` on")  # fmt: skip
+    swapped = v5_runs({"regression/ntl-was-answer": 0.0, "regression-1digit/ntl-was-answer": 0.10})
+    assert [v.outcome for v in decide(V5, swapped)] == [NO_EFFECT, HELPS, HURTS]
+    del swapped["regression-1digit/ce"][7][LOG_ERROR]  # a seed without a figure is left out of H2 and H3 alike
+    assert len(V5.hypotheses[2].per_seed(swapped)) == 23
+
+
+def test_v5_helps_only_when_the_answers_without_a_number_do_not_grow() -> None:
+    """Log-error is over the answers that contain a number: an arm that gains it by leaving 3% of its answers
+    without one is not called helping (the guard's 95% CI must lie above −0.01)."""
+    grouped = v5_runs({"regression/ntl-was-answer": 0.10, "regression-1digit/ntl-was-answer": 0.10})
+    for run in grouped["regression/ntl-was-answer"]:
+        run[UNPARSEABLE] = 0.03 + 0.001 * (run["seed"] % 3)
+    h1, h2, _ = decide(V5, grouped)
+    assert h1.outcome == INCONCLUSIVE and "guard" in h1.reason and h2.outcome == HELPS

@@ -112,7 +112,7 @@ def error_profile(records: list[dict]) -> dict[str, float]:
     """How answers were wrong, from `ntl-pretrain eval --answers` records ("answer", "parsed", "exact"): shares of
     all answers exact, with a wrong last digit, or with the right last digit but a wrong answer (a missed carry, a
     wrong leading digit); and how far the wrong last digits were from the right ones, which is what a digit-level
-    NTL acts on. Integer answers only (others count as neither)."""
+    NTL acts on. Integer answers only (others count as neither). Then how large the errors were (`error_size`)."""
     exact = last_wrong = higher_wrong = 0
     distances = []
     for record in records:
@@ -137,4 +137,20 @@ def error_profile(records: list[dict]) -> dict[str, float]:
         "higher_digit_wrong": higher_wrong / total,
         "last_digit_off_by_one": distances.count(1) / len(distances) if distances else math.nan,
         "last_digit_distance": statistics.fmean(distances) if distances else math.nan,
-    }
+    } | error_size(records)
+
+
+TRIMMED_SHARE = 0.9
+"""`trimmed_mae` keeps this share of the answers, the smallest errors: one wild answer (study v4's pilot had one off
+by 316,072) moves MAE by hundreds, the trimmed mean by nothing, and a median ignores how close the rest came."""
+
+
+def error_size(records: list[dict]) -> dict[str, float]:
+    """How large the errors were, robust to a few wild answers: the median absolute error and the mean of the
+    smallest `TRIMMED_SHARE` of them, over the answers with a number in them (as `eval`'s MAE); NaN without any."""
+    errors = sorted(float(abs(Decimal(r["parsed"]) - parse_reference(r["answer"])))
+                    for r in records if r["parsed"] is not None)  # fmt: skip
+    if not errors:
+        return {"median_ae": math.nan, "trimmed_mae": math.nan}
+    kept = errors[: max(1, math.floor(TRIMMED_SHARE * len(errors)))]
+    return {"median_ae": statistics.median(errors), "trimmed_mae": statistics.fmean(kept)}

@@ -35,6 +35,7 @@ from ntl_pretrain.outputs import SIGNATURE, check_output, starts_with
 from ntl_pretrain.runtime.run_lock import check_free
 from ntl_pretrain.study.archive import archive_run
 from ntl_pretrain.study.decision import RULES
+from ntl_pretrain.study.provenance import code_version
 from ntl_pretrain.study.report import write_report
 from ntl_pretrain.study.runs import StudyRun, plan
 
@@ -90,6 +91,7 @@ def execute(run: StudyRun, overrides: list[str], eval_args: list[str], env: dict
     shutil.rmtree(run.run_dir, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
     train, evaluate = run_commands(run, overrides, eval_args)
+    code = code_version()  # before training: the code this run imports, whatever the checkout does meanwhile
     with (logs / f"{run.name}.log").open("w") as log:
         started, clock = time.time(), time.perf_counter()
         subprocess.run(train, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -97,7 +99,7 @@ def execute(run: StudyRun, overrides: list[str], eval_args: list[str], env: dict
         subprocess.run(evaluate, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     timing = {"train_s": trained - clock, "eval_s": time.perf_counter() - trained, "started": started,
               "finished": time.time()}  # fmt: skip
-    run.done_file.write_text(json.dumps({"variant": run.variant, "seed": run.seed, **timing}) + "\n")
+    run.done_file.write_text(json.dumps({"variant": run.variant, "seed": run.seed, **timing, "code": code}) + "\n")
     if run.archive is not None:
         archive_run(run.run_dir, run.archive)
 
@@ -117,7 +119,9 @@ def run_all(runs: list[StudyRun], overrides: list[str], eval_args: list[str], jo
         execute(run, overrides, eval_args, env, logs)
         return True
 
-    pending = [run for run in runs if not run.done]
+    # Seed by seed (each seed's variants in turn): a study stopped early leaves whole sets of paired runs.
+    seed_rank = {seed: rank for rank, seed in enumerate(dict.fromkeys(run.seed for run in runs))}
+    pending = sorted((run for run in runs if not run.done), key=lambda run: seed_rank[run.seed])
     for run in pending:  # before any run starts: another study's live run is refused, not deleted
         check_free(run.run_dir)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -150,7 +154,7 @@ def register(subparsers: argparse._SubParsersAction, summary: str | None = None)
                         f"no report until every planned run is finished (exit code {EXIT_UNFINISHED})")  # fmt: skip
     parser.add_argument("--decide", nargs="?", const="v3", choices=list(RULES), metavar="RULE",
                         help="state the verdicts of a protocol's decision rule (study_decision.RULES: v3, the "
-                        "default, v3-gpu or v4) in the report, once every planned run is finished")  # fmt: skip
+                        "default, v3-gpu, v4 or v5) in the report, once every planned run is finished")  # fmt: skip
     parser.add_argument("--status", action="store_true", help="print how many planned runs are done, then exit")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --doc/--plot/--csv that is not this study's own report")  # fmt: skip

@@ -14,8 +14,9 @@ each corrected over the rule's hypotheses (Holm or Bonferroni) at α. In order:
 5. otherwise inconclusive, with the CI.
 
 RULES: `v3` (docs/study-v3-protocol.md: log-error, `3digit/ntl-was` and `3digit/ntl-was-answer` against
-`3digit/ce`, with an exact-match guard), `v3-gpu` (its GPU arm: exact match, Bonferroni) and `v4`
-(docs/study-v4-protocol.md: three hypotheses, each on its own exact-match effect).
+`3digit/ce`, with an exact-match guard), `v3-gpu` (its GPU arm: exact match, Bonferroni), `v4`
+(docs/study-v4-protocol.md: three hypotheses, each on its own exact-match effect) and `v5`
+(docs/study-v5-protocol.md: log-error under two tokenizers, and the difference of the two gains, `against`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ class Effect:
 
     def per_seed(self, results: list[dict], baseline: list[dict]) -> list[float]:
         """The effect on each seed where both lists measured every metric it needs, in seed order."""
+        return list(self.by_seed(results, baseline).values())
+
+    def by_seed(self, results: list[dict], baseline: list[dict]) -> dict[int, float]:
+        """{seed: effect} over the seeds where both lists measured every metric it needs, in seed order."""
         gains = paired_gains_by_seed(results, baseline, self.metric, self.higher_is_better)
         if self.minus is None:
-            return list(gains.values())
+            return gains
         other = paired_gains_by_seed(results, baseline, self.minus, self.higher_is_better)
-        return [gain - other[seed] for seed, gain in gains.items() if seed in other]
+        return {seed: gain - other[seed] for seed, gain in gains.items() if seed in other}
 
     def describe(self) -> str:
         if self.minus is None:
@@ -69,10 +74,26 @@ class Hypothesis:
     """How the protocol calls it (`H1`); the report names it so."""
     meaning: str = ""
     """What a positive effect says, in words, for the report."""
+    against: tuple[str, str] | None = None
+    """(variant, baseline) of a second pair: when set, the effect per seed is the effect on this hypothesis's pair
+    minus the same effect on that pair (study v5's H3: NTL's gain under one tokenizer minus its gain under another)."""
 
     def terms(self) -> tuple:
         """Everything but the pair it compares: hypotheses with equal terms share one line of the report."""
-        return self.effect, self.min_gain, self.no_effect_margin, self.guard, self.guard_ci_floor
+        return self.effect, self.min_gain, self.no_effect_margin, self.guard, self.guard_ci_floor, self.against
+
+    def per_seed(self, grouped: dict[str, list[dict]]) -> list[float]:
+        """The effect on each seed, in seed order, from each variant's results (one per seed, with `seed`)."""
+        effects = self.effect.by_seed(grouped[self.variant], grouped[self.baseline])
+        if self.against is None:
+            return list(effects.values())
+        other = self.effect.by_seed(grouped[self.against[0]], grouped[self.against[1]])
+        return [effect - other[seed] for seed, effect in effects.items() if seed in other]
+
+    def compared(self) -> str:
+        """The comparison in words: `variant` vs `baseline`, minus the second pair's where there is one."""
+        pair = f"`{self.variant}` vs `{self.baseline}`"
+        return pair if self.against is None else f"{pair} minus `{self.against[0]}` vs `{self.against[1]}`"
 
 
 @dataclass(frozen=True)
@@ -83,7 +104,7 @@ class DecisionRule:
     alpha: float = 0.05
 
     def variants(self) -> set[str]:
-        return {name for h in self.hypotheses for name in (h.variant, h.baseline)}
+        return {name for h in self.hypotheses for name in (h.variant, h.baseline, *(h.against or ()))}
 
 
 def same_effect_rule(
@@ -125,7 +146,7 @@ def decide(rule: DecisionRule, grouped: dict[str, list[dict]]) -> list[Verdict]:
     primaries, guards = [], []
     for h in rule.hypotheses:
         results, baseline = grouped[h.variant], grouped[h.baseline]
-        primaries.append(paired_stats(h.effect.per_seed(results, baseline)))
+        primaries.append(paired_stats(h.per_seed(grouped)))
         guards.append(paired_stats([] if h.guard is None else h.guard.per_seed(results, baseline)))
     correct = holm if rule.correction == "holm" else bonferroni
     corrected_t = correct([stats.p_t for stats in primaries])
@@ -216,7 +237,7 @@ def _shared_bullet(v: Verdict) -> str:
 def _hypothesis_bullet(v: Verdict) -> str:
     h = v.hypothesis
     meaning = f" (+: {h.meaning})" if h.meaning else ""
-    return (f"- {h.name or 'Hypothesis'}, `{h.variant}` vs `{h.baseline}` on {h.effect.describe()}{meaning}; minimum "
+    return (f"- {h.name or 'Hypothesis'}, {h.compared()} on {h.effect.describe()}{meaning}; minimum "
             f"{h.min_gain:g}, margin ±{h.no_effect_margin:g}: **{v.outcome}** ({v.reason}). Mean "
             f"{_signed(v.primary.mean)}, {_numbers(v)}{_guard_numbers(v)}.")  # fmt: skip
 
@@ -240,6 +261,26 @@ V4 = DecisionRule(
     ),
 )  # fmt: skip
 
+REGRESSION = "eval/regression_interpolation"
+LOG_ERROR = Effect(f"{REGRESSION}/log_mae", higher_is_better=False)
+NO_MORE_UNPARSEABLE = Effect(f"{REGRESSION}/unparseable", higher_is_better=False)
+# Study v5's thresholds (min_gain = margin), by study v4's rule from the regression pilot's paired sd at its 80% upper
+# bound (bench/study_v5_power.py, docs/study-v5-protocol.md). "Helps" on H1 and H2 also needs the 95% CI of the
+# change in answers without a number above −0.01: log-error is over the answers that contain one.
+V5 = DecisionRule(
+    hypotheses=(
+        Hypothesis("regression/ntl-was-answer", "regression/ce", LOG_ERROR, min_gain=0.025, no_effect_margin=0.025,
+                   guard=NO_MORE_UNPARSEABLE, guard_ci_floor=-0.01, name="H1",
+                   meaning="CE + NTL-WAS on the answers makes smaller errors than CE under 1–3-digit number tokens"),
+        Hypothesis("regression-1digit/ntl-was-answer", "regression-1digit/ce", LOG_ERROR, min_gain=0.025,
+                   no_effect_margin=0.025, guard=NO_MORE_UNPARSEABLE, guard_ci_floor=-0.01, name="H2",
+                   meaning="CE + NTL-WAS on the answers makes smaller errors than CE under single-digit tokens"),
+        Hypothesis("regression/ntl-was-answer", "regression/ce", LOG_ERROR, min_gain=0.035, no_effect_margin=0.035,
+                   against=("regression-1digit/ntl-was-answer", "regression-1digit/ce"), name="H3",
+                   meaning="NTL-WAS cuts the error more under 1–3-digit tokens than under single digits"),
+    ),
+)  # fmt: skip
+
 # The protocol's rules by name (`ntl-pretrain study --decide NAME`).
 RULES = {
     "v3": same_effect_rule(
@@ -258,4 +299,5 @@ RULES = {
         correction="bonferroni",
     ),
     "v4": V4,
+    "v5": V5,
 }

@@ -11,13 +11,14 @@ import csv
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ntl_pretrain.outputs import write_file, write_text
 from ntl_pretrain.plot import plot_runs, read_metrics
 from ntl_pretrain.study.decision import DecisionRule, decide, verdict_lines
+from ntl_pretrain.study.provenance import describe
 from ntl_pretrain.study.runs import BASELINE, StudyRun, baseline_of
 from ntl_pretrain.study.stats import paired_gains, paired_stats
 from ntl_pretrain.study.token_classes import class_title, labels_in
@@ -52,8 +53,13 @@ VALIDATION_METRICS = (
     Metric("val_answer_ntl_was", "val NTL-WAS at answer labels", False, 3),
     Metric("val_answer_ntl_digits", "val NTL-digits at answer labels", False, 3),
 )
-# Per question set, from each run's answers (`error_profile`): wrong answers closer to the truth, higher is better.
-OFF_BY_ONE = Metric("errors/{set}/last_digit_off_by_one", "{set} wrong last digits off by 1", True, 3)
+# Per question set, from each run's answers (`error_profile`): how close the wrong last digits came (higher is
+# better), and the size of the errors robust to a few wild answers (lower is better).
+ERROR_METRICS = (
+    Metric("errors/{set}/last_digit_off_by_one", "{set} wrong last digits off by 1", True, 3),
+    Metric("errors/{set}/median_ae", "{set} median AE", False, 3),
+    Metric("errors/{set}/trimmed_mae", "{set} MAE of the best 90%", False, 3),
+)
 
 
 def qa_sets(results: dict) -> list[str]:
@@ -77,8 +83,8 @@ def generation_metrics(sets: list[str]) -> list[Metric]:
     for qa_set in sets:
         metrics += [Metric(f"eval/{qa_set}/{name}", f"{qa_set} {title}", higher, digits)
                     for name, title, higher, digits in GENERATION_METRICS]  # fmt: skip
-        off_by_one = OFF_BY_ONE.key.format(set=qa_set), OFF_BY_ONE.title.format(set=qa_set)
-        metrics.append(Metric(*off_by_one, OFF_BY_ONE.higher_is_better, OFF_BY_ONE.digits))
+        metrics += [replace(metric, key=metric.key.format(set=qa_set), title=metric.title.format(set=qa_set))
+                    for metric in ERROR_METRICS]  # fmt: skip
     return metrics
 
 
@@ -205,12 +211,12 @@ def error_profile_section(runs: list[StudyRun]) -> list[str]:
 
 
 def per_run_table(runs: list[StudyRun], measured: list[dict], metrics: list[Metric]) -> list[str]:
-    lines = ["| run | " + " | ".join(metric.title for metric in metrics) + " | train s | eval s |"]
-    lines.append("|---|" + "---:|" * (len(metrics) + 2))
+    lines = ["| run | " + " | ".join(metric.title for metric in metrics) + " | train s | eval s | code |"]
+    lines.append("|---|" + "---:|" * (len(metrics) + 2) + "---|")
     for run, results in zip(runs, measured, strict=True):
         timing = run.timing()
         cells = [_format(results[metric.key], metric.digits) for metric in metrics]
-        cells += [f"{timing['train_s']:.0f}", f"{timing['eval_s']:.0f}"]
+        cells += [f"{timing['train_s']:.0f}", f"{timing['eval_s']:.0f}", describe(timing.get("code"))]
         lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -253,17 +259,19 @@ def _p(p: float) -> str:
 
 
 def write_runs_csv(runs: list[StudyRun], measured: list[dict], path: Path) -> None:
-    """One row per run: variant, seed, every evaluation result and error-profile key any run has, timing."""
+    """One row per run: variant, seed, every evaluation result and error-profile key any run has, timing, and the
+    code that ran it (study/provenance.py)."""
     keys = list(dict.fromkeys(key for results in measured for key in results))
 
     def write(partial: Path) -> None:
         with partial.open("w", newline="") as file:
             writer = csv.writer(file)
-            writer.writerow(["run", "variant", "seed", *keys, "train_s", "eval_s"])
+            writer.writerow(["run", "variant", "seed", *keys, "train_s", "eval_s", "code"])
             for run, results in zip(runs, measured, strict=True):
                 timing = run.timing()
                 values = [results.get(key, "") for key in keys]
-                writer.writerow([run.name, run.variant, run.seed, *values, timing["train_s"], timing["eval_s"]])
+                code = describe(timing.get("code"))
+                writer.writerow([run.name, run.variant, run.seed, *values, timing["train_s"], timing["eval_s"], code])
 
     write_file(path, write)
 
@@ -341,7 +349,20 @@ def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
         + "; ".join(sorted({_describe_variant(run, overrides, recipe.tokenizer.path) for run in runs}))
         + f"; seeds {sorted({run.seed for run in runs})}.",
         _evaluation_line(runs[0].results(), recipe.eval.qa_sets),
+        _code_line(runs),
     ]
+
+
+def _code_line(runs: list[StudyRun]) -> str:
+    """Which code ran the runs, from each run's `study.json` (study/provenance.py), with how many runs each."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        code = describe(run.timing().get("code"))
+        counts[code] = counts.get(code, 0) + 1
+    if len(counts) == 1:
+        return f"- Code: every run at `{next(iter(counts))}` (the `code` field of each run's study.json)."
+    each = "; ".join(f"`{code}` {count} run{'s' * (count != 1)}" for code, count in counts.items())
+    return f"- Code (the `code` field of each run's study.json): {each}."
 
 
 def _recipes_folder(runs: list[StudyRun]) -> Path:
@@ -408,8 +429,9 @@ def write_report(
         *results_table(grouped, metrics),
         "",
         "Exact match, R², digit accuracy, the share of wrong last digits off by one: higher is better. MAE, log10(1 + "
-        "absolute error), validation CE and NTL: lower is better. MAE, log-error and R² are over the answers that "
-        "contain a number. The last columns are differences "
+        "absolute error), the median absolute error, the MAE of the 90% best answers, validation CE and NTL: lower "
+        "is better. The error metrics and R² are over the answers that contain a number. The last columns are "
+        "differences "
         f"of means from {BASELINE} (of the variant's own recipe folder), signed so that + is better"
         + (
             f"; (k/n): better than the {BASELINE} run of the same seed (same initialisation and data order) on k of "
