@@ -1,7 +1,15 @@
 """Fixtures several test files share. Helper modules live in tests/helpers/ (`from helpers.launches import TINY`)."""
 
+import os
+
 import pytest
 import torch
+
+# The Triton backend's kernels run on CPU tensors only through Triton's interpreter, which triton 3.x chooses when it
+# is first imported (its own library's @jit functions), when it decorates a kernel, and again at launch: so it is set
+# before anything imports triton (transformers' model modules do), for the whole session and the ranks it spawns
+# (tests/test_loss_triton.py). The torch backend, and `auto` on CPU, never import triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

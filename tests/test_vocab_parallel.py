@@ -194,7 +194,7 @@ def check_head_cases() -> None:
     lo, hi = vocab_bounds(nv.vocab_size, world_size)[rank : rank + 2]
     for kind, reweigh, chunk_size in [
         ("was", False, 3),
-        ("digits", False, 3),  # the same two all-reduces per chunk as was: its distance sums ride in the SUM
+        ("digits", False, 3),  # the same all-reduces as was: its distance sums ride in the class pass's SUM
         ("mse", True, None),
         (None, False, 4),
         ("number", False, 3),
@@ -218,9 +218,9 @@ def check_head_cases() -> None:
         head.average_gradients(data_parallel_size=world_size)
 
         chunks = -(-world_size * hidden[..., 0].numel() // chunk_size) if chunk_size else 1
-        number_pass = 2 if kind == "number" else 0  # the number-token logits of all positions, before the chunks
+        class_pass = 2 if kind is not None else 0  # the number-token logits of all positions, before the chunks
         # no all-reduce agrees on the chunk size: the head knows every rank's shard width
-        expected = Counter(all_gather_into_tensor=2, all_reduce=2 * chunks + number_pass)
+        expected = Counter(all_gather_into_tensor=2, all_reduce=2 * chunks + class_pass)
         assert forward_calls == expected, f"{what}: forward collectives {dict(forward_calls)}"
         assert backward_calls == Counter(reduce_scatter_tensor=1), f"{what}: backward {dict(backward_calls)}"
         share = ce_sums[rank] * scales[0] + ntl_sums[rank] * scales[1]

@@ -100,7 +100,12 @@ class LossConfig:
     fp32 chunk does); dense: the output layer materialises the logits and their gradient (tiny vocabularies,
     debugging)."""
     chunk_size: int | None = None
-    """Positions per chunk of the chunked head; null = 2^26 / V (a 256 MiB fp32 chunk of logits)."""
+    """Positions per chunk of the chunked head; null = 2^26 / V with backend torch (a 256 MiB fp32 chunk of logits),
+    2^28 / V with triton (the chunk in the logits' dtype, its gradient written over it: 512 MiB in bf16)."""
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    """What computes CE + NTL: triton (Triton kernels, fp32 math from bf16 logits, on CUDA GPUs), torch (the
+    reference, on any device), or auto (triton on CUDA where the triton package imports, else torch). triton where it
+    cannot run is refused before launch."""
     vocab_parallel_size: int = 1
     """k > 1: groups of k consecutive data-parallel ranks share the output layer by vocabulary rows
     (`VocabParallelHead`), so no rank gathers the whole [V, H] matrix; must divide the world size; needs an untied

@@ -53,5 +53,5 @@ def build_head(recipe: Recipe, lm: PreTrainedModel, number_vocab: NumberVocab | 
 
         return VocabParallelOutputHead.from_model(lm, number_vocab, recipe, transform)
     if loss.head == "dense":
-        return DenseHead(lm.get_output_embeddings(), number_vocab, loss.ntl, transform)
-    return ChunkedHead(lm.get_output_embeddings(), number_vocab, loss.ntl, transform, loss.chunk_size)
+        return DenseHead(lm.get_output_embeddings(), number_vocab, loss.ntl, transform, loss.backend)
+    return ChunkedHead(lm.get_output_embeddings(), number_vocab, loss.ntl, transform, loss.chunk_size, loss.backend)

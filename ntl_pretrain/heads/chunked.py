@@ -8,8 +8,9 @@ its module): ZeRO-3 gathers it for this head's forward and backward and releases
 the kernel forms in forward and hands to autograd in backward, reaches DeepSpeed's reduce-scatter like any other.
 With tied embeddings the output layer's weight is the input embedding: the same parameter, gathered the same way.
 
-Memory per micro-batch of N positions: one [R, V] fp32 chunk (R = `loss.chunk_size`, or 2^26 / V positions)
-besides the [V, H] weight gradient, instead of [N, V] logits and their gradient.
+Memory per micro-batch of N positions: one [R, V] chunk (R = `loss.chunk_size`, or 2^26 / V positions in fp32 with
+`loss.backend` torch, 2^28 / V in the logits' dtype with triton) besides the [V, H] weight gradient, instead of
+[N, V] logits and their gradient.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
+from ntl_pretrain.loss.backend import resolve_backend
 from ntl_pretrain.loss.chunked import linear_ce_ntl_rows
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.numbers import NumberVocab
@@ -34,6 +36,7 @@ class ChunkedHead(OutputHead):
         ntl: NtlConfig,
         transform: LogitTransform = IDENTITY,
         chunk_size: int | None = None,
+        backend: str = "auto",
     ):
         super().__init__()
         if getattr(output_layer, "bias", None) is not None:
@@ -43,6 +46,7 @@ class ChunkedHead(OutputHead):
             )
         self.output_layer = output_layer  # a submodule for its weight (optimised, checkpointed); never called
         self.number_vocab, self.ntl, self.transform, self.chunk_size = number_vocab, ntl, transform, chunk_size
+        self.backend = backend  # loss.backend
         if hasattr(output_layer.weight, "ds_id"):
             import deepspeed
 
@@ -57,11 +61,12 @@ class ChunkedHead(OutputHead):
         ntl_labels_BT: torch.Tensor | None = None,
     ) -> HeadOutput:
         given_counts = num_tokens is not None
+        backend = resolve_backend(self.backend, hidden_BTH.device, hidden_BTH.dtype, "loss.backend")
         rows = linear_ce_ntl_rows(
             hidden_BTH, self.output_layer.weight, labels_BT, self.number_vocab, self.ntl,
             reduction="mean" if given_counts else "sum", chunk_size=self.chunk_size, num_tokens=num_tokens,
             num_number_tokens=num_number_tokens, transform=self.transform, ntl_labels=ntl_labels_BT,
-            ignore_index=IGNORE_INDEX,
+            ignore_index=IGNORE_INDEX, backend=backend,
         )  # fmt: skip
         number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum()
         return HeadOutput(rows.loss, rows.ce_N.sum(), rows.ntl_N.sum(), rows.valid_N.sum(), rows.ntl_terms_N.sum(),

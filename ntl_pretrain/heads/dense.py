@@ -13,6 +13,7 @@ from torch import nn
 from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
 from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.loss.backend import resolve_backend
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.numbers import NumberVocab
 
@@ -24,12 +25,14 @@ class DenseHead(OutputHead):
         number_vocab: NumberVocab | None,
         ntl: NtlConfig,
         transform: LogitTransform = IDENTITY,
+        backend: str = "auto",
     ):
         super().__init__()
         self.projection = projection
         self.number_vocab = number_vocab
         self.ntl = ntl
         self.transform = transform
+        self.backend = backend  # loss.backend
 
     def forward(
         self,
@@ -40,6 +43,7 @@ class DenseHead(OutputHead):
         ntl_labels_BT: torch.Tensor | None = None,
     ) -> HeadOutput:
         logits_BTV = self.transform(self.projection(hidden_BTH))
+        backend = resolve_backend(self.backend, logits_BTV.device, logits_BTV.dtype, "loss.backend")
         out = ce_ntl_loss(
             logits_BTV,
             labels_BT,
@@ -50,6 +54,7 @@ class DenseHead(OutputHead):
             reduction="sum",
             float_level=self.ntl.float_level,
             ntl_labels=ntl_labels_BT,
+            backend=backend,
         )
         if num_tokens is None:
             loss = out.ce + self.ntl.weight * out.ntl

@@ -104,7 +104,7 @@ class VocabParallelOutputHead(OutputHead):
         ntl, chunk_size = loss.ntl, loss.chunk_size if loss.head == "chunked" else ONE_CHUNK
         head = VocabParallelHead.from_output_layer(
             lm, groups.vocab, number_vocab=number_vocab, kind=ntl.kind, ntl_weight=ntl.weight, reweigh=ntl.reweigh,
-            chunk_size=chunk_size, transform=transform, float_level=ntl.float_level,
+            chunk_size=chunk_size, transform=transform, float_level=ntl.float_level, backend=loss.backend,
         ).float()  # fmt: skip
         lm.set_output_embeddings(VocabParallelOutputLayer(head))
         return cls(head, groups, recipe, dist.get_world_size())

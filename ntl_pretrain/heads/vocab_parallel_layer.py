@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ntl_pretrain.config.recipe import NtlConfig
+from ntl_pretrain.loss.backend import resolve_backend
 from ntl_pretrain.loss.ce_ntl import LossOutput
 from ntl_pretrain.loss.chunked import default_chunk_rows, linear_ce_ntl_rows
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
@@ -71,11 +72,12 @@ class VocabParallelHead(nn.Module):
         chunk_size: int | None = None,
         transform: LogitTransform = IDENTITY,
         float_level: bool = False,
+        backend: str = "auto",
     ):
         """`weight_slice` [Vr, H] are rows vocab_bounds(vocab_size, k)[r] : [r + 1] of the output matrix, r being
         this rank's index in `group`. It may be kept in fp32 (its own master copy) while hidden states are bf16:
         forward casts it to the hidden states' dtype. `transform`: the architecture's logit post-processing;
-        `float_level`: as in `ce_ntl_loss` (kind "number")."""
+        `float_level`: as in `ce_ntl_loss` (kind "number"); `backend`: the recipe's `loss.backend`."""
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         bounds = vocab_bounds(vocab_size, size)
@@ -90,8 +92,8 @@ class VocabParallelHead(nn.Module):
         self.number_vocab, self.ntl = number_vocab, NtlConfig(kind, ntl_weight, reweigh, float_level)
         # Without a chunk size every rank takes the default for the widest shard: the same on all ranks, known
         # here, where `linear_ce_ntl_loss` would agree on it with an all-reduce and a host sync on every call.
-        widest = max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
-        self.chunk_size = default_chunk_rows(widest) if chunk_size is None else chunk_size
+        self.widest = max(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True))
+        self.chunk_size, self.backend = chunk_size, backend
         self.ignore_index, self.transform = ignore_index, transform
 
     @classmethod
@@ -138,14 +140,16 @@ class VocabParallelHead(nn.Module):
         if given_counts != (num_number_tokens is not None):
             raise ValueError("pass both num_tokens and num_number_tokens (the global batch's counts), or neither")
         hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+        backend = resolve_backend(self.backend, hidden_BTH.device, hidden_BTH.dtype, "loss.backend")
+        chunk_size = default_chunk_rows(self.widest, backend) if self.chunk_size is None else self.chunk_size
         group_hidden_MH = GatherPositions.apply(hidden_NH, self.group)
         group_labels_RT = self._group_rows(labels_BT)
         group_ntl_labels_RT = None if ntl_labels_BT is None else self._group_rows(ntl_labels_BT)
         rows = linear_ce_ntl_rows(
             group_hidden_MH.view(*group_labels_RT.shape, -1), self.weight.to(hidden_BTH.dtype), group_labels_RT,
-            self.number_vocab, self.ntl, reduction="mean" if given_counts else "sum", chunk_size=self.chunk_size,
+            self.number_vocab, self.ntl, reduction="mean" if given_counts else "sum", chunk_size=chunk_size,
             group=self.group, vocab_start=self.vocab_start, num_tokens=num_tokens, num_number_tokens=num_number_tokens,
-            transform=self.transform, ntl_labels=group_ntl_labels_RT, ignore_index=self.ignore_index,
+            transform=self.transform, ntl_labels=group_ntl_labels_RT, ignore_index=self.ignore_index, backend=backend,
         )  # fmt: skip
         rank, positions = dist.get_rank(self.group), hidden_NH.shape[0]
         own = slice(rank * positions, (rank + 1) * positions)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ntl_pretrain.loss.backend import resolve_backend
 from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype, make_targets
 from ntl_pretrain.loss.number_level import find_number_spans
 from ntl_pretrain.numbers import NumberShard, NumberVocab
@@ -53,6 +54,7 @@ def ce_ntl_loss(
     vocab_start: int = 0,
     float_level: bool = False,
     ntl_labels: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> LossOutput:
     """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber|digits|number, or None
     for CE only). "digits" is WAS over the digits of a multi-digit token: sum_j q_j (1/k) sum_i |d_j[i] - d_t[i]|,
@@ -67,9 +69,10 @@ def ce_ntl_loss(
     columns [vocab_start, vocab_start + V) of the vocabulary `nv` describes and every rank of the group gets the
     loss of the full vocabulary; each rank's gradient covers its own columns. "mean" divides by this call's
     counts (a batch without number labels has ntl = 0); to normalise over a global batch, take "sum" and divide
-    by the counts summed over it.
+    by the counts summed over it. `backend`: "torch", "triton" (Triton kernels; CUDA) or "auto" (backend.py).
     """
     check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh, ntl_labels)
+    backend = resolve_backend(backend, logits.device, logits.dtype)
     num_columns = logits.shape[-1]
     logits_NV = logits.reshape(-1, num_columns)
     shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
@@ -79,7 +82,7 @@ def ce_ntl_loss(
     )
     number_labels = labels if ntl_labels is None else ntl_labels
     spans = find_number_spans(number_labels, nv, ignore_index, float_level) if kind == "number" else None
-    ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group, spans)
+    ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group, spans, backend)
     num_tokens = targets.valid.sum()
     num_number_tokens = targets.is_number.sum() if spans is None else spans.count
     number_ce_N = torch.where(targets.is_number, ce_N.detach(), 0.0)

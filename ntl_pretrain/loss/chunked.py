@@ -9,11 +9,18 @@ two all-reduces per chunk with a group), then d loss / d logits overwrites the l
 the hidden and weight gradients at once. No [N, V] buffer ever exists; the peak is one [R, V] chunk besides the
 weight gradient. Because the gradient is formed in forward, only the combined loss is differentiable.
 
-The number-level kind (`kind="number"`) needs, at every position of a number, the expectation over the label's
-number class, and a number's positions may fall in different chunks. Those expectations need only the number-token
-logits (hidden @ weight[number rows].T, K << V columns), so a first pass computes them for all N positions (two more
-all-reduces with a group), then the per-number losses and the gradient on those K columns, which each chunk of the
-CE pass then adds to its own gradient.
+NTL needs only the number-token logits (hidden @ weight[number rows].T, K << V columns: 1,110 of 128,256 for
+Llama-3), so a first pass, the class pass, computes them for all N positions at once (two more all-reduces with a
+group): the per-position NTL and the gradient on those K columns, which each chunk then adds to its own. The
+number-level kind needs it so (a number's positions may fall in different chunks); every kind gains from it, since
+the per-row class work then runs once per call instead of once per chunk, and each chunk is a matmul, its row
+statistics (one log-sum-exp and a target logit per row), its gradient and two matmuls. Reweighing alone needs each
+chunk's log-sum-exps (the class mass m = exp(class_lse - lse)): a chunk scales the NTL gradient by m.
+
+Backends (backend.py): torch multiplies into an fp32 chunk; triton keeps the chunk in the hidden states' dtype,
+applies the transform and the fp32 math inside its kernels (triton_kernels.py) and writes the gradient over the
+logits in place, so its chunk costs 2 bytes per element in bf16 against the torch path's 8 (bf16 product, fp32
+copy, bf16 gradient): the same memory holds 4x the rows (`CHUNK_ELEMENTS`), and a call is a few chunks.
 
 An architecture's logit post-processing (`LogitTransform`: scaling, soft-capping) is applied to each chunk, and its
 derivative is chained into d loss / d logits before the chunk's gradient is folded in. The weight gradient
@@ -34,23 +41,37 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.config.recipe import NtlConfig
+from ntl_pretrain.loss.backend import resolve_backend
 from ntl_pretrain.loss.ce_ntl import LossOutput, check_loss_arguments, no_number_shard
 from ntl_pretrain.loss.fused import (
+    ClassStats,
     Targets,
+    ce_partials,
+    class_partials,
+    class_stats,
+    class_sums_from_mean,
+    combine,
     compute_dtype,
-    forward_rows,
-    logits_grad_rows,
     make_targets,
+    number_coefficients,
     number_columns_grad,
-    rows_from_partials,
+    owned_columns,
+    reweigh_slope,
+    reweighed_ntl,
+    row_chunks,
+    softmax_weights,
+    triton_number_rows,
+    write_logits_grad,
 )
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.loss.number_level import NumberSpans, find_number_spans, gradient_at_first
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
-# A chunk's logits hold about this many elements (256 MiB in fp32) by default: enough rows for the matmuls to run at
-# full speed, few enough that the chunk stays far below the [N, V] logits it replaces.
-CHUNK_ELEMENTS = 1 << 26
+# A chunk's logits hold about this many elements by default, per backend: enough rows for the matmuls to run at full
+# speed and for few chunks (each costs host work and launches), few enough that the chunk stays far below the
+# [N, V] logits it replaces. torch: 256 MiB in fp32 (512 MiB with bf16 weights: product, fp32 copy, gradient);
+# triton: the same 512 MiB as bf16 logits overwritten by their gradient.
+CHUNK_ELEMENTS = {"torch": 1 << 26, "triton": 1 << 28}
 # Where grouping pays (module docstring), the logit gradients of this many elements (512 MiB in bf16) go into one
 # weight-gradient matmul: at V = 128k, 2,048 positions, 4x fewer passes over the fp32 accumulator than chunk by chunk.
 WEIGHT_GROUP_ELEMENTS = 1 << 28
@@ -76,6 +97,7 @@ def linear_ce_ntl_loss(
     float_level: bool = False,
     ntl_labels: torch.Tensor | None = None,
     weight_grad_rows: int | None = None,
+    backend: str = "auto",
 ) -> LossOutput:
     """CE + `ntl_weight`·NTL of the logits `transform(hidden @ weight.T)`, `chunk_size` positions at a time.
 
@@ -92,12 +114,13 @@ def linear_ce_ntl_loss(
     counts are always this call's (with kind "number", `num_number_tokens` counts numbers; `float_level` and
     `ntl_labels` as in `ce_ntl_loss`). `weight_grad_rows`: positions one weight-gradient matmul takes, in whole
     chunks (at least one); None: `WEIGHT_GROUP_ELEMENTS` worth where grouping pays (module docstring), else a chunk.
+    `backend`: "torch", "triton" (Triton kernels; CUDA) or "auto" (backend.py).
     """
     rows = linear_ce_ntl_rows(
         hidden, weight, labels, nv, NtlConfig(kind, ntl_weight, reweigh, float_level), reduction=reduction,
         chunk_size=chunk_size, group=group, vocab_start=vocab_start, num_tokens=num_tokens,
         num_number_tokens=num_number_tokens, transform=transform, ntl_labels=ntl_labels,
-        weight_grad_rows=weight_grad_rows, ignore_index=ignore_index,
+        weight_grad_rows=weight_grad_rows, ignore_index=ignore_index, backend=backend,
     )  # fmt: skip
     ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
     number_ce = torch.where(rows.is_number_N, rows.ce_N, 0.0).sum() * rows.ntl_scale
@@ -143,6 +166,7 @@ def linear_ce_ntl_rows(
     ntl_labels: torch.Tensor | None = None,
     weight_grad_rows: int | None = None,
     ignore_index: int = -100,
+    backend: str = "auto",
 ) -> LinearLossRows:
     """`linear_ce_ntl_loss` before the per-position terms are summed: the heads' entry (the same arguments, the NTL
     settings as one object, the recipe's `loss.ntl` section)."""
@@ -151,6 +175,7 @@ def linear_ce_ntl_rows(
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size, weight_grad_rows)
     logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)
     check_loss_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start, reweigh, ntl_labels)
+    backend = resolve_backend(backend, hidden.device, hidden.dtype)
     vocab_end = vocab_start + weight.shape[0]
     shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else no_number_shard(hidden.device)
     dtype = compute_dtype(hidden)
@@ -162,12 +187,11 @@ def linear_ce_ntl_rows(
     counts = targets.valid.sum(), ntl_terms_N.sum()
     ce_scale, ntl_scale = _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, hidden.device)
     grad_ce_N, grad_ntl_N = ce_scale.expand(labels_N.shape), (ntl_weight * ntl_scale).expand(labels_N.shape)
-    rows = _chunk_rows(chunk_size, weight.shape[0], group, hidden.device)
-    group_rows = _weight_group_rows(weight_grad_rows, rows, hidden, weight.shape[0])
+    rows = _chunk_rows(chunk_size, weight.shape[0], group, hidden.device, backend)
+    plan = ChunkPlan(rows, _weight_group_rows(weight_grad_rows, rows, hidden, weight.shape[0]), backend)
     loss, ce_N, ntl_N = LinearCeNtl.apply(
-        hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, (rows, group_rows), group, transform,
-        spans,
-    )  # fmt: skip
+        hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, plan, group, transform, spans
+    )
     return LinearLossRows(loss, ce_N, ntl_N, targets.valid, targets.is_number, ntl_terms_N, ce_scale, ntl_scale)
 
 
@@ -180,11 +204,11 @@ def _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, device
     return 1 / tokens.clamp_min(1).to(dtype), 1 / numbers.clamp_min(1).to(dtype)
 
 
-def _chunk_rows(chunk_size: int | None, num_columns: int, group, device) -> int:
+def _chunk_rows(chunk_size: int | None, num_columns: int, group, device, backend: str) -> int:
     """Positions per chunk; with a group every rank must use the same (each chunk's all-reduces pair up)."""
     if chunk_size is not None:
         return chunk_size
-    rows = default_chunk_rows(num_columns)
+    rows = default_chunk_rows(num_columns, backend)
     if group is None:
         return rows
     rows_1 = torch.tensor([rows], device=device)
@@ -201,9 +225,9 @@ def _weight_group_rows(weight_grad_rows: int | None, rows: int, hidden: torch.Te
     return max(1, weight_grad_rows // rows) * rows
 
 
-def default_chunk_rows(num_columns: int) -> int:
-    """Positions per chunk when none is given: logits of about `CHUNK_ELEMENTS` elements."""
-    return max(1, CHUNK_ELEMENTS // num_columns)
+def default_chunk_rows(num_columns: int, backend: str = "torch") -> int:
+    """Positions per chunk when none is given: logits of about `CHUNK_ELEMENTS[backend]` elements."""
+    return max(1, CHUNK_ELEMENTS[backend] // num_columns)
 
 
 def _check_linear_arguments(hidden, weight, labels, reduction, chunk_size, weight_grad_rows) -> None:
@@ -221,6 +245,16 @@ def _check_linear_arguments(hidden, weight, labels, reduction, chunk_size, weigh
         raise ValueError(f"weight_grad_rows must be a positive number of positions, got {weight_grad_rows}")
 
 
+@dataclass(frozen=True)
+class ChunkPlan:
+    rows: int
+    """Positions per chunk."""
+    group_rows: int
+    """Positions per weight-gradient matmul (whole chunks)."""
+    backend: str
+    """"torch" or "triton" (backend.py)."""
+
+
 class LinearCeNtl(torch.autograd.Function):
     """(hidden [N, H], weight [V, H]) -> (loss, CE [N], NTL [N]); saves the gradients, not the activations."""
 
@@ -235,48 +269,52 @@ class LinearCeNtl(torch.autograd.Function):
         reweigh,
         g_ce_N,
         g_ntl_N,
-        rows_and_group_rows,
+        plan: ChunkPlan,
         group,
         transform: LogitTransform,
         spans: NumberSpans | None,
     ):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         dtype = compute_dtype(hidden_NH)
-        rows, group_rows = rows_and_group_rows
         grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=dtype) if want_weight else None
-        weight_grad = WeightGradient(grad_weight_VH, hidden_NH, rows, group_rows) if want_weight else None
-        if kind == "number":
-            number_ntl_N, number_grad_NK = _number_pass(hidden_NH, weight_VH, t, shard, g_ntl_N, group, transform,
-                                                        spans)  # fmt: skip
-            chunk_shard, chunk_kind = no_number_shard(hidden_NH.device), None  # the chunks add CE only
-        else:
-            chunk_shard, chunk_kind = shard, kind
+        weight_grad = WeightGradient(grad_weight_VH, hidden_NH, plan.rows, plan.group_rows) if want_weight else None
+        numbers = None
+        if kind is not None:
+            numbers = NumberTerm.of(hidden_NH, weight_VH, t, shard, kind, reweigh, g_ntl_N, group, transform, spans,
+                                    plan.backend, want_hidden or want_weight)  # fmt: skip
+        softmax_weight_N, target_grad_N = softmax_weights(t, g_ce_N)
+        target_N = owned_columns(t) if plan.backend == "triton" else t.column
         ce_parts, ntl_parts = [], []
-        for start in range(0, hidden_NH.shape[0], rows):
-            chunk = slice(start, start + rows)
-            hidden_RH, t_R = hidden_NH[chunk], t.select(chunk)
-            z_RV = transform.apply_((hidden_RH @ weight_VH.T).to(dtype))
-            ce_R, ntl_R, stats_R = forward_rows(z_RV, t_R, chunk_shard, chunk_kind, reweigh, group)
-            ce_parts.append(ce_R)
-            ntl_parts.append(ntl_R)
+        for chunk in row_chunks(hidden_NH.shape[0], plan.rows):
+            z_RV = hidden_NH[chunk] @ weight_VH.T
+            if plan.backend == "torch":
+                z_RV = transform.apply_(z_RV.to(dtype))
+            lse_R, z_target_R = _chunk_ce_partials(z_RV, target_N[chunk], t.owned[chunk], group, transform,
+                                                   plan.backend)  # fmt: skip
+            ce_parts.append(torch.where(t.valid[chunk], lse_R - z_target_R, 0.0))
+            softmax_weight_R, mass_R = softmax_weight_N[chunk], None
+            if numbers is not None and reweigh:
+                mass_R = torch.exp(numbers.classes.class_lse[chunk] - lse_R)
+                ntl_parts.append(numbers.reweighed_ntl(chunk, mass_R, t))
+                if numbers.slope is not None:
+                    softmax_weight_R = softmax_weight_R - numbers.slope[chunk] * mass_R
             if want_hidden or want_weight:
-                if kind == "number":  # None on a shard without number tokens
-                    number_grad_RK = None if number_grad_NK is None else number_grad_NK[chunk]
-                else:
-                    number_grad_RK = number_columns_grad(t_R, stats_R, g_ntl_N[chunk], shard, kind, reweigh)
-                grad_RV = _raw_logits_grad(z_RV, t_R, stats_R, g_ce_N[chunk], g_ntl_N[chunk], number_grad_RK, shard,
-                                           reweigh, transform)  # fmt: skip
+                number_grad = None if numbers is None else numbers.chunk_grad(chunk, mass_R, t, plan.backend)
+                grad_RV = _raw_logits_grad(z_RV, lse_R, softmax_weight_R, target_N[chunk], target_grad_N[chunk],
+                                           number_grad, shard, kind, transform, plan.backend)  # fmt: skip
                 low_grad_RV = grad_RV.to(hidden_NH.dtype)
                 if want_hidden:
                     torch.mm(low_grad_RV, weight_VH, out=grad_hidden_NH[chunk])
                 if want_weight:
-                    weight_grad.add(start, grad_RV, low_grad_RV)
+                    weight_grad.add(chunk.start, grad_RV, low_grad_RV)
         if want_weight:
             weight_grad.flush()
-        ce_N, ntl_N = _concat(ce_parts, hidden_NH, dtype), _concat(ntl_parts, hidden_NH, dtype)
-        if kind == "number":
-            ntl_N = number_ntl_N
+        ce_N = _concat(ce_parts, hidden_NH, dtype)
+        if numbers is None:
+            ntl_N = torch.zeros_like(ce_N)
+        else:
+            ntl_N = _concat(ntl_parts, hidden_NH, dtype) if reweigh else reweighed_ntl(numbers.classes, None, t, False)
         loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
         # Held on ctx rather than saved: backward scales them in place (a second [V, H] copy would double the
         # weight gradient's memory) and hands them on, so the graph can be backpropagated once.
@@ -293,25 +331,95 @@ class LinearCeNtl(torch.autograd.Function):
         return *scaled, *([None] * 10)
 
 
-def _number_pass(hidden_NH, weight_VH, t, shard, g_ntl_N, group, transform, spans):
-    """Kind "number"'s first pass over the number-token logits of all N positions: (NTL [N], at each number's first
-    position; d loss / d those logits [N, K], the transformed ones, in compute dtype)."""
-    dtype = compute_dtype(hidden_NH)
-    z_NK = transform.apply_((hidden_NH @ weight_VH[shard.local_ids].T).to(dtype))
-    # The full-vocabulary terms (log-sum-exp, target logit) are the CE pass's: zeros stand in for them here.
-    zeros_N = z_NK.new_zeros(z_NK.shape[0])
-    _, ntl_N, stats = rows_from_partials(zeros_N, zeros_N, z_NK, t, shard, "number", False, group, spans)
-    number_grad_NK = number_columns_grad(t, stats, gradient_at_first(g_ntl_N, spans), shard, "number", False)
-    return ntl_N, number_grad_NK
+def _raw_logits_grad(
+    z_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, shard, kind, transform, backend
+) -> torch.Tensor:
+    """d loss / d (hidden @ weight.T) for a chunk whose logits are z_RV (torch: transformed, in compute dtype;
+    triton: raw, in hidden's dtype), given its number-column gradient (`NumberTerm.chunk_grad`). Written over z_RV,
+    except by the torch backend with soft-capping, whose derivative needs the logits afterwards (then one more chunk
+    buffer); the Triton kernel chains the transform as it writes."""
+    if backend == "triton":
+        from ntl_pretrain.loss import triton_ops
 
-
-def _raw_logits_grad(z_RV, t_R, stats_R, g_ce_R, g_ntl_R, number_grad_RK, shard, reweigh, transform) -> torch.Tensor:
-    """d loss / d (hidden @ weight.T) for a chunk whose transformed logits are z_RV (compute dtype), given the
-    gradient on its number-token columns. Written over z_RV, except with soft-capping, whose derivative needs the
-    logits afterwards (then one more chunk buffer)."""
+        tables = None if number_grad is None else triton_ops.number_tables(shard, z_RV.shape[1])
+        triton_ops.logits_grad(z_RV, z_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, tables, kind,
+                               transform)  # fmt: skip
+        return z_RV
     grad_RV = z_RV if transform.softcap is None else torch.empty_like(z_RV)
-    logits_grad_rows(z_RV, grad_RV, t_R, stats_R, g_ce_R, g_ntl_R, number_grad_RK, shard, reweigh)
+    write_logits_grad(z_RV, grad_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, shard.local_ids)
     return transform.chain_(grad_RV, z_RV)
+
+
+def _chunk_ce_partials(z_RV, target_R, owned_R, group, transform, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's global log-sum-exps and target logits (two all-reduces with a group)."""
+    if backend == "triton":
+        from ntl_pretrain.loss import triton_ops
+
+        lse_R, z_target_R, _, _ = triton_ops.row_partials(z_RV, target_R, None, transform)
+    else:
+        lse_R, z_target_R = ce_partials(z_RV, target_R, owned_R)
+    (lse_R, z_target_R), _ = combine((lse_R, z_target_R), None, group)
+    return lse_R, z_target_R
+
+
+@dataclass
+class NumberTerm:
+    """The NTL side of the head for all N positions, from their number-token logits alone (`of`): the chunks then
+    add only its gradient (reweighing: times the class mass, which needs each chunk's log-sum-exp)."""
+
+    classes: ClassStats
+    coefficients: tuple[torch.Tensor, torch.Tensor] | None
+    """(alpha, beta) [N] of `number_coefficients`; None without gradients or number tokens in this shard."""
+    number_grad_NK: torch.Tensor | None
+    """torch backend: the gradient on this shard's number-token columns (before reweighing's factor m)."""
+    slope: torch.Tensor | None
+    """reweigh: `reweigh_slope` [N]."""
+
+    @classmethod
+    def of(cls, hidden_NH, weight_VH, t, shard, kind, reweigh, g_ntl_N, group, transform, spans, backend, want_grads):
+        """The class pass: the number-token logits hidden @ weight[number rows].T (K << V columns), their class
+        sums (two all-reduces with a group), the per-position NTL and its gradient's coefficients."""
+        dtype = compute_dtype(hidden_NH)
+        z_NK = transform.apply_((hidden_NH @ weight_VH[shard.local_ids].T).to(dtype))
+        if backend == "triton" and z_NK.shape[1]:
+            from ntl_pretrain.loss import triton_ops
+
+            tables = triton_ops.number_tables(shard, weight_VH.shape[0])
+            members = triton_ops.ClassRows.of(t.number_class, t.value, t.digits, tables, kind, tables.member_numbers)
+            _, _, class_lse, feature_mean = triton_ops.row_partials(z_NK, None, members)
+            class_parts = class_sums_from_mean(class_lse, feature_mean, t, kind)
+        else:
+            class_parts = class_partials(z_NK, t, shard, kind)
+        _, class_parts = combine(None, class_parts, group)
+        classes = class_stats(class_parts, t, kind, spans)
+        if not want_grads:
+            return cls(classes, None, None, None)
+        # a number's loss sits at its first position and depends on all its positions
+        g_ntl_N = gradient_at_first(g_ntl_N, spans) if kind == "number" else g_ntl_N
+        slope = reweigh_slope(t, classes, g_ntl_N) if reweigh else None
+        if not z_NK.shape[1]:
+            return cls(classes, None, None, slope)
+        coefficients = number_coefficients(t, classes, g_ntl_N, kind, reweigh)
+        number_grad_NK = None
+        if backend == "torch":
+            number_grad_NK = number_columns_grad(z_NK, classes.class_lse, coefficients, t, shard, kind)
+        return cls(classes, coefficients, number_grad_NK, slope)
+
+    def reweighed_ntl(self, chunk: slice, mass_R: torch.Tensor, t: Targets) -> torch.Tensor:
+        """A chunk's NTL under reweighing, L m + c (1 - m), once its log-sum-exps give the class mass m."""
+        ntl_R = self.classes.ntl_raw[chunk] * mass_R + t.cap[chunk] * (1 - mass_R)
+        return torch.where(t.is_number[chunk], ntl_R, 0.0)
+
+    def chunk_grad(self, chunk: slice, mass_R: torch.Tensor | None, t: Targets, backend: str):
+        """The chunk's number-column gradient as its backend takes it (torch: [R, K]; triton: per-row
+        coefficients), times the class mass under reweighing; None when this shard has no number tokens."""
+        if self.coefficients is None:
+            return None
+        if backend == "torch":
+            grad_RK = self.number_grad_NK[chunk]
+            return grad_RK if mass_R is None else grad_RK * mass_R[:, None]
+        alpha, beta = (c[chunk] if mass_R is None else c[chunk] * mass_R for c in self.coefficients)
+        return triton_number_rows(t, self.classes, (alpha, beta), chunk)
 
 
 class WeightGradient:
@@ -357,13 +465,14 @@ def _upcasts(b_RH: torch.Tensor, total_VH: torch.Tensor) -> bool:
 
 def _accumulate_product(total_VH: torch.Tensor, a_VR: torch.Tensor, low_a_VR: torch.Tensor, b_RH: torch.Tensor):
     """total += a @ b without rounding: total (fp32 for bf16/fp16 weights) is rounded once, after the last chunk.
-    `a` is in total's dtype, `low_a` the same values in b's. Where torch multiplies low-precision operands with
-    fp32 accumulation into total (`addmm` with `out_dtype`, CUDA builds of torch >= 2.8), the tensor cores do, as
-    one unchunked bf16 matmul does; elsewhere the fp32 gradient meets the chunk of b upcast (an [R, H] copy)."""
+    `a` is in total's dtype (the Triton backend's, already in b's), `low_a` the same values in b's. Where torch
+    multiplies low-precision operands with fp32 accumulation into total (`addmm` with `out_dtype`, CUDA builds of
+    torch >= 2.8), the tensor cores do, as one unchunked bf16 matmul does; elsewhere the fp32 gradient meets the
+    chunk of b upcast (an [R, H] copy)."""
     if b_RH.dtype == total_VH.dtype:
         total_VH.addmm_(a_VR, b_RH)
     elif _upcasts(b_RH, total_VH):
-        total_VH.addmm_(a_VR, b_RH.to(total_VH.dtype))
+        total_VH.addmm_(a_VR.to(total_VH.dtype), b_RH.to(total_VH.dtype))
     else:
         torch.addmm(total_VH, low_a_VR, b_RH, total_VH.dtype, out=total_VH)
 

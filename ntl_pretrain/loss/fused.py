@@ -1,4 +1,5 @@
-"""Fused cross-entropy + Number Token Loss with a closed-form backward, dense or vocabulary-parallel.
+"""Fused cross-entropy + Number Token Loss with a closed-form backward, dense or vocabulary-parallel: the per-row
+math both backends share, and the torch backend's passes over the logits (the reference; backend.py).
 
 Legend: N positions, V columns of the logits this rank holds (the whole vocabulary, or a shard of it),
 K number-token columns among them, R rows of one chunk.
@@ -15,14 +16,18 @@ Per position with logits z and label t (docs/loss.md, "The objective"):
 
 Everything is a per-position sum over columns, so a sharded vocabulary needs one MAX all-reduce of the local
 log-sum-exps (whole row and class) and one SUM all-reduce of five rescaled partial sums; backward needs none,
-because every column's gradient depends only on its own logit and those per-row totals. Math runs in fp32 on
-row chunks, so at most one [N, V] buffer (the gradient) exists besides the logits.
+because every column's gradient depends only on its own logit and those per-row totals:
+  d loss / d z_j = w p_j - g_t [j = t] + [j in C(t)] q_j (alpha f_j + beta),
+p the softmax, w and g_t the CE weights (`softmax_weights`), f_j the kind's feature of column j (|v_j - y| for WAS,
+the digit distance for digits, v_j for the expectation kinds and number) and alpha, beta per row
+(`number_coefficients`). The torch backend runs the math in fp32 on row chunks, so at most one [N, V] buffer (the
+gradient) exists besides the logits.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,25 +60,26 @@ class Targets:
     cap: torch.Tensor  # compute dtype: reweigh constant c of the label's class (0 when not a number)
     digits: torch.Tensor  # compute dtype [N, D]: label's digits for kind digits ([N, 0] for the other kinds)
 
-    def select(self, rows: slice) -> Targets:
-        return Targets(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+@dataclass(frozen=True)
+class ClassStats:
+    """Per-position NTL before reweighing, from the label class's logits alone ([N], compute dtype; 0 where the
+    label is not a number)."""
+
+    class_lse: torch.Tensor  # logsumexp over C(t)
+    ntl_raw: torch.Tensor  # NTL before reweighing
+    expected: torch.Tensor  # sum_j q_j v_j (expectation kinds; 0 for the distance kinds, which do not need it)
+    number_slope: torch.Tensor  # kind "number": d(its number's loss)/d(sum_j q_j v_j); 0 for other kinds
 
 
 @dataclass(frozen=True)
 class RowStats:
-    """Per-position totals over the whole vocabulary ([N], compute dtype) and the number-token logits: what
-    backward needs besides the logits."""
+    """Per-position totals over the whole vocabulary ([N], compute dtype): what backward needs besides the
+    logits."""
 
     lse: torch.Tensor  # logsumexp over the vocabulary
-    class_lse: torch.Tensor  # logsumexp over C(t) (0 where not a number)
-    ntl_raw: torch.Tensor  # NTL before reweighing
-    expected: torch.Tensor  # sum_j q_j v_j (expectation kinds; 0 for WAS, which does not need it)
+    classes: ClassStats
     class_mass: torch.Tensor  # m, full-softmax mass on C(t)
-    number_slope: torch.Tensor  # kind "number": d(its number's loss)/d(sum_j q_j v_j); 0 for other kinds
-    number_logits: torch.Tensor  # [N, K] this shard's number-token logits (1% of the logits: kept, not re-gathered)
-
-    def select(self, rows: slice) -> RowStats:
-        return RowStats(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -139,15 +145,6 @@ def _loss_of_error(error: torch.Tensor, kind: str) -> torch.Tensor:
     return error.abs()
 
 
-def _label_distances(t: Targets, shard: NumberShard, kind: str) -> torch.Tensor:
-    """[N, K] distance of every number column from each row's label, before the scale: |v_j - y| (WAS), or the
-    summed digit differences sum_i |d_j[i] - d_t[i]| (digits; cdist's L1 in one kernel, exact on small integers).
-    Columns outside the label's class get a finite distance that the class softmax weighs by 0."""
-    if kind == "digits":
-        return torch.cdist(t.digits[None], shard.digits.to(t.digits.dtype)[None], p=1.0)[0]
-    return (shard.values[None, :] - t.value[:, None]).abs_()
-
-
 def _error_slope(error: torch.Tensor, kind: str) -> torch.Tensor:
     """d(_loss_of_error)/d(error)."""
     if kind == "mse":
@@ -157,11 +154,28 @@ def _error_slope(error: torch.Tensor, kind: str) -> torch.Tensor:
     return error.sign()
 
 
-def _row_chunks(logits_NV: torch.Tensor) -> list[slice]:
+def _label_distances(t: Targets, shard: NumberShard, kind: str) -> torch.Tensor:
+    """[N, K] distance of every number column from each row's label, before the scale: |v_j - y| (WAS), or the
+    summed digit differences sum_i |d_j[i] - d_t[i]| (digits; cdist's L1 in one kernel, exact on small integers).
+    Columns outside the label's class get a finite distance that the class softmax weighs by 0."""
+    if kind == "digits":
+        return torch.cdist(t.digits[None], shard.digits.to(t.digits.dtype)[None], p=1.0)[0]
+    return (shard.values[None, :] - t.value[:, None]).abs_()
+
+
+def _features(t: Targets, shard: NumberShard, kind: str) -> torch.Tensor:
+    """f_j of every number column for each row ([N, K], or [1, K] when it does not depend on the row)."""
+    return _label_distances(t, shard, kind) if kind in DISTANCE_KINDS else shard.values[None, :]
+
+
+def row_chunks(num_rows: int, rows: int) -> list[slice]:
+    return [slice(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
+
+
+def _dense_chunks(logits_NV: torch.Tensor) -> list[slice]:
     num_rows, num_columns = logits_NV.shape
     elements = CHUNK_ELEMENTS.get(logits_NV.device.type, CHUNK_ELEMENTS["cpu"])
-    rows = max(1, elements // max(1, num_columns))
-    return [slice(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
+    return row_chunks(num_rows, max(1, elements // max(1, num_columns)))
 
 
 def _class_logits(z_NK: torch.Tensor, t: Targets, shard: NumberShard) -> torch.Tensor:
@@ -169,13 +183,13 @@ def _class_logits(z_NK: torch.Tensor, t: Targets, shard: NumberShard) -> torch.T
     return torch.where(shard.classes[None, :] == t.number_class[:, None], z_NK, -math.inf)
 
 
-def _ce_partials(z_RV: torch.Tensor, t_R: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+def ce_partials(z_RV: torch.Tensor, column_R: torch.Tensor, owned_R: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """This shard's log-sum-exp and target logit (0 where another shard owns the target) per row."""
     lse = torch.logsumexp(z_RV, dim=1)
-    return lse, torch.where(t_R.owned, z_RV.gather(1, t_R.column[:, None]).squeeze(1), 0.0)
+    return lse, torch.where(owned_R, z_RV.gather(1, column_R[:, None]).squeeze(1), 0.0)
 
 
-def _class_partials(z_NK: torch.Tensor, t: Targets, shard: NumberShard, kind: str | None) -> tuple[torch.Tensor, ...]:
+def class_partials(z_NK: torch.Tensor, t: Targets, shard: NumberShard, kind: str | None) -> tuple[torch.Tensor, ...]:
     """This shard's per-row class log-sum-exp, sum q|v-y|/s and sum q v (q normalised over the local class).
     All rows at once: the [N, K] work is ~1% of the logits', and a few large kernels beat many small ones."""
     zeros = z_NK.new_zeros(z_NK.shape[0])
@@ -195,171 +209,229 @@ def _class_partials(z_NK: torch.Tensor, t: Targets, shard: NumberShard, kind: st
     return class_lse, zeros, e_NK.mul_(shard.values[None, :]).sum(1) * inverse_sum
 
 
+def class_sums_from_mean(class_lse, feature_mean, t: Targets, kind) -> tuple[torch.Tensor, ...]:
+    """`class_partials`' three columns from a class log-sum-exp and the class mean of the kind's feature f_j (the
+    Triton kernels' output)."""
+    zeros = torch.zeros_like(feature_mean)
+    if kind in DISTANCE_KINDS:
+        return class_lse, feature_mean / t.scale, zeros
+    return class_lse, zeros, feature_mean
+
+
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, 0.0)
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(tensor, op=op, group=group)
+    dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
-def _combine(partials: tuple[torch.Tensor, ...], group) -> tuple[torch.Tensor, ...]:
-    """Exact global per-row totals from every shard's partials: one MAX and one SUM all-reduce."""
-    lse, class_lse, z_target, distance_sum, value_sum = partials
-    maxima = _all_reduce(torch.stack([lse, class_lse], dim=1), dist.ReduceOp.MAX, group)
-    shift, class_shift = maxima[:, 0], _finite_or_zero(maxima[:, 1])
-    class_weight = torch.exp(class_lse - class_shift)  # 0 on shards without members of the class
-    sums = torch.stack(
-        [torch.exp(lse - shift), z_target, class_weight, class_weight * distance_sum, class_weight * value_sum], dim=1
-    )
-    sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
-    total_lse = shift + sums[:, 0].log()
-    class_total = sums[:, 2]
-    safe_total = torch.where(class_total > 0, class_total, 1.0)
-    return total_lse, class_shift + safe_total.log(), sums[:, 1], sums[:, 3] / safe_total, sums[:, 4] / safe_total
+def combine(ce_parts, class_parts, group) -> tuple[tuple | None, tuple | None]:
+    """Exact global per-row totals from every shard's partials, CE's (log-sum-exp, target logit) and the class's
+    (log-sum-exp, distance sum, value sum), either of them None: one MAX and one SUM all-reduce (none without a
+    group, where the partials are the totals)."""
+    if group is None:
+        return ce_parts, class_parts
+    log_sums = [parts[0] for parts in (ce_parts, class_parts) if parts is not None]
+    maxima = _all_reduce(torch.stack(log_sums, dim=1), dist.ReduceOp.MAX, group)
+    columns = []
+    if ce_parts is not None:
+        lse, z_target = ce_parts
+        shift = maxima[:, 0]
+        columns += [torch.exp(lse - shift), z_target]
+    if class_parts is not None:
+        class_lse, distance_sum, value_sum = class_parts
+        class_shift = _finite_or_zero(maxima[:, -1])
+        class_weight = torch.exp(class_lse - class_shift)  # 0 on shards without members of the class
+        columns += [class_weight, class_weight * distance_sum, class_weight * value_sum]
+    sums = _all_reduce(torch.stack(columns, dim=1), dist.ReduceOp.SUM, group)
+    if ce_parts is not None:
+        ce_parts = (shift + sums[:, 0].log(), sums[:, 1])
+    if class_parts is not None:
+        class_total = sums[:, -3]
+        safe_total = torch.where(class_total > 0, class_total, 1.0)
+        class_parts = (class_shift + safe_total.log(), sums[:, -2] / safe_total, sums[:, -1] / safe_total)
+    return ce_parts, class_parts
 
 
-def forward_rows(
-    logits_NV: torch.Tensor,
-    t: Targets,
-    shard: NumberShard,
-    kind: str | None,
-    reweigh: bool,
-    group,
-    spans: NumberSpans | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, RowStats]:
-    """Per-position CE [N] and NTL [N] (zero where they do not apply) and the stats backward needs. Kind "number"
-    needs the `spans` of all N positions (its losses sit at each number's first position)."""
+def class_stats(class_parts, t: Targets, kind: str | None, spans: NumberSpans | None) -> ClassStats:
+    """NTL before reweighing from the global class totals (log-sum-exp, distance sum, value sum)."""
+    class_lse, distance_sum, value_sum = class_parts
+    zeros = torch.zeros_like(class_lse)
+    number_slope = zeros
+    if kind in DISTANCE_KINDS:
+        ntl_raw = distance_sum
+    elif kind == "number":
+        ntl_raw, number_slope = number_losses(value_sum, t.value, spans)
+    else:
+        ntl_raw = _loss_of_error((value_sum - t.value) / t.scale, kind) if kind else zeros
+    return ClassStats(torch.where(t.is_number, class_lse, 0.0), ntl_raw, value_sum, number_slope)
+
+
+def reweighed_ntl(classes: ClassStats, class_mass: torch.Tensor, t: Targets, reweigh: bool) -> torch.Tensor:
+    """Per-position NTL, 0 where the label is not a number."""
+    ntl = classes.ntl_raw * class_mass + t.cap * (1 - class_mass) if reweigh else classes.ntl_raw
+    return torch.where(t.is_number, ntl, 0.0)
+
+
+def rows_from_partials(lse, z_target, class_parts, t, kind, reweigh, group, spans):
+    """Per-position CE [N] and NTL [N] and the stats backward needs, from this shard's partials: log-sum-exps [N],
+    target logits [N] and `class_partials`' three columns."""
+    (lse, z_target), class_parts = combine((lse, z_target), class_parts, group)
+    ce = torch.where(t.valid, lse - z_target, 0.0)
+    classes = class_stats(class_parts, t, kind, spans)
+    class_mass = torch.exp(class_parts[0] - lse)
+    return ce, reweighed_ntl(classes, class_mass, t, reweigh), RowStats(lse, classes, class_mass)
+
+
+def softmax_weights(t: Targets, grad_ce_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CE's per-row weights: of the softmax (w = g_ce) and at the label's column (g_t = -g_ce where owned)."""
+    g_ce = torch.where(t.valid, grad_ce_N, 0.0)
+    return g_ce, torch.where(t.owned, -g_ce, 0.0)
+
+
+def reweigh_slope(t: Targets, classes: ClassStats, grad_ntl_N: torch.Tensor) -> torch.Tensor:
+    """Reweighing's d m / d z_j = -p_j m on every column enters the softmax weight as -slope·m: slope = g (L - c)."""
+    return torch.where(t.is_number, grad_ntl_N, 0.0) * (classes.ntl_raw - t.cap)
+
+
+def number_coefficients(t, classes: ClassStats, grad_ntl_N, kind, reweigh) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha, beta) [N] with d(g NTL)/d z_j = q_j (alpha f_j + beta) on the label's class (g = `grad_ntl_N`, the
+    upstream gradient per position; kind "number": already spread over each number's positions); with reweigh
+    these still need a factor m (the class mass, known per chunk in the chunked head):
+      distance kinds  dL/dz_j = q_j (dist(j, t) / s - L)
+      expectation     dL/dz_j = e' q_j (v_j - E[v]), e' = f'(e) / s with e = (E[v] - y) / s, or the number's slope
+      reweigh         m dL/dz_j + (L - c) p_j on the class (its -m p_j part is in `reweigh_slope`), p_j = m q_j."""
+    g = torch.where(t.is_number, grad_ntl_N, 0.0)
+    if kind in DISTANCE_KINDS:
+        alpha, beta = 1 / t.scale, -classes.ntl_raw
+    else:
+        if kind == "number":
+            alpha = classes.number_slope
+        else:
+            alpha = _error_slope((classes.expected - t.value) / t.scale, kind) / t.scale
+        beta = -alpha * classes.expected
+    if reweigh:
+        beta = beta + (classes.ntl_raw - t.cap)
+    return alpha * g, beta * g
+
+
+def number_columns_grad(z_NK, class_lse, coefficients, t: Targets, shard: NumberShard, kind) -> torch.Tensor:
+    """[N, K] d loss / d (number-token logits z_NK): q_j (alpha f_j + beta) on each row's class, 0 elsewhere."""
+    alpha, beta = coefficients
+    q_NK = _class_logits(z_NK, t, shard).sub_(class_lse[:, None]).exp_()  # 0 off the class
+    return q_NK.mul_(_features(t, shard, kind).mul(alpha[:, None]).add_(beta[:, None]))
+
+
+def write_logits_grad(z_RV, out_RV, lse_R, softmax_weight_R, column_R, target_grad_R, number_grad_RK, local_ids):
+    """Write d loss / dz of a chunk of rows into `out_RV` (any float dtype; may be `z_RV` itself, which the chunked
+    head overwrites with its gradient): w p_j, g_t at the label's column (0 where another shard owns it), and the
+    number columns' gradient [R, K] (None: CE only)."""
+    work = out_RV if out_RV.dtype == z_RV.dtype else torch.empty_like(z_RV)
+    torch.sub(z_RV, lse_R[:, None], out=work)
+    work.exp_().mul_(softmax_weight_R[:, None])
+    work.scatter_add_(1, column_R[:, None], target_grad_R[:, None])
+    if number_grad_RK is not None:
+        work.index_add_(1, local_ids, number_grad_RK)
+    if work is not out_RV:
+        out_RV.copy_(work)
+
+
+def _torch_forward(logits_NV, t: Targets, shard: NumberShard, kind):
+    """One pass over the logits in row chunks: this shard's log-sum-exps and target logits, and the number-token
+    logits [N, K] (gathered while the chunk is in cache), with their class partials."""
     dtype = compute_dtype(logits_NV)
     z_NK = logits_NV.new_empty((logits_NV.shape[0], shard.local_ids.numel()), dtype=dtype)
     chunks = []
-    for rows in _row_chunks(logits_NV):
+    for rows in _dense_chunks(logits_NV):
         z_RV = logits_NV[rows].to(dtype)
-        chunks.append(_ce_partials(z_RV, t.select(rows)))
+        chunks.append(ce_partials(z_RV, t.column[rows], t.owned[rows]))
         torch.index_select(z_RV, 1, shard.local_ids, out=z_NK[rows])  # while the chunk is in cache
     empty = logits_NV.new_zeros(0, dtype=dtype)
     lse, z_target = (torch.cat(column) for column in zip(*chunks, strict=True)) if chunks else (empty, empty)
-    return rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, spans)
+    return lse, z_target, class_partials(z_NK, t, shard, kind), z_NK
 
 
-def rows_from_partials(lse, z_target, z_NK, t, shard, kind, reweigh, group, spans):
-    """forward_rows once this shard's log-sum-exps [N] and target logits [N] are known: the class work on the
-    number-token logits z_NK [N, K], the two all-reduces, and the per-position losses."""
-    class_lse, distance_sum, value_sum = _class_partials(z_NK, t, shard, kind)
-    lse, class_lse, z_target, expected_distance, expected = _combine(
-        (lse, class_lse, z_target, distance_sum, value_sum), group
-    )
-    ce = torch.where(t.valid, lse - z_target, 0.0)
-    number_slope = torch.zeros_like(lse)
-    if kind in DISTANCE_KINDS:
-        ntl_raw = expected_distance
-    elif kind == "number":
-        ntl_raw, number_slope = number_losses(expected, t.value, spans)
-    else:
-        ntl_raw = _loss_of_error((expected - t.value) / t.scale, kind) if kind else torch.zeros_like(lse)
-    class_mass = torch.exp(class_lse - lse)
-    ntl = ntl_raw * class_mass + t.cap * (1 - class_mass) if reweigh else ntl_raw
-    ntl = torch.where(t.is_number, ntl, 0.0)
-    class_lse = torch.where(t.is_number, class_lse, 0.0)
-    return ce, ntl, RowStats(lse, class_lse, ntl_raw, expected, class_mass, number_slope, z_NK)
+def _triton_forward(logits_NV, t: Targets, shard: NumberShard, kind):
+    """The same from one Triton kernel, reading each row's class members after its log-sum-exp."""
+    from ntl_pretrain.loss import triton_ops
+
+    classes = None
+    if kind is not None and shard.local_ids.numel():
+        tables = triton_ops.number_tables(shard, logits_NV.shape[1])
+        classes = triton_ops.ClassRows.of(t.number_class, t.value, t.digits, tables, kind, tables.member_columns)
+    lse, z_target, class_lse, feature_mean = triton_ops.row_partials(logits_NV, owned_columns(t), classes)
+    if classes is None:
+        return lse, z_target, class_partials(lse.new_empty(lse.shape[0], 0), t, shard, kind)
+    return lse, z_target, class_sums_from_mean(class_lse, feature_mean, t, kind)
 
 
-def number_columns_grad(
-    t: Targets,
-    stats: RowStats,
-    grad_ntl_N: torch.Tensor,
-    shard: NumberShard,
-    kind: str | None,
-    reweigh: bool,
-) -> torch.Tensor | None:
-    """[N, K] gradient on this shard's number-token columns: NTL's own term plus reweighing's +p_j on the class;
-    None when there is none (CE only, or a shard without number tokens)."""
-    if kind is None or shard.local_ids.numel() == 0:
-        return None
-    q_NK = _class_logits(stats.number_logits, t, shard).sub_(stats.class_lse[:, None]).exp_()  # 0 off the class
-    if kind in DISTANCE_KINDS:  # dL/dz_j = q_j (dist(j, t) / s - L)
-        slope_NK = _label_distances(t, shard, kind).sub_((stats.ntl_raw * t.scale)[:, None])
-        slope_weight_N = 1 / t.scale
-    else:  # dL/dz_j = w · q_j (v_j - E[v]): w = f'(e) / s with e = (E[v] - y) / s, or the number's slope
-        slope_NK = shard.values[None, :] - stats.expected[:, None]
-        if kind == "number":
-            slope_weight_N = stats.number_slope
-        else:
-            slope_weight_N = _error_slope((stats.expected - t.value) / t.scale, kind) / t.scale
-    row_weight_N = torch.where(t.is_number, grad_ntl_N, 0.0)
-    if reweigh:
-        # m·dL/dz_j + (L - c)·p_j on the class (its -m·p_j part is in the full-vocabulary term), with p_j = m·q_j.
-        slope_NK.mul_(slope_weight_N[:, None]).add_((stats.ntl_raw - t.cap)[:, None])
-        row_weight_N = row_weight_N * stats.class_mass
-    else:
-        row_weight_N = row_weight_N * slope_weight_N
-    return slope_NK.mul_(q_NK).mul_(row_weight_N[:, None])
+def owned_columns(t: Targets) -> torch.Tensor:
+    """The label's column where this shard holds it, else -1: what the Triton kernels take."""
+    return torch.where(t.owned, t.column, -1)
 
 
-def logits_grad_rows(
-    z_RV: torch.Tensor,
-    out_RV: torch.Tensor,
-    t_R: Targets,
-    stats_R: RowStats,
-    grad_ce_R: torch.Tensor,
-    grad_ntl_R: torch.Tensor,
-    number_grad_RK: torch.Tensor | None,
-    shard: NumberShard,
-    reweigh: bool,
-) -> None:
-    """Write d(sum_i grad_ce_i CE_i + grad_ntl_i NTL_i)/dz for a chunk of rows into `out_RV` (any float dtype),
-    given those rows' `number_columns_grad`.
+def triton_number_rows(t: Targets, classes: ClassStats, coefficients, rows: slice = slice(None)):
+    """What the Triton gradient kernel reads of the NTL term, for `rows` (the coefficients already sliced)."""
+    from ntl_pretrain.loss import triton_ops
 
-    `out_RV` may be `z_RV` itself (the chunked head overwrites its logits with their gradient)."""
-    g_ce = torch.where(t_R.valid, grad_ce_R, 0.0)
-    # Full-vocabulary part: softmax times the CE weight, minus reweighing's d m / d z_j = -p_j m on every column.
-    if reweigh:
-        g_ntl = torch.where(t_R.is_number, grad_ntl_R, 0.0)
-        row_weight = g_ce - g_ntl * (stats_R.ntl_raw - t_R.cap) * stats_R.class_mass
-    else:
-        row_weight = g_ce
-    work = out_RV if out_RV.dtype == z_RV.dtype else torch.empty_like(z_RV)
-    torch.sub(z_RV, stats_R.lse[:, None], out=work)
-    work.exp_().mul_(row_weight[:, None])
-    work.scatter_add_(1, t_R.column[:, None], -(g_ce * t_R.owned)[:, None])
-    if number_grad_RK is not None:
-        work.index_add_(1, shard.local_ids, number_grad_RK)
-    if work is not out_RV:
-        out_RV.copy_(work)
+    return triton_ops.NumberGradRows(t.number_class[rows], classes.class_lse[rows], *coefficients, t.value[rows],
+                                     t.digits[rows])  # fmt: skip
 
 
 class FusedCeNtl(torch.autograd.Function):
     """(logits [N, V], targets) -> (CE [N], NTL [N]); backward recomputes softmax from the saved logits."""
 
     @staticmethod
-    def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group, spans=None):
-        ce, ntl, stats = forward_rows(logits_NV, t, shard, kind, reweigh, group, spans)
+    def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group, spans=None, backend="torch"):
+        if backend == "triton":
+            lse, z_target, class_parts = _triton_forward(logits_NV, t, shard, kind)
+            z_NK = None
+        else:
+            lse, z_target, class_parts, z_NK = _torch_forward(logits_NV, t, shard, kind)
+        ce, ntl, stats = rows_from_partials(lse, z_target, class_parts, t, kind, reweigh, group, spans)
         ctx.save_for_backward(logits_NV)
-        ctx.extras = (t, stats, shard, kind, reweigh, spans)
+        ctx.extras = (t, stats, z_NK, shard, kind, reweigh, spans, backend)
         return ce, ntl
 
     @staticmethod
     def backward(ctx, grad_ce_N, grad_ntl_N):
         (logits_NV,) = ctx.saved_tensors
-        t, stats, shard, kind, reweigh, spans = ctx.extras
+        t, stats, z_NK, shard, kind, reweigh, spans, backend = ctx.extras
         dtype = compute_dtype(logits_NV)
         grad_ce_N, grad_ntl_N = grad_ce_N.to(dtype), grad_ntl_N.to(dtype)
         if kind == "number":  # a number's loss sits at its first position and depends on all its positions
             grad_ntl_N = gradient_at_first(grad_ntl_N, spans)
-        number_grad_NK = number_columns_grad(t, stats, grad_ntl_N, shard, kind, reweigh)
+        softmax_weight, target_grad = softmax_weights(t, grad_ce_N)
+        coefficients = None
+        if kind is not None and shard.local_ids.numel():
+            coefficients = number_coefficients(t, stats.classes, grad_ntl_N, kind, reweigh)
+        if reweigh:
+            softmax_weight = softmax_weight - reweigh_slope(t, stats.classes, grad_ntl_N) * stats.class_mass
+            if coefficients is not None:
+                coefficients = tuple(c * stats.class_mass for c in coefficients)
         grad_NV = torch.empty_like(logits_NV)
-        for rows in _row_chunks(logits_NV):
-            logits_grad_rows(
+        if backend == "triton":
+            from ntl_pretrain.loss import triton_ops
+
+            numbers = None if coefficients is None else triton_number_rows(t, stats.classes, coefficients)
+            tables = None if coefficients is None else triton_ops.number_tables(shard, logits_NV.shape[1])
+            triton_ops.logits_grad(logits_NV, grad_NV, stats.lse, softmax_weight, owned_columns(t), target_grad,
+                                   numbers, tables, kind)  # fmt: skip
+            return grad_NV, None, None, None, None, None, None, None
+        number_grad_NK = None
+        if coefficients is not None:
+            number_grad_NK = number_columns_grad(z_NK, stats.classes.class_lse, coefficients, t, shard, kind)
+        for rows in _dense_chunks(logits_NV):
+            write_logits_grad(
                 logits_NV[rows].to(dtype),
                 grad_NV[rows],
-                t.select(rows),
-                stats.select(rows),
-                grad_ce_N[rows],
-                grad_ntl_N[rows],
+                stats.lse[rows],
+                softmax_weight[rows],
+                t.column[rows],
+                target_grad[rows],
                 None if number_grad_NK is None else number_grad_NK[rows],
-                shard,
-                reweigh,
+                shard.local_ids,
             )
-        return grad_NV, None, None, None, None, None, None
+        return grad_NV, None, None, None, None, None, None, None

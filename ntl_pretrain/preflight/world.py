@@ -40,6 +40,7 @@ def check_world(recipe: Recipe, master_port: int | None) -> None:
     check_attention(recipe)
     check_optional_packages(recipe)
     check_device(recipe.train.device)
+    check_loss_backend(recipe)
     check_output_dir(recipe.train.output_dir)
     run_lock.check_free(recipe.train.output_dir)
     check_master_port(master_port)
@@ -278,6 +279,23 @@ def check_device(device: str) -> None:
         why = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else f"torch {torch.__version__}"
         raise RecipeError(f"train.device: cuda, but no CUDA GPU is visible on this machine ({why}); run it on a GPU "
                           f"node, or set train.device=cpu (or DS_ACCELERATOR=cpu) to train on CPU ranks")  # fmt: skip
+
+
+def check_loss_backend(recipe: Recipe) -> None:
+    """`loss.backend: triton` runs Triton kernels on the ranks' GPUs: refused where the ranks run on CPU (unless
+    TRITON_INTERPRET=1 asks for Triton's interpreter) or the triton package does not import."""
+    if recipe.loss.backend != "triton":
+        return
+    import torch
+
+    from ntl_pretrain.loss.backend import interpreter_asked, why_triton_cannot_run
+
+    device = recipe.train.device
+    on_cpu = device == "cpu" or os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
+    reason = why_triton_cannot_run("cpu" if on_cpu else "cuda", interpreted=interpreter_asked())
+    if reason is not None:
+        raise RecipeError(f"loss.backend: triton cannot run here: {reason} (train.device: {device}); use auto or "
+                          f"torch")  # fmt: skip
 
 
 def check_positions(recipe: Recipe) -> None:
