@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.checkpoint.manifest import UNIVERSAL
 from ntl_pretrain.runtime.process_group import slow_work_group
 
-UNIVERSAL = "universal"
 # One optimizer-state file per data-parallel rank; bf16 runs prefix it with "bf16_".
 OPTIMIZER_SHARDS = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"
 
@@ -89,7 +89,8 @@ def load(engine, folder: Path) -> dict:
         return checkpoint.load(engine, folder)
     with universal_files_mapped(folder / UNIVERSAL):
         state = checkpoint.load(engine, folder / UNIVERSAL)
-    repair_universal_load(engine.optimizer, folder / UNIVERSAL)
+    if engine.zero_optimization_stage() == 3:  # stages 1 and 2 restore the groups and steps as saved
+        repair_universal_load(engine.optimizer, folder / UNIVERSAL)
     return state
 
 

@@ -50,6 +50,7 @@ DEEPSPEED_TOP_LEVEL_KEYS: dict[str, type | None] = {
                      "use_node_local_storage", "load_universal_checkpoint")),
 }  # fmt: skip
 JSON_TYPE_NAMES = {SECTION: "an object", FLAG: "true or false", COUNT: "a whole number", NAME: "a string"}
+ZERO_STAGES = (1, 2, 3)
 
 
 def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
@@ -81,14 +82,18 @@ def check_vocab_parallel_size(recipe: Recipe, world_size: int) -> None:
 
 
 def check_zero_section(section: object, path: Path) -> None:
-    """`zero_optimization` against DeepSpeed's own schema (unknown keys, types, offload devices): refused before
-    launch, not in every rank's `deepspeed.initialize`."""
+    """`zero_optimization` against DeepSpeed's own schema (unknown keys, types, offload devices) and the stages the
+    trainer runs: refused before launch, not in every rank's `deepspeed.initialize`."""
     if not isinstance(section, dict):
-        raise RecipeError(f"{path}: zero_optimization: expected an object with stage 3, got {section!r}")
-    if section.get("stage") != 3:
-        raise RecipeError(
-            f"{path}: zero_optimization.stage: this recipe trains under ZeRO-3, got {section.get('stage')}"
-        )
+        raise RecipeError(f"{path}: zero_optimization: expected an object with a stage, got {section!r}")
+    stage = section.get("stage")
+    if stage not in ZERO_STAGES:
+        raise RecipeError(f"{path}: zero_optimization.stage: the trainer runs ZeRO stage 1, 2 or 3 (or set "
+                          f"deepspeed.zero_stage in the recipe), got {stage!r}")  # fmt: skip
+    if stage != 3 and (section.get("offload_param") or {}).get("device", "none") != "none":
+        raise RecipeError(f"{path}: zero_optimization.offload_param: only ZeRO-3 partitions (and so offloads) "
+                          f"the weights; this run is at stage {stage}: remove offload_param or train at "
+                          "stage 3")  # fmt: skip
     import pydantic
 
     try:
@@ -173,8 +178,11 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     for key in RECIPE_OWNED_KEYS:
         if config.get(key, "auto") != "auto":
             raise RecipeError(f'{path}: {key}: set by the recipe; remove it from the DeepSpeed JSON or use "auto"')
+    choose_zero_stage(config, recipe)
     check_zero_section(config.get("zero_optimization", {}), path)
     check_vocab_parallel_size(recipe, world_size)
+    check_vocab_parallel_stage(recipe, config["zero_optimization"]["stage"])
+    check_compile_stage(recipe, config["zero_optimization"]["stage"])
     gas = grad_accum_steps(recipe, world_size)
     config.update(
         train_micro_batch_size_per_gpu=recipe.train.micro_batch_size,
@@ -192,6 +200,31 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     config.setdefault("steps_per_print", 2**31 - 1)
     check_with_deepspeed(config, path)
     return config
+
+
+def choose_zero_stage(config: dict, recipe: Recipe) -> None:
+    """`deepspeed.zero_stage` in place of the JSON's stage, when the recipe sets one."""
+    stage = recipe.deepspeed.zero_stage
+    if stage is not None and isinstance(config.setdefault("zero_optimization", {}), dict):
+        config["zero_optimization"]["stage"] = stage
+
+
+def check_vocab_parallel_stage(recipe: Recipe, stage: int) -> None:
+    """The output-layer slices join the gradient norm of DeepSpeed's ZeRO-3 optimizer (`heads/vocab_parallel.py`)."""
+    if recipe.loss.vocab_parallel_size > 1 and stage != 3:
+        raise RecipeError(f"loss.vocab_parallel_size: {recipe.loss.vocab_parallel_size} keeps the output layer's "
+                          f"slices outside the engine, which only ZeRO-3's optimizer lets into its gradient norm; "
+                          f"this run is at ZeRO stage {stage}: set deepspeed.zero_stage: 3 or vocab_parallel_size: "
+                          "1")  # fmt: skip
+
+
+def check_compile_stage(recipe: Recipe, stage: int) -> None:
+    """Compiled layers need their weights in place: ZeRO-3 gathers and releases them in hooks around each layer,
+    which dynamo traces into (DeepSpeed's bookkeeping, recompiling as the weights' storage comes and goes)."""
+    if recipe.train.compile and stage == 3:
+        raise RecipeError("train.compile: compiled decoder layers need ZeRO stage 1 or 2 (ZeRO-3 gathers and releases "
+                          "each layer's weights in hooks the compiler would trace); set deepspeed.zero_stage: 2 for "
+                          "a model that fits on one device, or train.compile: false")  # fmt: skip
 
 
 def choose_reduce_dtype(config: dict, reduce_dtype: str | None, path: Path) -> None:
@@ -223,6 +256,9 @@ def load_run(recipe_path: str | Path, overrides: Iterable[str], world_size: int)
     """Everything that can fail before a process group exists: the recipe and its DeepSpeed config."""
     recipe = load_recipe(recipe_path, overrides)
     try:
-        return recipe, build_deepspeed_config(recipe, world_size)
+        config = build_deepspeed_config(recipe, world_size)
     except RecipeError as error:
         raise RecipeError(f"{recipe_path}: {error}") from error
+    # The recipe a run records names the stage it trains at, so that a resume at another stage can be refused.
+    recipe.deepspeed.zero_stage = config["zero_optimization"]["stage"]
+    return recipe, config

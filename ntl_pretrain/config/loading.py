@@ -387,7 +387,8 @@ def _type_name(hint: object) -> str:
         if type(None) not in args:
             return names
         # After a list of values, in parentheses: null is not one more value to write in quotes.
-        return f"{names} (or null)" if _choices(hint) else f"{names} or null"
+        listed = any(typing.get_origin(arg) is Literal for arg in args)
+        return f"{names} (or null)" if listed else f"{names} or null"
     if origin is Literal:
         return "one of " + ", ".join(repr(arg) for arg in args)
     if origin is list:

@@ -222,6 +222,11 @@ class TrainConfig:
     dist_timeout_seconds: int = 300
     """How long ranks wait for each other: for all nodes to join the process group at start, and in any
     collective; a rank that gives up names the master address and port."""
+    compile: bool = False
+    """Compile each decoder layer with torch.compile (in place, one graph shared by the layers, as torchtitan
+    does): fewer kernel launches and Python calls a step, after a first step that compiles (tens of seconds).
+    ZeRO stages 1 and 2 only (ZeRO-3 swaps each weight's storage around every layer). Off until a GPU run shows
+    it faster (docs/benchmarks.md, "Step overhead")."""
 
     def check(self) -> None:
         if self.max_steps < 1:
@@ -307,6 +312,24 @@ class DeepSpeedSection:
     config: str = "../configs/zero3.json"
     """DeepSpeed JSON (ZeRO settings); a relative path is relative to the recipe file that sets it.
     Batch sizes, precision and clipping come from the recipe: the JSON must leave them out or `auto`."""
+    zero_stage: Literal[0, 1, 2, 3] | None = None
+    """ZeRO stage, in place of the JSON's `zero_optimization.stage`; null = the JSON's (3 in configs/zero3.json).
+    3 partitions the weights, gradients and Adam states over the ranks: the only stage for a model whose weights,
+    gradients and Adam states (16 bytes a parameter in bf16) do not fit on one device. 2 keeps the weights whole
+    on every rank and partitions gradients and Adam states: no gathering in forward and backward, the faster step
+    for a model that fits; 1 partitions the Adam states only (docs/recipes.md, "ZeRO stage"). 0 is refused: a
+    stage-0 checkpoint holds no optimizer shards, which resume on another world size and export read."""
+    gather: Literal["layer", "module"] = "layer"
+    """ZeRO-3: all-gather a decoder layer's parameters at once on entering it (DeepSpeed's `leaf_module`, the
+    layer classes of the model's `_no_split_modules`), or each submodule's in turn (`module`, DeepSpeed's
+    default: ~10 gathers, hooks and releases a layer instead of one, and the least memory: docs/recipes.md,
+    "ZeRO stage", works out both for Llama-3-8B on 8 GPUs)."""
+
+    def check(self) -> None:
+        if self.zero_stage == 0:
+            raise ValueError("zero_stage: 0 is not supported: a stage-0 checkpoint holds no optimizer shards, which "
+                             "resume on another world size and export read; use 1 (only the Adam states are "
+                             "partitioned) or 2")  # fmt: skip
 
 
 @dataclass

@@ -27,6 +27,7 @@ from ntl_pretrain.runtime.process_group import (
 )
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.train import resume_guard
+from ntl_pretrain.train.engine import compile_failures_named
 from ntl_pretrain.train.trainer import Trainer
 
 # DeepSpeed's ZeRO-3 calls collectives that torch deprecated (all_gather_into_tensor and reduce_scatter_tensor in
@@ -115,7 +116,8 @@ def train_reporting_failures(trainer: Trainer) -> bool:
     rank with one line naming it and the log file that holds its traceback. The checkpoints saved so far and
     metrics.jsonl are left as they are (a save is published whole or not at all; the logger is closed)."""
     try:
-        return trainer.train()
+        with compile_failures_named():
+            return trainer.train()
     except (resume_guard.RunRefused, DataError):
         raise
     except Exception as error:

@@ -3,11 +3,11 @@
 - **One recipe across nodes** (`check_same_recipe`): every rank hashes its resolved recipe and one all-gather of
   the hashes compares them; a difference names each differing key and the node ranks holding each value.
 - **Resume fingerprint** (`check_resume`): the checkpoint must have been trained with the model, tokenizer,
-  vocabulary-parallel layout, number vocabulary and data sources this recipe describes. The model is compared as
-  the HF config this recipe builds against the checkpoint's `hf_config/` (so `model.*` and `init_from`'s config
-  are both covered), the tokenizer by its content (not its path), data sources by name → files (size and a digest
-  of each file's first and last MiB), template and text field; and what the data stream continues from: `seed`,
-  `data.seq_len` and the sequences per optimizer step.
+  vocabulary-parallel layout, ZeRO stage, number vocabulary and data sources this recipe describes. The model is
+  compared as the HF config this recipe builds against the checkpoint's `hf_config/` (so `model.*` and
+  `init_from`'s config are both covered), the tokenizer by its content (not its path), data sources by name →
+  files (size and a digest of each file's first and last MiB), template and text field; and what the data stream
+  continues from: `seed`, `data.seq_len` and the sequences per optimizer step.
 - **Learning rate on resume** (`apply_recipe_learning_rate`): the checkpoint's scheduler state carries the old peak
   rate; the recipe's is applied from the resumed step on, and the change is logged.
 
@@ -125,9 +125,9 @@ def flatten(tree: object, prefix: str = "") -> dict[str, object]:
 
 def check_resume(folder: Path | None, recipe: Recipe, tokenizer, global_batch: int) -> None:
     """Refuse (every rank alike) to resume `folder` with a recipe that describes another model, tokenizer,
-    vocabulary-parallel layout (`loss.vocab_parallel_size`, and for k > 1 the world size), number vocabulary, data,
-    or data stream (`seed`, `data.seq_len`, `global_batch` sequences per step); reads only small files of the
-    checkpoint."""
+    vocabulary-parallel layout (`loss.vocab_parallel_size`, and for k > 1 the world size), ZeRO stage, number
+    vocabulary, data, or data stream (`seed`, `data.seq_len`, `global_batch` sequences per step); reads only small
+    files of the checkpoint."""
     if folder is None:
         return
     saved_recipe = read_yaml_file(folder / "recipe.yaml") if (folder / "recipe.yaml").is_file() else {}
@@ -190,8 +190,9 @@ def tokenizer_differences(folder: Path, tokenizer, trust_remote_code: bool = Fal
 
 
 def layout_differences(saved_recipe: dict, recipe: Recipe) -> list[Difference]:
-    """`loss.vocab_parallel_size` and what decides the number vocabulary: whether NTL (and so number classes) is
-    on. The number tokens themselves follow from the tokenizer and `vocab_size`, compared above."""
+    """`loss.vocab_parallel_size`, the ZeRO stage (whose optimizer shards DeepSpeed loads only into the same stage)
+    and what decides the number vocabulary: whether NTL (and so number classes) is on. The number tokens themselves
+    follow from the tokenizer and `vocab_size`, compared above."""
     saved_loss = saved_recipe.get("loss", {})
     found = []
     saved_k = saved_loss.get("vocab_parallel_size", 1)
@@ -200,6 +201,11 @@ def layout_differences(saved_recipe: dict, recipe: Recipe) -> list[Difference]:
     saved_kind = (saved_loss.get("ntl") or {}).get("kind", "was")
     if (saved_kind is not None) != (recipe.loss.ntl.kind is not None):
         found.append(Difference("loss.ntl.kind (the number vocabulary)", saved_kind, recipe.loss.ntl.kind))
+    # Checkpoints from before the stage was a recipe key were written at ZeRO-3, the only stage then.
+    saved_stage = (saved_recipe.get("deepspeed") or {}).get("zero_stage") or 3
+    if recipe.deepspeed.zero_stage is not None and saved_stage != recipe.deepspeed.zero_stage:
+        found.append(Difference("deepspeed.zero_stage (the optimizer shards' layout)", saved_stage,
+                                recipe.deepspeed.zero_stage))  # fmt: skip
     return found
 
 

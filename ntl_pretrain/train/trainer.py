@@ -46,6 +46,7 @@ from ntl_pretrain.runtime.process_group import (
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
 from ntl_pretrain.train import resume_guard
+from ntl_pretrain.train.engine import compile_layers, engine_config, foreach_gradient_norm, name_data_parallel_layout
 
 IGNORE_INDEX = -100
 
@@ -89,9 +90,14 @@ class Trainer:
         optimizer = build_optimizer(groups, recipe.optimizer, self.optimizer_kind)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(recipe.schedule, recipe.train.max_steps))
         ds_config = reshard.prepare_resume(self.resume_from, ds_config, self.world_size)
+        ds_config = engine_config(ds_config, recipe, self.built.module.lm)
+        name_data_parallel_layout(self.built.module, ds_config["zero_optimization"]["stage"])
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
+        foreach_gradient_norm(self.engine.optimizer)
+        if recipe.train.compile:
+            compile_layers(self.built.module.lm)
         self.head.attach(self.engine)
         self.grad_accum = ds_config["gradient_accumulation_steps"]
         # One listing of each hub dataset for the whole run, not one per reader (data/hub.py).

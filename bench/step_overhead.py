@@ -1,0 +1,224 @@
+"""Our training step against a plain PyTorch step of the same model, head, clipping and AdamW: what the training
+stack costs on the host, measured side by side in one process.
+
+The toy is issue 47's: a 30-layer Llama of hidden 64 (272 parameters, as many as SmolLM2-135M's), vocabulary 4,096
+tied, sequence 64, micro-batch 2, fp32, one rank. Its arithmetic is negligible, so, like the 135M model on an H100,
+a step costs what is dispatched per parameter and per module; the CPU ratio matched the H100's (4.1 against 4.3).
+
+- plain: the model and our chunked CE + λ·NTL head as plain modules (no DeepSpeed), the global-batch normalisers,
+  `loss.backward()`, `clip_grad_norm_` (foreach), torch's AdamW, the recipe's schedule, one `.item()` a step;
+- ours: `Trainer.train_step` through the DeepSpeed engine, with the recipe's defaults; each `--variant` adds one
+  more with its overrides (e.g. `--variant "zero2 deepspeed.zero_stage=2"`).
+Every step runs plain and each of ours on the same batch, in an order rotated every step. Each of ours is checked
+against a plain twin loaded with its engine's initial weights (the timed plain step is ours' twin): their losses
+must agree step by step (printed: `max |Δ loss|`, the largest difference over the run).
+Printed per configuration: the median ms per step, the median of the per-step ratios to plain, aten ops per step
+(torch.profiler) and Python function calls per step (cProfile), the last two counted over separate steps.
+
+    python bench/step_overhead.py [--steps 30] [--variant "NAME KEY=VALUE ..."] [KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import shlex
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from ntl_pretrain.config.deepspeed import load_run
+from ntl_pretrain.heads import build_head
+from ntl_pretrain.model.build import CausalLMWithLoss, parameter_groups
+from ntl_pretrain.optim.optimizer import build_optimizer
+from ntl_pretrain.optim.schedule import lr_multiplier
+from ntl_pretrain.runtime.process_group import free_port
+from ntl_pretrain.train.main import init_distributed, quiet_console
+from ntl_pretrain.train.trainer import IGNORE_INDEX, Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = [
+    "model.config.num_hidden_layers=30",
+    "model.config.vocab_size=4096",
+    "model.config.tie_word_embeddings=true",
+    "data.seq_len=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.precision=fp32",
+    "train.eval_every_steps=null",
+    "logging.progress_bar=false",
+]
+WARMUP_STEPS = 3
+COUNTED_STEPS = 3
+
+
+def single_process_defaults() -> None:
+    """Let `python bench/step_overhead.py` run without a launcher (one rank)."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+class PlainStep:
+    """The trainer's model and head as plain modules, loaded with `trainer`'s weights, stepped without DeepSpeed."""
+
+    def __init__(self, trainer: Trainer):
+        import deepspeed
+
+        recipe, built = trainer.recipe, trainer.built
+        engine_lm = built.module.lm
+        lm = type(engine_lm)(engine_lm.config)  # the class itself: no ZeRO-3 partitioning (from_config would)
+        with deepspeed.zero.GatheredParameters(list(engine_lm.parameters())):
+            lm.load_state_dict({key: value.clone() for key, value in engine_lm.state_dict().items()})
+        self.module = CausalLMWithLoss(lm, build_head(recipe, lm, built.number_vocab))
+        self.module.train()
+        self.classes = None if built.number_vocab is None else built.number_vocab.classes
+        self.ntl_weight, self.grad_clip = recipe.loss.ntl.weight, recipe.optimizer.grad_clip
+        groups = parameter_groups(self.module, recipe.optimizer.weight_decay)
+        self.optimizer = build_optimizer(groups, recipe.optimizer, "default")
+        schedule = lr_multiplier(recipe.schedule, recipe.train.max_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def __call__(self, batches: list[dict]) -> float:
+        """One update; returns the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`."""
+        with torch_linear():
+            return self._step(batches)
+
+    def _step(self, batches: list[dict]) -> float:
+        labels = [batch["labels"] for batch in batches]
+        num_tokens = sum((label != IGNORE_INDEX).sum() for label in labels).clamp_min(1).float()
+        num_number_tokens = sum(self._number_labels(batch) for batch in batches).clamp_min(1).float()
+        sums = torch.zeros(2)
+        for batch in batches:
+            out = self.module(batch["input_ids"], batch["labels"], batch["position_ids"], num_tokens,
+                              num_number_tokens, batch.get("ntl_labels"))  # fmt: skip
+            out.loss.backward()
+            sums += torch.stack([out.ce.detach(), out.ntl.detach()])
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        ce, ntl = (sums / torch.stack([num_tokens, num_number_tokens])).tolist()
+        return ce + self.ntl_weight * ntl
+
+    def _number_labels(self, batch: dict) -> torch.Tensor:
+        if self.classes is None:
+            return torch.zeros((), dtype=torch.long)
+        labels = batch.get("ntl_labels", batch["labels"])
+        return ((labels != IGNORE_INDEX) & (self.classes[labels.clamp(min=0)] >= 0)).sum()
+
+
+@contextlib.contextmanager
+def torch_linear() -> Iterator[None]:
+    """torch's own `F.linear`: building a model under ZeRO-3 replaces it process-wide with DeepSpeed's
+    (`memory_efficient_linear`), which the plain step must not pay for."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    patched = F.linear
+    F.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", patched)
+    try:
+        yield
+    finally:
+        F.linear = patched
+
+
+def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
+    run_overrides = [*TOY, *overrides, f"train.output_dir={output_dir}", "train.resume=null"]
+    recipe, ds_config = load_run(REPO / "recipes" / "tiny-cpu.yaml", run_overrides, int(os.environ["WORLD_SIZE"]))
+    return Trainer(recipe, ds_config)
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, *overrides = shlex.split(text)
+    return name, overrides
+
+
+def aten_ops_per_step(step: Callable[[], object]) -> float:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(COUNTED_STEPS):
+            step()
+    return sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::")) / COUNTED_STEPS
+
+
+def python_calls_per_step(step: Callable[[], object]) -> float:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(COUNTED_STEPS):
+        step()
+    profiler.disable()
+    return pstats.Stats(profiler).total_calls / COUNTED_STEPS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every configuration")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (after 3 of warm-up)")
+    parser.add_argument("--variant", action="append", default=[], type=parse_variant,
+                        help='"NAME KEY=VALUE ...": one more configuration of ours with these overrides')  # fmt: skip
+    args = parser.parse_args()
+    single_process_defaults()
+    quiet_console(rank=0)
+    init_distributed()
+    with tempfile.TemporaryDirectory() as scratch:
+        configurations = [("ours", []), *args.variant]
+        trainers = {name: build_trainer([*args.overrides, *extra], f"{scratch}/{name}")
+                    for name, extra in configurations}  # fmt: skip
+        run_and_report(trainers, args.steps)
+    dist.destroy_process_group()
+
+
+def run_and_report(trainers: dict[str, Trainer], steps: int) -> None:
+    """Every step: the plain step and each of ours in turn (timed), then each variant's plain twin (untimed: a
+    variant at another ZeRO stage starts from other weights, so its losses are checked against its own twin)."""
+    batches = iter(trainers["ours"].loader)
+    twins = {name: PlainStep(trainer) for name, trainer in trainers.items()}
+    runners = {"plain": twins["ours"], **{name: trainer.train_step for name, trainer in trainers.items()}}
+    times = {name: [] for name in runners}
+    drift = dict.fromkeys(trainers, 0.0)
+    for step in range(WARMUP_STEPS + steps):
+        micro = [next(batches) for _ in range(trainers["ours"].grad_accum)]
+        names, losses = list(runners), {}
+        for name in names[step % len(names) :] + names[: step % len(names)]:  # rotate who goes first
+            started = time.perf_counter()
+            out = runners[name](micro)
+            times[name].append(time.perf_counter() - started)
+            losses[name] = out if name == "plain" else out["loss"]
+        for name in trainers:
+            twin_loss = losses["plain"] if name == "ours" else twins[name](micro)
+            drift[name] = max(drift[name], abs(losses[name] - twin_loss))
+    fixed = [next(batches) for _ in range(trainers["ours"].grad_accum)]
+    counted = {name: (aten_ops_per_step(lambda run=run: run(fixed)), python_calls_per_step(lambda run=run: run(fixed)))
+               for name, run in runners.items()}  # fmt: skip
+    print_report(trainers["ours"], times, drift, counted, steps)
+
+
+def print_report(trainer: Trainer, times: dict, drift: dict, counted: dict, steps: int) -> None:
+    config, train = trainer.built.module.lm.config, trainer.recipe.train
+    print(f"toy: {config.model_type} layers={config.num_hidden_layers} hidden={config.hidden_size} "
+          f"vocab={config.vocab_size} tied={config.tie_word_embeddings}; seq_len={trainer.recipe.data.seq_len} "
+          f"micro_batch={train.micro_batch_size} grad_accum={trainer.grad_accum} precision={train.precision}; "
+          f"{steps} interleaved steps after {WARMUP_STEPS} of warm-up")  # fmt: skip
+    print(f"{'configuration':<16}{'ms/step':>10}{'× plain':>10}{'aten ops/step':>16}{'Python calls/step':>20}"
+          f"{'max |Δ loss|':>15}")  # fmt: skip
+    for name, seconds in times.items():
+        timed = seconds[WARMUP_STEPS:]
+        ratio = statistics.median(ours / base for ours, base in zip(timed, times["plain"][WARMUP_STEPS:], strict=True))
+        ops, calls = counted[name]
+        loss_check = "" if name == "plain" else f"{drift[name]:>15.1e}"
+        print(f"{name:<16}{statistics.median(timed) * 1e3:>10.1f}{ratio:>10.2f}{ops:>16,.0f}{calls:>20,.0f}"
+              f"{loss_check}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
