@@ -10,8 +10,9 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 from ntl_pretrain.config.loading import dump_recipe, load_recipe
 from ntl_pretrain.config.recipe import Recipe, RecipeError
@@ -19,18 +20,31 @@ from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_repo
 from ntl_pretrain.outputs import check_output
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
-# Commands whose modules own them (each has `register(subparsers, summary)`), with the line `--help` shows for
-# each: `--help` and a mistyped command import none of the modules (some import torch: seconds).
+
+
+class Delegated(NamedTuple):
+    """A command its package owns: `arguments` names the module whose `register(subparsers, summary)` adds its
+    arguments and imports nothing heavy, so that `ntl-pretrain <command> --help` answers at once; `runs` the
+    `module:function` that runs it (torch, scipy: seconds to import), imported only then (None: `register` sets it)."""
+
+    arguments: str
+    summary: str
+    runs: str | None = None
+
+
+# `--help` lists them with their summaries and a mistyped command imports none of their modules.
 DELEGATED_COMMANDS = {
-    "eval": ("ntl_pretrain.evaluation.commands", "validation CE/NTL and numeric generation metrics of a model"),
-    "plot": ("ntl_pretrain.plot", "loss, CE, NTL and numeric metrics of several runs in one PNG"),
-    "study": ("ntl_pretrain.study.commands", "CE vs CE+NTL: train every variant x seed, evaluate, report"),
-    "data": ("ntl_pretrain.data.commands", "corpus tools: generate, train the tiny tokenizer, preview"),
-    "doctor": (
-        "ntl_pretrain.doctor.commands",
-        "check that this machine trains correctly (loss, collectives, speed, train/resume/export)",
-    ),
-}
+    "eval": Delegated("ntl_pretrain.evaluation.arguments",
+                      "validation CE/NTL and numeric generation metrics of a model",
+                      "ntl_pretrain.evaluation.commands:run_eval"),
+    "plot": Delegated("ntl_pretrain.plot", "loss, CE, NTL and numeric metrics of several runs in one PNG"),
+    "study": Delegated("ntl_pretrain.study.arguments", "CE vs CE+NTL: train every variant x seed, evaluate, report",
+                       "ntl_pretrain.study.commands:run_study"),
+    "data": Delegated("ntl_pretrain.data.commands", "corpus tools: generate, train the tiny tokenizer, preview"),
+    "doctor": Delegated("ntl_pretrain.doctor.arguments",
+                        "check that this machine trains correctly (loss, collectives, speed, train/resume/export)",
+                        "ntl_pretrain.doctor.commands:run_doctor"),
+}  # fmt: skip
 
 
 def default_nproc() -> int:
@@ -69,15 +83,21 @@ def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
     return ["--include", "localhost:" + ",".join(devices[:nproc])]
 
 
-def checked_recipe(args: argparse.Namespace) -> Recipe:
-    """The recipe after every check a launch makes before any process starts (seconds: imports torch)."""
+def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> Recipe:
+    """The recipe after every check a launch makes before any process starts (seconds: imports torch); `stage` is
+    told what is checked next."""
+    stage("the libraries")
     from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.heads.architectures import check_recipe_architecture
+    from ntl_pretrain.preflight.data import check_readers
     from ntl_pretrain.preflight.world import check_world
 
     args.nproc = args.nproc or default_nproc()
+    stage("the data files and the DeepSpeed config")
     recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
-    check_world(recipe, args.master_port)
+    check_world(recipe, args.master_port, stage)
+    stage(f"the data at {args.nproc} process{'es' if args.nproc > 1 else ''}")
+    check_readers(recipe, args.nproc)
     check_recipe_architecture(recipe)
     return recipe
 
@@ -86,11 +106,10 @@ def run_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
     load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
-    from ntl_pretrain.reporting.console import transient_line
+    from ntl_pretrain.reporting.console import ongoing
 
-    with transient_line(f"checking {args.recipe} before launch: libraries, model config, tokenizer, data files, "
-                        f"DeepSpeed config ..."):  # fmt: skip
-        recipe = checked_recipe(args)
+    with ongoing(f"checking {args.recipe} before launch") as stage:
+        recipe = checked_recipe(args, stage)
     from ntl_pretrain.optim.schedule import warmup_note
     from ntl_pretrain.preflight.world import finished_step
 
@@ -108,12 +127,16 @@ def run_train(args: argparse.Namespace) -> int:
     if done is not None:
         print(f"ntl-pretrain: {finished}")
         return 0
+    from ntl_pretrain.runtime import run_lock
     from ntl_pretrain.runtime.supervisor import EXIT_MARGIN_S, supervise
 
     print(f"ntl-pretrain: {launch_line(args, recipe)}", file=sys.stderr, flush=True)
     started = time.time()
     grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
-    return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
+    try:
+        return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
+    finally:
+        run_lock.clear_if_gone(recipe.train.output_dir)
 
 
 def launch_line(args: argparse.Namespace, recipe: Recipe) -> str:
@@ -169,13 +192,18 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_convert_gguf(args: argparse.Namespace) -> int:
-    from ntl_pretrain.export.hf_folder import convert_gguf
-    from ntl_pretrain.reporting.console import stdout_to_stderr
+    from ntl_pretrain.export.gguf_file import checked_gguf
+    from ntl_pretrain.reporting.console import ongoing, stdout_to_stderr
 
     gguf = [] if args.gguf.startswith("pkg:") else [args.gguf]
     check_output("out_dir", Path(args.out_dir), gguf, args.overwrite, folder=True)
-    with stdout_to_stderr():  # stdout carries the folder only
-        folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype)
+    checked_gguf(args.gguf)  # a bad file is refused in one line, before the first line of the conversion
+    what = f"{args.gguf} -> {args.out_dir}"
+    with stdout_to_stderr(), ongoing(what, prefix="ntl-pretrain convert-gguf: ", at_once=True) as stage:
+        stage("loading the libraries")  # stdout carries the folder only
+        from ntl_pretrain.export.hf_folder import convert_gguf
+
+        folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, stage=stage)
     print(folder)
     return 0
 
@@ -265,13 +293,20 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     verify.add_argument("--size-only", action="store_true", help="compare sizes only (reads no file)")
     verify.set_defaults(func=run_verify)
 
-    for name, (module, summary) in DELEGATED_COMMANDS.items():
-        if name in delegated:
-            importlib.import_module(module).register(commands, summary)
-        else:  # listed by `--help`, never run: `main` registers the command it runs
-            commands.add_parser(name, help=summary)
+    for name, command in DELEGATED_COMMANDS.items():
+        if name not in delegated:  # listed by `--help`, never run: `main` registers the command it runs
+            commands.add_parser(name, help=command.summary)
+            continue
+        importlib.import_module(command.arguments).register(commands, command.summary)
+        if command.runs is not None:
+            commands.choices[name].set_defaults(func=_imported_when_run(command.runs))
     add_verbose(parser)
     return parser
+
+
+def _imported_when_run(runs: str) -> Callable[[argparse.Namespace], int | None]:
+    module, function = runs.split(":")
+    return lambda args: getattr(importlib.import_module(module), function)(args)
 
 
 def _delegated_to_register(argv: list[str]) -> list[str]:

@@ -152,9 +152,9 @@ def plot_runs(
     groups: Sequence[str] | None = None,
 ) -> Path:
     """Draw every panel for every run into one PNG; `groups` (one per run) picks the colours and legend."""
+    runs = [read_metrics(run_dir) for run_dir in run_dirs]  # a missing or damaged run is refused before matplotlib
     import matplotlib.pyplot as plt
 
-    runs = [read_metrics(run_dir) for run_dir in run_dirs]
     labels = list(labels) if labels else [Path(run_dir).name for run_dir in run_dirs]
     figure = draw_figure(runs, list(groups) if groups else labels, [str(d) for d in run_dirs])
     out = Path(out)

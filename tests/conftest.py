@@ -12,6 +12,16 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def away_from_the_checkout(tmp_path_factory):
+    """Every test runs in an empty folder, not where pytest was started: a recipe's relative `train.output_dir`
+    (`runs/tiny-cpu`) then never meets what the README's main job, or anything else, left in the checkout."""
+    started_in = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(started_in)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: a second thread only waits on the first (a 100x slower first forward on a busy machine)."""

@@ -357,6 +357,27 @@ def test_a_bad_latest_pointer_is_reported_and_resume_takes_the_newest_checkpoint
     assert f"{tmp_path / 'nowhere' / 'step_5'}: does not exist" in capsys.readouterr().err
 
 
+def test_a_manifest_that_lists_no_file_or_misses_one_vouches_for_nothing(tmp_path, capsys):
+    """`verify` called a step folder whose manifest listed no files intact, and did not see a file it left out."""
+    root = checkpoint.checkpoints_root(tmp_path / "run")
+    small_checkpoints(root, [10, 20])
+    checkpoint.write_pointer(root, "step_20")
+    (root / "step_20" / "notes.txt").write_text("added after the save")
+    manifest.write(root / "step_10", {})
+    assert cli.main(["verify", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{root / 'step_10'}: damaged: {root / 'step_10' / manifest.MANIFEST}: lists no file; a checkpoint's manifest "
+        "lists every file it saved",
+        f"{root / 'step_20'}: damaged: {root / 'step_20' / 'notes.txt'}: not in the manifest",
+    ]
+    with pytest.raises(DamagedCheckpointError, match="notes.txt: not in the manifest"):
+        checkpoint.verify_before_reading(root / "step_20")  # what export and eval ask before they read a weight
+    (root / "step_20" / manifest.UNIVERSAL).mkdir()
+    (root / "step_20" / manifest.UNIVERSAL / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"derived")
+    (root / "step_20" / "notes.txt").unlink()
+    assert manifest.verify(root / "step_20") == []  # reshard's folder, derived after the save, is not the manifest's
+
+
 def check_ranks_pass_over_a_truncated_shard_without_manifest(run: str) -> None:
     import torch.distributed as dist
 

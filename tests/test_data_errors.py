@@ -169,25 +169,25 @@ def test_zstd_cursor_resumes_in_the_middle_of_the_file(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_without_usable_records_ends_the_whole_job_naming_the_source(tmp_path):
-    """Records are dealt to the ranks in turn: with every odd record broken, rank 1 of 2 gets none. That rank
-    stops with one line naming the source, and the launcher ends the job (no rank left waiting in a collective).
-    The job died before its first step: the output folder is as it was (an earlier recipe.yaml kept, no empty
-    metrics.jsonl), so the same command can run again."""
-    source = tmp_path / "halfbad.jsonl"
-    lines = [json.dumps({"text": f"record {i} holds the number {7 * i}."}) if i % 2 == 0 else "{not json"
-             for i in range(400)]  # fmt: skip
-    source.write_text("\n".join(lines) + "\n")
+    """A parquet file of one row, on 2 ranks: rank 1's share is empty. The dry run does not read parquet (its line
+    files it does: tests/test_preflight_data.py), so the rank finds it after launch. It stops with one line naming the
+    source, the launcher ends the job (no rank left waiting in a collective), and `ntl-pretrain train` exits 2, as for
+    any refused input, with that line last (not gloo's or DeepSpeed's), and no lock left beside the folder. The job
+    died before its first step: the output folder is as it was (an earlier recipe.yaml kept, no empty metrics.jsonl),
+    so the same command can run again."""
+    source = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"text": ["the only record holds the number 7."]}), source)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "recipe.yaml").write_text("# an earlier recipe\n")
     command = [sys.executable, "-m", "ntl_pretrain.cli", "train", str(REPO / "recipes" / "tiny-cpu.yaml"), "--nproc",
-               "2", f"data.sources=[{{name: halfbad, path: {source}}}]", "data.validation=[]",
+               "2", f"data.sources=[{{name: one, path: {source}}}]", "data.validation=[]",
                "train.eval_every_steps=null", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=20",
                "logging.progress_bar=false"]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1
-    named = [line for line in done.stderr.splitlines() if line.startswith("ntl-pretrain: rank 1: data error:")]
-    assert len(named) == 1 and "source 'halfbad'" in named[0] and "no usable document" in named[0], done.stderr[-3000:]
-    assert "200 invalid_json" in named[0]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("ntl-pretrain: rank 1: data error: source 'one'") and "no usable document" in last, last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.parquet", "run"]  # no run.lock beside the folder
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["recipe.yaml"]
     assert (tmp_path / "run" / "recipe.yaml").read_text() == "# an earlier recipe\n"

@@ -113,7 +113,7 @@ def test_eval_config_checks_name_the_key() -> None:
 def parse_eval_flags(*flags: str):
     import argparse
 
-    from ntl_pretrain.evaluation.commands import register
+    from ntl_pretrain.evaluation.arguments import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

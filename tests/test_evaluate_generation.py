@@ -249,7 +249,8 @@ def test_generation_with_the_chat_template_equals_one_by_one_greedy_on_its_turns
 
 
 def test_eval_takes_the_chat_template_from_the_flag_else_the_run():
-    from ntl_pretrain.evaluation.commands import eval_config_from_args, register
+    from ntl_pretrain.evaluation.arguments import register
+    from ntl_pretrain.evaluation.commands import eval_config_from_args
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

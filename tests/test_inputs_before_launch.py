@@ -10,7 +10,8 @@ import pytest
 
 from ntl_pretrain import cli
 from ntl_pretrain.evaluation.answers import parse_reference
-from ntl_pretrain.evaluation.commands import eval_config_from_args, register
+from ntl_pretrain.evaluation.arguments import register
+from ntl_pretrain.evaluation.commands import eval_config_from_args
 from ntl_pretrain.evaluation.generation import QaExample
 from ntl_pretrain.preflight import world as preflight
 

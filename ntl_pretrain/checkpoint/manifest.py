@@ -22,6 +22,8 @@ import xxhash
 from ntl_pretrain.errors import CommandFailed
 
 MANIFEST = "manifest.json"
+# The folder `reshard.py` converts a step's shards into, after the save: derived from files the manifest vouches for.
+UNIVERSAL = "universal"
 VERSION = 1
 BLOCK_BYTES = 8 << 20
 VerifyMode = Literal["checksum", "size"]
@@ -186,12 +188,23 @@ def check_whole(folder: Path, entries: dict[str, dict]) -> list[Problem]:
 
 
 def verify(folder: Path, mode: VerifyMode = "checksum") -> list[Problem] | None:
-    """Every file of one checkpoint, in this process; without a manifest, its torch files' ends (`check_whole`),
-    and None (unverifiable) when they are whole."""
+    """Every file of one checkpoint, in this process: the manifest lists every file the folder holds, and each is as
+    listed; without a manifest, its torch files' ends (`check_whole`), and None (unverifiable) when they are whole."""
     try:
         entries = read(folder)
     except ManifestError as error:
         return [Problem(folder / MANIFEST, str(error).split(": ", 1)[1])]
     if entries is None:
         return check_whole(folder, torch_files(folder)) or None
-    return check(folder, entries, mode)
+    if not entries:  # a save writes a manifest only after its files: an empty one vouches for nothing
+        return [Problem(folder / MANIFEST, "lists no file; a checkpoint's manifest lists every file it saved")]
+    return unlisted(folder, entries) + check(folder, entries, mode)
+
+
+def unlisted(folder: Path, entries: dict[str, dict]) -> list[Problem]:
+    """Files the folder holds that its manifest does not list (but for the manifest itself and reshard's derived
+    folder): added after the save, so nothing vouches for them."""
+    derived = (folder / UNIVERSAL, folder / f"{UNIVERSAL}.tmp")
+    held = [path for path in sorted(folder.rglob("*")) if path.is_file() and path != folder / MANIFEST
+            and not any(path.is_relative_to(parent) for parent in derived)]  # fmt: skip
+    return [Problem(path, "not in the manifest") for path in held if path.relative_to(folder).as_posix() not in entries]

@@ -293,10 +293,17 @@ class SourceStream:
             raise DataError(
                 f"source {self.source.label!r} ({self.source.path}): a whole epoch gave reader {self.shard} of "
                 f"{self.num_shards} no usable document (records skipped so far: {skipped}); the source has too few "
-                f"valid records for this many readers (data-parallel ranks x workers)"
+                f"valid records for this many readers (data-parallel ranks x workers){self._fewer_documents_hint()}"
             )
         self.cursor = self._fresh_cursor(epoch=self.cursor.epoch + 1)
         self._documents = None
+
+    def _fewer_documents_hint(self) -> str:
+        """A txt source read by paragraph or file holds fewer documents than lines."""
+        if self.format != "txt" or self.source.sample_by == "line":
+            return ""
+        return f"; a txt source read by {self.source.sample_by} has one document per {self.source.sample_by}: if " \
+            "its records are lines, set sample_by: line"  # fmt: skip
 
     def _read_epoch(self) -> Iterator[str]:
         cut = self._pieces_cut()
@@ -305,7 +312,7 @@ class SourceStream:
             units = self._piece_units(cut)
             parse = (lambda record: render(record, self.source)) if cut.kind == "parquet" else (
                 lambda raw: parse_unit(raw, line_format, self.source))  # fmt: skip
-        elif self._is_hf():
+        elif self.reads_through_datasets():
             units, parse = self._hf_records(), lambda record: render(record, self.source)
         else:
             units, parse = self._line_units(), lambda raw: parse_unit(raw, line_format, self.source)
@@ -389,7 +396,8 @@ class SourceStream:
             cursor.piece += 1
             cursor.offset = 0
 
-    def _is_hf(self) -> bool:
+    def reads_through_datasets(self) -> bool:
+        """Parquet, arrow, a JSON array and hub datasets are read by HF `datasets`; line files line by line."""
         return self.format in HF_FORMATS or (self.format == "json" and _is_json_array(self.files[0]))
 
     def _owns(self, unit_index: int) -> bool:

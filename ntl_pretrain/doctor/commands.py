@@ -15,42 +15,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.doctor.arguments import SKIPPABLE, TRAIN_ROWS, add_arguments
 from ntl_pretrain.doctor.collectives import collectives_check, request_nccl_log
 from ntl_pretrain.doctor.environment import environment_check
 from ntl_pretrain.doctor.gpu_paths import GPU_PATH_CHECKS
 from ntl_pretrain.doctor.loss_checks import loss_check
 from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write_json
 from ntl_pretrain.doctor.speed import speed_check
-from ntl_pretrain.doctor.training import TINY_RECIPE, local_ranks, throughput_check, train_checks
+from ntl_pretrain.doctor.training import local_ranks, throughput_check, train_checks
 from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
 from ntl_pretrain.reporting.console import whole_lines
 from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 
 # Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).
 WAIT_FOR_TRAINING = datetime.timedelta(minutes=30)
-TRAIN_ROWS = ("train", "train resume", "export")
-SKIPPABLE = {"speed": ("speed loss", "speed output layer"), "train": (*TRAIN_ROWS, "throughput")}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="skip the throughput run and use a smaller bandwidth test")
-    parser.add_argument("--skip", nargs="+", choices=sorted(SKIPPABLE), default=[], metavar="GROUP",
-                        help="leave out check groups: speed (its rows take a minute on a small CPU), train (train, "
-                        "resume, export, throughput); bench/gpu_first_run.sh --dry-run skips both")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None, metavar="REPORT.json", help="also write the report here")
-    work_dir_help = "where the training checks run (default: a temporary folder, removed if they pass)"
-    parser.add_argument("--work-dir", type=Path, default=None, help=work_dir_help)
-    parser.add_argument("--recipe", type=Path, default=TINY_RECIPE, help="the tiny recipe (default: %(default)s)")
-    parser.add_argument("--expected-busbw", type=float, default=None, metavar="GB/s",
-                        help="all-reduce bus bandwidth the links should deliver (default: NVLink GPUs on one node "
-                        "from a table; across nodes none)")  # fmt: skip
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
-
-
-def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
-    parser = subparsers.add_parser("doctor", help=summary)
-    add_arguments(parser)
-    parser.set_defaults(func=run_doctor)
 
 
 def init_process_group() -> None:

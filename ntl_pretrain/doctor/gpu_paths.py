@@ -49,7 +49,7 @@ def gradient_accumulation_check(device: torch.device) -> Check:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # unused here; a 2-minute build on CPU
     from ntl_pretrain.config.deepspeed import build_deepspeed_config
     from ntl_pretrain.config.loading import load_recipe
-    from ntl_pretrain.doctor.training import TINY_RECIPE
+    from ntl_pretrain.doctor.arguments import TINY_RECIPE
 
     world = dist.get_world_size()
     recipe = load_recipe(TINY_RECIPE, ["train.precision=bf16", "train.micro_batch_size=1",

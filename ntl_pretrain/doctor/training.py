@@ -32,11 +32,10 @@ from pathlib import Path
 import torch
 
 from ntl_pretrain.config.loading import read_yaml_file
+from ntl_pretrain.doctor.arguments import TINY_RECIPE
 from ntl_pretrain.doctor.report import Check
 from ntl_pretrain.plot import read_metrics
 
-REPOSITORY = Path(__file__).resolve().parents[2]
-TINY_RECIPE = REPOSITORY / "recipes" / "tiny-cpu.yaml"
 STEPS, SAVE_AT = 20, 10
 COMPARED = ("loss", "ce", "ntl", "grad_norm", "tokens")
 RESUME_TOLERANCE = {"fp32": 0.0, "bf16": 1e-2}

@@ -24,6 +24,7 @@ from ntl_pretrain.data.config import DataConfig
 from ntl_pretrain.data.probe import check_source_files
 from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.errors import InputError, add_verbose, run_reporting
+from ntl_pretrain.evaluation.arguments import register
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
@@ -128,43 +129,6 @@ def _validation_data(
     if per_document_attention is None:
         per_document_attention = run.per_document_attention
     return DataConfig(validation=sources, seq_len=seq_len or run.seq_len, per_document_attention=per_document_attention)
-
-
-def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
-    parser = subparsers.add_parser("eval", help=summary)
-    parser.add_argument("target", help="run directory (latest checkpoint), checkpoint step folder or HF folder")
-    defaults = EvalConfig()
-    parser.add_argument("--qa", action="append", default=None, metavar="JSONL",
-                        help="Q/A jsonl (repeatable); default: the run recipe's eval.qa_sets, else arithmetic "
-                             "interpolation and extrapolation")  # fmt: skip
-    parser.add_argument("--max-examples", type=int, default=defaults.max_examples, help="per set; 0 = all")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help=f"default: the run's eval.max_new_tokens, else {defaults.max_new_tokens}")  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="prompts per generate call")
-    parser.add_argument("--prompt-template", default=None,
-                        help=f"default: the run's eval.prompt_template, else {defaults.prompt_template!r}")  # fmt: skip
-    parser.add_argument("--chat-template", choices=["auto", "none"], default=None,
-                        help="auto: prompts as user messages in the tokenizer's chat template (Instruct models); "
-                        "default: the run's eval.chat_template, else none")  # fmt: skip
-    parser.add_argument("--validation", action="append", default=None, metavar="PATH",
-                        help="held-out source (repeatable); default: the run's data.validation")  # fmt: skip
-    parser.add_argument(
-        "--template", default=None, help="template of the --validation records, e.g. '{question} {answer}'"
-    )
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's data.seq_len, else 512")
-    parser.add_argument("--per-document-attention", action=argparse.BooleanOptionalAction, default=None,
-                        help="restart positions at each packed document (and keep attention inside it); "
-                             "default: the run's data.per_document_attention, else off")  # fmt: skip
-    parser.add_argument("--max-validation-batches", type=int, default=None)
-    parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber", "digits", "number"], default="was")
-    parser.add_argument("--out", type=Path, default=None, help="also write the record to this JSON file")
-    parser.add_argument("--log-metrics", action="store_true", help="append the record to the run's metrics.jsonl")
-    parser.add_argument("--answers", type=Path, default=None, metavar="JSONL",
-                        help="also write every question, reference and generated answer to this file")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --out / --answers file (never one of the inputs)")  # fmt: skip
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
-    parser.set_defaults(func=run_eval)
 
 
 def eval_config_from_args(args: argparse.Namespace, from_run: EvalConfig | None = None) -> EvalConfig:
@@ -273,4 +237,4 @@ def main(argv: list[str] | None = None) -> int:
     register(parser.add_subparsers(dest="command", required=True))
     add_verbose(parser)
     args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    return run_reporting("eval", lambda: args.func(args), getattr(args, "verbose", False))
+    return run_reporting("eval", lambda: run_eval(args), getattr(args, "verbose", False))

@@ -14,6 +14,7 @@ readable as the user's umask allows (transformers writes the weights through a p
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,15 +22,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from ntl_pretrain.checkpoint.store import HF_CONFIG, TOKENIZER, verify_before_reading
 from ntl_pretrain.config.loading import read_yaml_file
-from ntl_pretrain.errors import InputError
+from ntl_pretrain.export.gguf_file import checked_gguf
 from ntl_pretrain.heads import saved_output_matrix
 from ntl_pretrain.outputs import write_folder
-from ntl_pretrain.tokenizer import resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
-WRAPPER_PREFIX = "lm."
-GGUF_MAGIC = b"GGUF"  # CausalLMWithLoss keeps the HF model under this attribute
+WRAPPER_PREFIX = "lm."  # CausalLMWithLoss keeps the HF model under this attribute
 
 
 def export_checkpoint(
@@ -69,32 +68,21 @@ def model_from_state(
     return model
 
 
-def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Dequantise a GGUF causal LM (`pkg:` paths allowed) into an HF folder."""
-    path = resolve_path(gguf).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"{gguf}: no such GGUF file ({path})")
-    with path.open("rb") as file:
-        if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
-            raise InputError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
-    check_gguf_readable(path)
+def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16",
+                 stage: Callable[[str], None] = lambda _: None) -> Path:  # fmt: skip
+    """Dequantise a GGUF causal LM (`pkg:` paths allowed) into an HF folder; `stage(what)` is told each step (the
+    dequantisation takes minutes for 100M+ parameters on a CPU)."""
+    path = checked_gguf(gguf)
+    stage("dequantising the weights to float32 (transformers' GGUF loader)")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    stage("reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    stage("moving the weights into a model built from its config")
     model = AutoModelForCausalLM.from_config(_without_quantization(loaded.config), dtype=torch.float32)
     _load_complete(model, loaded.state_dict(), str(path))
     model.to(DTYPES[dtype])
+    stage(f"writing {dtype} safetensors")
     return _save(model, tokenizer, Path(out_dir))
-
-
-def check_gguf_readable(path: Path) -> None:
-    """The whole header and tensor table parse (gguf's reader maps the file and reads no tensor data): a file cut
-    short or damaged is refused naming it, rather than failing inside transformers' loader."""
-    from gguf import GGUFReader
-
-    try:
-        GGUFReader(path)
-    except Exception as error:  # struct.error, ValueError, IndexError ... whatever the damage makes the parser meet
-        raise InputError(f"{path}: damaged or truncated GGUF file ({type(error).__name__}: {error})") from error
 
 
 def _without_quantization(config: PretrainedConfig) -> PretrainedConfig:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import inspect
 import netrc
 import os
 import socket
 import sys
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 from ntl_pretrain.checkpoint import store as checkpoint
@@ -19,6 +19,7 @@ from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.evaluation.model_folder import WEIGHT_FILES, has_weights
 from ntl_pretrain.model import flash_attention
 from ntl_pretrain.model.document_attention import transformers_takes_varlen_arguments
+from ntl_pretrain.preflight.config_keys import check_config_keys
 from ntl_pretrain.preflight.model import check_given_sizes, check_model, position_limits
 from ntl_pretrain.runtime import run_lock
 from ntl_pretrain.tokenizer import resolve_path
@@ -27,16 +28,23 @@ WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")  # WANDB_MODE values that 
 WANDB_CONNECT_TIMEOUT_S = 5.0
 
 
-def check_world(recipe: Recipe, master_port: int | None) -> None:
-    """Every check below, in the order a user would fix them."""
+def check_world(recipe: Recipe, master_port: int | None, stage: Callable[[str], None] = lambda _: None) -> None:
+    """Every check below, in the order a user would fix them; `stage(what)` is told what is checked next."""
+    stage("the output folder's earlier run")
     starts_fresh = recipe.init_from is None and existing_checkpoint(recipe) is None
     check_no_earlier_run(recipe)
+    stage("the model type and init_from")
     check_model_type(recipe.model.model_type, starts_fresh)
     check_init_from(recipe.init_from)
+    stage("the tokenizer")
     tokenizer = check_tokenizer(recipe, starts_fresh)
-    check_config_keys(recipe)
+    stage("the model config")
+    config = model_config(recipe)
+    check_config_keys(recipe, config)
     check_positions(recipe)
-    check_model(recipe, model_config(recipe), tokenizer)
+    stage("the model, built on the meta device" + (", and init_from's weights" if recipe.init_from else ""))
+    check_model(recipe, config, tokenizer)
+    stage("the attention backend, optional packages, the device, the output folder, the port")
     check_attention(recipe)
     check_optional_packages(recipe)
     check_device(recipe.train.device)
@@ -133,38 +141,6 @@ def check_tokenizer(recipe: Recipe, starts_fresh: bool):
         return load_tokenizer(spec, trust_remote_code=recipe.tokenizer.trust_remote_code)
     except Exception as error:  # tokenizers, sentencepiece, tiktoken and transformers raise their own types
         raise RecipeError(f"{key}: cannot load the tokenizer {spec}: {' '.join(str(error).split())[:300]}") from error
-
-
-def check_config_keys(recipe: Recipe) -> None:
-    """Every `model.config` key means something to the model's config class: transformers keeps an unknown key as
-    a stray attribute that no layer reads (`n_embd` on a Llama), so the run would silently train another model."""
-    config = model_config(recipe)
-    if config is None or not recipe.model.config:
-        return
-    config_class = type(config)
-    try:
-        defaults = config_class().to_dict()
-    except Exception:  # a config class that cannot be built without arguments: transformers checked the values
-        return
-    known = {*defaults, *inspect.signature(config_class.__init__).parameters, *config_class.attribute_map}
-    for key, value in recipe.model.config.items():
-        if key in known or _changes_other_keys(config_class, key, value, defaults):
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise RecipeError(
-            f"model.config.{key}: {config_class.__name__} has no such key, so the model would ignore it{hint}"
-        )
-
-
-def _changes_other_keys(config_class, key: str, value, defaults: dict) -> bool:
-    """Whether a key transformers still accepts under an older name (`rope_scaling` -> `rope_parameters`) takes
-    effect: building the config with it changes some other key."""
-    try:
-        built = config_class(**{key: value}).to_dict()
-    except Exception:
-        return True  # the full config was built with it (model_config): let transformers be the judge
-    return any(built.get(name) != default for name, default in defaults.items() if name != key)
 
 
 def check_attention(recipe: Recipe) -> None:

@@ -18,9 +18,10 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV
 
 PREFIX = "ntl-pretrain: "
+TICK_S = 4.0  # a slow command says something at least this often (`ongoing`)
 VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce", "val_answer_ce", "val_answer_ntl")
 
 
@@ -117,21 +119,65 @@ ERASE_LINE = "\r\033[K"
 
 
 @contextlib.contextmanager
-def transient_line(text: str, stream: TextIO | None = None) -> Iterator[None]:
-    """On a terminal, `text` shown while the block runs and erased after it (success or refusal), so that seconds
-    of checks are not silence and a refusal still reads as one line. Off a terminal (a pipe, a log file) nothing:
-    what follows there is the record."""
+def ongoing(what: str, prefix: str = PREFIX, stream: TextIO | None = None, at_once: bool = False,
+            tick_s: float = TICK_S) -> Iterator[Callable[[str], None]]:  # fmt: skip
+    """Say what a slow command does while it does it: the block calls the function it is given with each stage.
+
+    On a terminal: one line at once, rewritten at each stage and every `tick_s` with the time so far, erased at the
+    end (success or refusal), so that a refusal after it reads as one line. Off a terminal (a log, a pipe): a line
+    every `tick_s` naming the stage under way (and the first stage at once with `at_once`), none for a block that
+    ends sooner,
+    so that a quick answer (a refusal) stays the only line, the log shows where the time went, and it is never
+    silent for long."""
     stream = stream or sys.stderr
-    shown = stream.isatty()
-    if shown:
-        stream.write(PREFIX + text)
-        stream.flush()
+    line = _OngoingLine(what, prefix, stream, at_once, tick_s)
+    ticking = threading.Thread(target=line.tick, daemon=True, name="ntl-ongoing")
+    ticking.start()
     try:
-        yield
+        yield line.stage
     finally:
-        if shown:
-            stream.write(ERASE_LINE)
-            stream.flush()
+        line.end()
+        ticking.join()
+
+
+class _OngoingLine:
+    def __init__(self, what: str, prefix: str, stream: TextIO, at_once: bool, tick_s: float):
+        self.what, self.prefix, self.stream, self.tick_s = what, prefix, stream, tick_s
+        self.terminal = stream.isatty()
+        self.started = self.said = time.monotonic()
+        self.current, self.drawn, self.at_once = "", False, at_once
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        if self.terminal:
+            self._say()
+
+    def stage(self, name: str) -> None:
+        with self.lock:
+            self.current = name
+            if self.terminal or (self.at_once and not self.drawn):
+                self._say()
+
+    def tick(self) -> None:
+        while not self.done.wait(min(0.5, self.tick_s)):
+            with self.lock:
+                if time.monotonic() - self.said >= self.tick_s and not self.done.is_set():
+                    self._say()
+
+    def end(self) -> None:
+        with self.lock:
+            self.done.set()
+            if self.terminal and self.drawn:
+                self.stream.write(ERASE_LINE)
+                self.stream.flush()
+
+    def _say(self) -> None:
+        elapsed = time.monotonic() - self.started
+        text = self.prefix + self.what + (f": {self.current}" if self.current else "")
+        text += f" ({elapsed:.0f} s)" if elapsed >= 1 else ""
+        redraw = ERASE_LINE if self.drawn else ""
+        self.stream.write(redraw + text if self.terminal else text + "\n")
+        self.stream.flush()
+        self.said, self.drawn = time.monotonic(), True
 
 
 @contextlib.contextmanager

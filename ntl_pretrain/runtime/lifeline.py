@@ -12,6 +12,9 @@ nodes, and a value from another host is ignored).
   checkpoint; the supervisor then exits with 0 or `stopping.EXIT_STOPPED` whatever its launcher returned (a
   SIGTERM to every process of the run ends DeepSpeed's runner with 143 and `launch.py` with 1 while the ranks save
   and exit 75, or finish the last step).
+- `report_refusal` / `reported_refusal`: a rank that refuses its input after launch (a recipe a resume cannot
+  continue, a source that gives it no document) writes the line that says why; the supervisor exits 2, as for
+  input refused before launch, and says that line last, after the launcher's and the other ranks' lines.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 import psutil
 
 VARIABLE = "NTL_SUPERVISOR"
-FINISHED, STOPPED = "finished", "stopped"
+FINISHED, STOPPED, REFUSED = "finished", "stopped", "refused"
 POLL_S = 0.5
 
 
@@ -91,7 +94,22 @@ def report_outcome(finished: bool) -> None:
         found[1].write_text(FINISHED if finished else STOPPED)
 
 
+def report_refusal(line: str) -> None:
+    """Tell the supervisor that this rank refused its input, and why (`line`, one line)."""
+    found = _parse()
+    if found is not None:
+        found[1].write_text(f"{REFUSED}\n{line}")
+
+
 def reported_outcome(outcome_file: Path) -> str | None:
-    """`FINISHED`, `STOPPED`, or None when no rank reported (supervisor side)."""
+    """`FINISHED`, `STOPPED`, `REFUSED`, or None when no rank reported (supervisor side)."""
     text = outcome_file.read_text().strip() if outcome_file.is_file() else ""
-    return text if text in (FINISHED, STOPPED) else None
+    outcome = text.split("\n", 1)[0]
+    return outcome if outcome in (FINISHED, STOPPED, REFUSED) else None
+
+
+def reported_refusal(outcome_file: Path) -> str | None:
+    """The line a rank refused its input with (`report_refusal`), or None."""
+    if reported_outcome(outcome_file) != REFUSED:
+        return None
+    return outcome_file.read_text().split("\n", 1)[1].strip()

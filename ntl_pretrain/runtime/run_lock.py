@@ -91,6 +91,15 @@ def release(path: Path | None) -> None:
         path.unlink(missing_ok=True)
 
 
+def clear_if_gone(output_dir: str | Path) -> None:
+    """Delete the lock of a run whose holder is gone: rank 0 killed by the launcher once another rank failed cannot
+    release it itself."""
+    path = lock_path(output_dir)
+    holder = _read(path)
+    if holder is not None and "unreadable" not in holder and _gone(holder):
+        path.unlink(missing_ok=True)
+
+
 def _read(path: Path) -> dict | None:
     """The holder's record; None without a lock. A file that is not a record (torn by a crash while it was being
     written) is refused like a live holder: nothing says whose it is."""

@@ -1,6 +1,6 @@
 """Run a training launcher so that stopping it stops the whole run, and nothing of the run outlives it.
 
-    python -m ntl_pretrain.supervisor [--grace-seconds S] -- deepspeed ... --module ntl_pretrain.train RECIPE ...
+    python -m ntl_pretrain.runtime.supervisor [--grace-seconds S] -- deepspeed ... --module ntl_pretrain.train RECIPE
 
 `ntl-pretrain train` runs its launcher this way; launch/multinode.sh and launch/slurm/train.sbatch wrap each node's
 launcher in it. The launcher (DeepSpeed's runner, its per-node `launch.py`, the ranks) starts in a session of its
@@ -14,7 +14,8 @@ run its signal handler (frozen in a collective or in I/O).
 
 The ranks die with the supervisor whatever ends it, and report to it whether they finished or stopped with a
 checkpoint, so that the supervisor exits with 0 or `EXIT_STOPPED` also when the signal reached DeepSpeed's
-launchers, which then exit 143 or 1 (`lifeline.py`).
+launchers, which then exit 143 or 1 (`lifeline.py`); a rank that refused its input after launch reports the line
+that says why, which the supervisor repeats last, exiting 2.
 
 The launcher's stdout and stderr reach the console through `console_relay.py`, so a console that stops reading (a
 full pipe, `| head`, a closed terminal) drops lines instead of freezing or killing a rank; SIGHUP (the terminal went
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from ntl_pretrain.errors import EXIT_BAD_INPUT
 from ntl_pretrain.runtime import lifeline
 from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV, ConsoleRelay, console_is_terminal
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS
@@ -97,8 +99,13 @@ def supervise(
         env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
         code = _run(command, env, grace_seconds, relays, startup_tick_s)
         outcome = lifeline.reported_outcome(outcome_file)
-        code = {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED}.get(outcome, code)
-        line = last_line(code) if last_line is not None else None
+        code = {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED, lifeline.REFUSED: EXIT_BAD_INPUT}.get(
+            outcome, code
+        )
+        if outcome == lifeline.REFUSED:  # the rank's line, not the launcher's (gloo's, DeepSpeed's sigkill_handler)
+            line = f"ntl-pretrain: {lifeline.reported_refusal(outcome_file)}"
+        else:
+            line = last_line(code) if last_line is not None else None
         _close_relays(relays, line)
         return code
     finally:

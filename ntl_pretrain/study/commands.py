@@ -34,14 +34,11 @@ from ntl_pretrain.errors import InputError, check_can_write
 from ntl_pretrain.outputs import SIGNATURE, check_output, starts_with
 from ntl_pretrain.runtime.run_lock import check_free
 from ntl_pretrain.study.archive import archive_run
+from ntl_pretrain.study.arguments import EXIT_UNFINISHED, register
 from ntl_pretrain.study.decision import RULES
 from ntl_pretrain.study.provenance import code_version
 from ntl_pretrain.study.report import write_report
 from ntl_pretrain.study.runs import StudyRun, plan
-
-VARIANTS = ("ce", "ntl-was", "ntl-mse")
-SEEDS = (0, 1, 2)
-EXIT_UNFINISHED = 3  # `--protocol` or `--decide` with a planned run unfinished (or none finished at all): no report
 
 
 def run_commands(run: StudyRun, overrides: list[str], eval_args: list[str]) -> tuple[list[str], list[str]]:
@@ -128,37 +125,6 @@ def run_all(runs: list[StudyRun], overrides: list[str], eval_args: list[str], jo
         for run, ran in zip(pending, pool.map(execute_in_time, pending), strict=True):
             if ran:
                 print(f"study: {run.name} done", flush=True)
-
-
-def register(subparsers: argparse._SubParsersAction, summary: str | None = None) -> None:
-    parser = subparsers.add_parser("study", help=summary)
-    parser.add_argument("overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50")
-    parser.add_argument("--recipes", type=Path, default=Path("recipes/study"), help="folder of <variant>.yaml")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    # Taken as text: argparse's nargs="+" also swallows the overrides that follow (`--seeds 0 1 a.b=1`).
-    parser.add_argument("--seeds", nargs="+", default=list(SEEDS))
-    parser.add_argument("--runs-dir", type=Path, default=Path("runs/study"))
-    parser.add_argument("--archive", type=Path, help="committed folder of each finished run's result files "
-                        "(<run name>/); a run archived there is done, so a fresh clone resumes the study")  # fmt: skip
-    parser.add_argument("--doc", type=Path, default=Path("docs/study.md"))
-    parser.add_argument("--plot", type=Path, default=Path("docs/study.png"))
-    parser.add_argument("--csv", type=Path, help="every metric of every run (default: <doc stem>-runs.csv)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once (on CPU each gets cpu_count/jobs threads)")
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                        help="where the runs train: cuda puts all --jobs runs on the one visible GPU; auto = cuda "
-                        "when a GPU is visible and no recipe has train.device: cpu")  # fmt: skip
-    parser.add_argument("--stop-after", type=float, metavar="MINUTES", help="start no run after this long")
-    parser.add_argument("--max-examples", type=int, default=1000, help="questions per evaluation set")
-    parser.add_argument("--title", default="CE vs CE + NTL on two-digit addition, from scratch")
-    parser.add_argument("--protocol", type=Path, help="Markdown written before the runs, quoted in the report; "
-                        f"no report until every planned run is finished (exit code {EXIT_UNFINISHED})")  # fmt: skip
-    parser.add_argument("--decide", nargs="?", const="v3", choices=list(RULES), metavar="RULE",
-                        help="state the verdicts of a protocol's decision rule (study_decision.RULES: v3, the "
-                        "default, v3-gpu, v4 or v5) in the report, once every planned run is finished")  # fmt: skip
-    parser.add_argument("--status", action="store_true", help="print how many planned runs are done, then exit")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --doc/--plot/--csv that is not this study's own report")  # fmt: skip
-    parser.set_defaults(func=run_study)
 
 
 def reclaim_overrides(args: argparse.Namespace) -> None:
@@ -292,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.study")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["study", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_study(args)
 
 
 if __name__ == "__main__":

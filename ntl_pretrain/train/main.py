@@ -96,19 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             run_lock.release(lock)
     except (resume_guard.RunRefused, run_lock.RunLocked) as error:
-        # Every rank refuses alike; one prints. Exit at once: the launcher stops any rank still starting.
+        # Every rank refuses alike; one says so. Exit at once: the launcher stops any rank still starting.
         if dist.get_rank() == 0:
-            print(f"ntl-pretrain: recipe error: {error}", file=sys.stderr, flush=True)
+            refuse(f"recipe error: {error}")
         os._exit(2)
     except DataError as error:
-        # One line, then exit at once: the launcher stops the other ranks, which would wait in a collective.
-        print(f"ntl-pretrain: rank {dist.get_rank()}: data error: {error.one_line()}", file=sys.stderr, flush=True)
-        os._exit(1)
+        # At once: the launcher stops the other ranks, which would wait in a collective.
+        refuse(f"rank {dist.get_rank()}: data error: {error.one_line()}")
+        os._exit(2)
     dist.barrier()
     dist.destroy_process_group()
     checkpoint.old_checkpoints_pruned()  # rank 0 exits only when the last save's rotation is done
     lifeline.report_outcome(finished)
     return 0 if finished else EXIT_STOPPED
+
+
+def refuse(line: str) -> None:
+    """The one line that says why this rank refuses its input, on the console and to the supervisor (which repeats it
+    last and exits 2)."""
+    print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
+    lifeline.report_refusal(line)
 
 
 def train_reporting_failures(trainer: Trainer) -> bool:
