@@ -10,6 +10,11 @@ Stages, in order of what a short-lived GPU should give first:
               (CPU op time, kernel time, ops and kernel launches per step; the table in logs.tgz)
   plain_step  bench/plain_step.py: the same model and batch in plain torch (no DeepSpeed), and our step over it
   train_125m_persistent  30 steps of train_125m with ZeRO-3 gathering nothing (every matrix persistent, plain
+  plain_compiled  the plain step under torch.compile: the fastest plain step (first GPU run: 84 ms, 89 s compiling)
+  train_125m_zero2  30 steps of train_125m at ZeRO stage 2, the recommended stage for a model that fits one device
+              (no gathering in forward and backward): ours over the plain step and over the compiled one
+  train_125m_compiled  40 steps of train_125m_zero2 with `train.compile` (each decoder layer compiled): ours over
+              the compiled plain step, issue 47's target 1.2x
               linear layers): how much of the step is ZeRO-3's per-module gather and release
   study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
               --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
@@ -321,17 +326,52 @@ def step_figures(records: list[dict]) -> dict:
 
 def plain_step(run: Run) -> dict:
     """The same model and batch as train_125m without DeepSpeed (bench/plain_step.py), and our step's time over its."""
-    out = run.out / "plain-step.json"
+    figures = plain_figures(run, "plain_step", run.out / "plain-step.json", min(90.0, run.remaining()))
+    ours = stage_figure(run, "train_125m", "step_seconds")
+    return {**figures, "ours_over_plain": None if not ours else ours / figures["step_seconds"]}
+
+
+def plain_compiled(run: Run) -> dict:
+    """The plain step under torch.compile (its report into logs.tgz: $OUT holds at most 8 files)."""
+    return plain_figures(run, "plain_compiled", run.logs / "plain-compiled.json", min(240.0, run.remaining()),
+                         ["--compile"])  # fmt: skip
+
+
+def plain_figures(run: Run, name: str, out: Path, timeout: float, extra: tuple[str, ...] = ()) -> dict:
     toy = [key for key in MODEL_TOY if key.startswith("model.config.")]
     keys = [key.removeprefix("model.config.") for key in (toy if run.dry_run else MODEL_125M)]
     keys += ["seq_len=64", "micro_batch_size=2"] if run.dry_run else ["seq_len=2048", "micro_batch_size=8"]
     device = ["--device", "cpu", "--steps", "3", "--warmup", "1"] if run.dry_run else []
-    run.command("plain_step", [sys.executable, "bench/plain_step.py", "--out", str(out), *device, *keys],
-                min(90.0, run.remaining()))  # fmt: skip
+    run.command(name, [sys.executable, "bench/plain_step.py", "--out", str(out), *device, *extra, *keys], timeout)
     report = json.loads(out.read_text())
-    ours = stage_figure(run, "train_125m", "step_seconds")
-    figures = {key: report[key] for key in ("step_seconds", "tokens_per_s", "mfu", "peak_mem_mib")}
-    return {**figures, "ours_over_plain": None if not ours else ours / report["step_seconds"]}
+    return {key: report[key] for key in ("step_seconds", "tokens_per_s", "mfu", "peak_mem_mib", "first_step_seconds")}
+
+
+def train_125m_zero2(run: Run) -> dict:
+    """train_125m at ZeRO stage 2 (the doctor's and docs/recipes.md's choice for a model that fits one device)."""
+    return train_125m_variant(run, "train_125m_zero2", ["deepspeed.zero_stage=2"], steps=30)
+
+
+def train_125m_compiled(run: Run) -> dict:
+    """train_125m_zero2 with each decoder layer compiled (`train.compile`; its first step compiles)."""
+    return train_125m_variant(run, "train_125m_compiled", ["deepspeed.zero_stage=2", "train.compile=true"], steps=40)
+
+
+def train_125m_variant(run: Run, name: str, overrides: list[str], steps: int) -> dict:
+    """`steps` steps of train_125m with `overrides`, profiled at steps 20-22; its step over the plain step's and
+    over the compiled plain step's (issue 47's targets: 1.3x and 1.2x)."""
+    output_dir = run.work / name.replace("_", "-")
+    settings = [*train_overrides(run, output_dir), *overrides]
+    settings += [] if run.dry_run else [f"train.max_steps={steps}", "logging.profile_steps=[20,3]"]
+    args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *settings]
+    run.command(name, args, min(240.0, run.remaining()))
+    figures = trained_figures(run, output_dir, name.replace("_", "-"))
+    over = {}
+    for plain in ("plain_step", "plain_compiled"):
+        seconds = stage_figure(run, plain, "step_seconds")
+        measured = seconds and figures["step_seconds"]
+        over[f"ours_over_{plain}"] = figures["step_seconds"] / seconds if measured else None
+    return {**figures, **over}
 
 
 def study_plan(run: Run) -> list[str]:
@@ -379,6 +419,8 @@ STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor
 
 # ---- the run ------------------------------------------------------------------------------------------------
 
+                                            "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
+                                            "train_125m_compiled": train_125m_compiled,
 
 def run_stage(run: Run, name: str, stage: Callable[[Run], dict]) -> dict:
     started = time.monotonic()
@@ -433,6 +475,8 @@ def environment(run_site: Path, dry_run: bool, token: str) -> dict[str, str]:
     if dry_run:
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     return env
+    if dry_run:  # the compiled stages' commands run, uncompiled: inductor takes minutes on CPU (test_train_compile.py)
+        env["TORCH_COMPILE_DISABLE"] = "1"
 
 
 def main(argv: list[str] | None = None) -> int:

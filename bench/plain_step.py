@@ -6,7 +6,11 @@ autocast over fp32 weights, its own cross-entropy, fused AdamW on the device; no
 of `--steps` after `--warmup`, with the device synchronised around each step. bench/gpu_first_run.py compares it
 with its train_125m stage; the ratio says how much of our step is the training stack, not the arithmetic.
 
-    python bench/plain_step.py --out plain-step.json [--device cuda] [--steps 20] [--warmup 5] [KEY=VALUE ...]
+    python bench/plain_step.py --out plain-step.json [--device cuda] [--steps 20] [--warmup 5] [--compile]
+        [KEY=VALUE ...]
+
+--compile: the model under `torch.compile` (the plain step at its fastest; its first step compiles, and is
+reported apart as `first_step_seconds`).
 
 KEY=VALUE are the Llama config's keys (hidden_size=576 ...) plus seq_len and micro_batch_size.
 """
@@ -56,13 +60,15 @@ def step_seconds(lm, optimizer, input_ids, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def measure(config: dict, batch: dict, device: torch.device, steps: int, warmup: int) -> dict:
+def measure(config: dict, batch: dict, device: torch.device, steps: int, warmup: int, compile: bool = False) -> dict:
     torch.manual_seed(0)
     lm = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa")).to(device)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4, fused=device.type == "cuda")
+    model = torch.compile(lm) if compile else lm
     shape = (batch["micro_batch_size"], batch["seq_len"])
     input_ids = torch.randint(0, lm.config.vocab_size, shape, device=device)
-    times = [step_seconds(lm, optimizer, input_ids, device) for _ in range(warmup + steps)][warmup:]
+    all_times = [step_seconds(model, optimizer, input_ids, device) for _ in range(warmup + steps)]
+    times = all_times[warmup:]
     seconds = statistics.median(times)
     tokens_per_s = shape[0] * shape[1] / seconds
     peak = device_peak_flops(device, "bf16")
@@ -70,7 +76,7 @@ def measure(config: dict, batch: dict, device: torch.device, steps: int, warmup:
             **batch, "parameters": sum(p.numel() for p in lm.parameters()), "step_seconds": seconds,
             "tokens_per_s": tokens_per_s, "mfu": mfu(model_flops_per_token(lm, shape[1]), tokens_per_s, peak, 1),
             "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-            }  # fmt: skip
+            "compiled": compile, "first_step_seconds": all_times[0]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,13 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="the model under torch.compile")
     parser.add_argument("settings", nargs="*", help="Llama config keys, seq_len, micro_batch_size (KEY=VALUE)")
     args = parser.parse_args(argv)
     config, batch = parse_settings(args.settings)
-    report = measure(config, batch, torch.device(args.device), args.steps, args.warmup)
+    report = measure(config, batch, torch.device(args.device), args.steps, args.warmup, args.compile)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     seconds, tokens_per_s = report["step_seconds"], report["tokens_per_s"]
-    print(f"plain step: {seconds * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, MFU {report['mfu']}")
+    kind = "compiled plain step" if args.compile else "plain step"
+    print(f"{kind}: {seconds * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, MFU {report['mfu']}")
 
 
 if __name__ == "__main__":

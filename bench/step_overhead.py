@@ -8,14 +8,17 @@ a step costs what is dispatched per parameter and per module; the CPU ratio matc
 - plain: the model and our chunked CE + λ·NTL head as plain modules (no DeepSpeed), the global-batch normalisers,
   `loss.backward()`, `clip_grad_norm_` (foreach), torch's AdamW, the recipe's schedule, one `.item()` a step;
 - ours: `Trainer.train_step` through the DeepSpeed engine, with the recipe's defaults; each `--variant` adds one
-  more with its overrides (e.g. `--variant "zero2 deepspeed.zero_stage=2"`).
+  more with its overrides (e.g. `--variant "zero2 deepspeed.zero_stage=2"`); the word `deepspeed-norm` among them
+  gives the variant DeepSpeed's own per-parameter gradient norm back (the trainer replaces it: train/engine.py).
 Every step runs plain and each of ours on the same batch, in an order rotated every step. Each of ours is checked
 against a plain twin loaded with its engine's initial weights (the timed plain step is ours' twin): their losses
 must agree step by step (printed: `max |Δ loss|`, the largest difference over the run).
 Printed per configuration: the median ms per step, the median of the per-step ratios to plain, aten ops per step
-(torch.profiler) and Python function calls per step (cProfile), the last two counted over separate steps.
+(torch.profiler) and Python function calls per step (cProfile), the last two counted over separate steps; then
+the median ms per step of each part (forward, backward, optimizer step and its gradient norm), timed during the
+same interleaved steps.
 
-    python bench/step_overhead.py [--steps 30] [--variant "NAME KEY=VALUE ..."] [KEY=VALUE ...]
+    python bench/step_overhead.py [--steps 30] [--variant "NAME [deepspeed-norm] KEY=VALUE ..."] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import os
 import pstats
 import shlex
@@ -60,6 +64,8 @@ TOY = [
 ]
 WARMUP_STEPS = 3
 COUNTED_STEPS = 3
+DEEPSPEED_NORM = "deepspeed-norm"
+PARTS = ("forward", "backward", "optimizer step", "of which gradient norm")
 
 
 def single_process_defaults() -> None:
@@ -69,10 +75,53 @@ def single_process_defaults() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
+class PartTimes:
+    """Per configuration and part, the seconds of each call: timed blocks (the plain step) or wrapped functions."""
+
+    def __init__(self):
+        self.seconds: dict[str, dict[str, list[float]]] = {}
+
+    @contextlib.contextmanager
+    def timed(self, configuration: str, part: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds.setdefault(configuration, {}).setdefault(part, []).append(time.perf_counter() - started)
+
+    def wrap(self, configuration: str, part: str, owner: object, function: str) -> None:
+        if not hasattr(owner, function):
+            return
+        inner = getattr(owner, function)
+
+        def call(*args, **kwargs):
+            with self.timed(configuration, part):
+                return inner(*args, **kwargs)
+
+        setattr(owner, function, call)
+
+    def of_ours(self, name: str, trainer: Trainer) -> None:
+        engine = trainer.engine
+        for part, function in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "step")):
+            self.wrap(name, part, engine, function)
+        for function in ("_get_norm_groups", "scaled_global_norm"):  # ZeRO-3's; ZeRO-1 and -2's
+            self.wrap(name, "of which gradient norm", engine.optimizer, function)
+
+    def medians_ms(self, configuration: str, steps: int) -> dict[str, float | None]:
+        """Each part's median per step over the timed steps (a part called k times a step: its step sums)."""
+        found = {}
+        for part in PARTS:
+            calls = self.seconds.get(configuration, {}).get(part, [])
+            per_step = len(calls) // (WARMUP_STEPS + steps)
+            sums = [sum(calls[i : i + per_step]) for i in range(0, per_step * (WARMUP_STEPS + steps), per_step)]
+            found[part] = statistics.median(sums[WARMUP_STEPS:]) * 1e3 if per_step else None
+        return found
+
+
 class PlainStep:
     """The trainer's model and head as plain modules, loaded with `trainer`'s weights, stepped without DeepSpeed."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, parts: PartTimes | None = None):
         import deepspeed
 
         recipe, built = trainer.recipe, trainer.built
@@ -88,6 +137,7 @@ class PlainStep:
         self.optimizer = build_optimizer(groups, recipe.optimizer, "default")
         schedule = lr_multiplier(recipe.schedule, recipe.train.max_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.timed = functools.partial((parts or PartTimes()).timed, "plain")  # a twin's times are dropped
 
     def __call__(self, batches: list[dict]) -> float:
         """One update; returns the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`."""
@@ -100,13 +150,17 @@ class PlainStep:
         num_number_tokens = sum(self._number_labels(batch) for batch in batches).clamp_min(1).float()
         sums = torch.zeros(2)
         for batch in batches:
-            out = self.module(batch["input_ids"], batch["labels"], batch["position_ids"], num_tokens,
-                              num_number_tokens, batch.get("ntl_labels"))  # fmt: skip
-            out.loss.backward()
+            with self.timed("forward"):
+                out = self.module(batch["input_ids"], batch["labels"], batch["position_ids"], num_tokens,
+                                  num_number_tokens, batch.get("ntl_labels"))  # fmt: skip
+            with self.timed("backward"):
+                out.loss.backward()
             sums += torch.stack([out.ce.detach(), out.ntl.detach()])
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip, foreach=True)
-        self.optimizer.step()
+        with self.timed("optimizer step"):
+            if self.grad_clip > 0:
+                with self.timed("of which gradient norm"):
+                    torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip, foreach=True)
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         ce, ntl = (sums / torch.stack([num_tokens, num_number_tokens])).tolist()
@@ -139,9 +193,9 @@ def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
     return Trainer(recipe, ds_config)
 
 
-def parse_variant(text: str) -> tuple[str, list[str]]:
-    name, *overrides = shlex.split(text)
-    return name, overrides
+def parse_variant(text: str) -> tuple[str, list[str], bool]:
+    name, *words = shlex.split(text)
+    return name, [word for word in words if word != DEEPSPEED_NORM], DEEPSPEED_NORM in words
 
 
 def aten_ops_per_step(step: Callable[[], object]) -> float:
@@ -171,9 +225,11 @@ def main() -> None:
     quiet_console(rank=0)
     init_distributed()
     with tempfile.TemporaryDirectory() as scratch:
-        configurations = [("ours", []), *args.variant]
-        trainers = {name: build_trainer([*args.overrides, *extra], f"{scratch}/{name}")
-                    for name, extra in configurations}  # fmt: skip
+        trainers = {}
+        for name, extra, deepspeed_norm in [("ours", [], False), *args.variant]:
+            trainers[name] = build_trainer([*args.overrides, *extra], f"{scratch}/{name}")
+            if deepspeed_norm:  # the class's own method again
+                del trainers[name].engine.optimizer.get_grad_norm_direct
         run_and_report(trainers, args.steps)
     dist.destroy_process_group()
 
@@ -182,9 +238,12 @@ def run_and_report(trainers: dict[str, Trainer], steps: int) -> None:
     """Every step: the plain step and each of ours in turn (timed), then each variant's plain twin (untimed: a
     variant at another ZeRO stage starts from other weights, so its losses are checked against its own twin)."""
     batches = iter(trainers["ours"].loader)
-    twins = {name: PlainStep(trainer) for name, trainer in trainers.items()}
+    parts = PartTimes()
+    twins = {name: PlainStep(trainer, parts if name == "ours" else None) for name, trainer in trainers.items()}
     runners = {"plain": twins["ours"], **{name: trainer.train_step for name, trainer in trainers.items()}}
     times = {name: [] for name in runners}
+    for name, trainer in trainers.items():
+        parts.of_ours(name, trainer)
     drift = dict.fromkeys(trainers, 0.0)
     for step in range(WARMUP_STEPS + steps):
         micro = [next(batches) for _ in range(trainers["ours"].grad_accum)]
@@ -197,10 +256,12 @@ def run_and_report(trainers: dict[str, Trainer], steps: int) -> None:
         for name in trainers:
             twin_loss = losses["plain"] if name == "ours" else twins[name](micro)
             drift[name] = max(drift[name], abs(losses[name] - twin_loss))
+    by_part = {name: parts.medians_ms(name, steps) for name in runners}
     fixed = [next(batches) for _ in range(trainers["ours"].grad_accum)]
     counted = {name: (aten_ops_per_step(lambda run=run: run(fixed)), python_calls_per_step(lambda run=run: run(fixed)))
                for name, run in runners.items()}  # fmt: skip
     print_report(trainers["ours"], times, drift, counted, steps)
+    print_parts(by_part)
 
 
 def print_report(trainer: Trainer, times: dict, drift: dict, counted: dict, steps: int) -> None:
@@ -218,6 +279,13 @@ def print_report(trainer: Trainer, times: dict, drift: dict, counted: dict, step
         loss_check = "" if name == "plain" else f"{drift[name]:>15.1e}"
         print(f"{name:<16}{statistics.median(timed) * 1e3:>10.1f}{ratio:>10.2f}{ops:>16,.0f}{calls:>20,.0f}"
               f"{loss_check}")  # fmt: skip
+
+
+def print_parts(by_part: dict[str, dict[str, float | None]]) -> None:
+    print(f"{'ms per step, by part':<26}" + "".join(f"{name:>16}" for name in by_part))
+    for part in PARTS:
+        cells = (by_part[name][part] for name in by_part)
+        print(f"{part:<26}" + "".join(f"{'':>16}" if cell is None else f"{cell:>16.1f}" for cell in cells))
 
 
 if __name__ == "__main__":

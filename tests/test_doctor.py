@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 ROWS = ["environment", "all-reduce cpu", "all-reduce bandwidth", "network", "loss fused float32",
         "loss fused bfloat16", "loss chunked float32", "loss chunked bfloat16", "loss vocab-parallel fp32",
         "bf16 gradient accumulation", "reduce-scatter fp32 / bf16", "chunked head fp32 accumulation",
-        "flash-attention documents", "speed loss", "speed output layer", "train", "train resume", "export",
-        "throughput"]  # fmt: skip
+        "flash-attention documents", "speed loss", "speed output layer", "ZeRO stage", "train", "train resume",
+        "export", "throughput"]  # fmt: skip
 
 
 def report_of(command: list[str], out, log) -> dict:
@@ -50,7 +50,9 @@ def test_one_process_passes_on_cpu(tmp_path):
     assert checks["train resume"]["detail"]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
     assert max(checks["export"]["detail"].values()) < 1e-5
     progress = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("ntl-pretrain")]
-    groups = ("environment", "collectives", "loss", *GPU_PATH_CHECKS, "speed", "train")
+    groups = ("environment", "collectives", "loss", *GPU_PATH_CHECKS, "speed", "ZeRO stage", "train")
+    advice = "train at stage 2 (the weights fit whole: no gathering, the faster step: deepspeed.zero_stage: 2)"
+    assert checks["ZeRO stage"]["figure"].endswith(f"{advice}; the recipe runs stage 3")
     assert progress[: len(groups)] == [f"ntl-pretrain doctor: running the {name} checks" for name in groups]
 
 

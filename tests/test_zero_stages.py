@@ -16,6 +16,7 @@ from helpers.launches import SAVE_AT, STEPS, partition_all_config, single_launch
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
+from ntl_pretrain.doctor.zero_stage import stage_advice
 from ntl_pretrain.train.resume_guard import layout_differences
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,3 +91,14 @@ def test_a_zero2_run_resumes_on_another_world_size_and_exports_its_weights(tmp_p
     engine_module = torch.load(final / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, engine_module[f"lm.{name}"]), name
+
+
+@pytest.mark.parametrize(("ranks", "advice"), [(8, 2), (4, 3), (1, None)])
+def test_the_doctor_advises_stage_2_where_the_weights_fit_else_3(ranks, advice):
+    """Llama-3-8B (8.03B parameters) in bf16 on 80 GB GPUs: stage 2 holds 2 + 14/N bytes a parameter (30.1 GB at 8
+    ranks, within half of 80 GB), stage 3 16/N (32.1 GB at 4 ranks, where stage 2 needs 44.2 GB); one GPU fits none."""
+    check = stage_advice(8_030_000_000, "bf16", ranks, 80e9, running=3)
+    assert check.ok is (advice is not None)
+    assert check.detail.get("advice") == advice
+    if ranks == 8:
+        assert "stage 2 30.1 GB, stage 3 16.1 GB" in check.figure and "deepspeed.zero_stage: 2" in check.figure

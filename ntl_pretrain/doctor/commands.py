@@ -23,6 +23,7 @@ from ntl_pretrain.doctor.loss_checks import loss_check
 from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write_json
 from ntl_pretrain.doctor.speed import speed_check
 from ntl_pretrain.doctor.training import local_ranks, throughput_check, train_checks
+from ntl_pretrain.doctor.zero_stage import zero_stage_check
 from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
 from ntl_pretrain.reporting.console import whole_lines
 from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
@@ -82,6 +83,8 @@ def run_checks(device: torch.device, args: argparse.Namespace, work_dir: Path) -
     for name, check in GPU_PATH_CHECKS.items():
         checks += announced(name, lambda check=check: [check(device)])
     checks += skipped("speed") if "speed" in args.skip else announced("speed", lambda: speed_check(device))
+    ranks = (dist.get_world_size(), local_ranks())
+    checks += announced("ZeRO stage", lambda: [zero_stage_check(device, args.recipe, *ranks)])
     if device.type == "cuda":  # hand the cached blocks back: the training checks' processes share this GPU
         torch.cuda.empty_cache()
     return checks + node_checks(device, args, work_dir)
