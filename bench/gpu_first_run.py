@@ -9,12 +9,12 @@ Stages, in order of what a short-lived GPU should give first:
               tokens/s, MFU, peak memory, the step apart from the wait for data, and steps 50-52 profiled
               (CPU op time, kernel time, ops and kernel launches per step; the table in logs.tgz)
   plain_step  bench/plain_step.py: the same model and batch in plain torch (no DeepSpeed), and our step over it
-  train_125m_persistent  30 steps of train_125m with ZeRO-3 gathering nothing (every matrix persistent, plain
   plain_compiled  the plain step under torch.compile: the fastest plain step (first GPU run: 84 ms, 89 s compiling)
   train_125m_zero2  30 steps of train_125m at ZeRO stage 2, the recommended stage for a model that fits one device
               (no gathering in forward and backward): ours over the plain step and over the compiled one
   train_125m_compiled  40 steps of train_125m_zero2 with `train.compile` (each decoder layer compiled): ours over
               the compiled plain step, issue 47's target 1.2x
+  train_125m_persistent  30 steps of train_125m with ZeRO-3 gathering nothing (every matrix persistent, plain
               linear layers): how much of the step is ZeRO-3's per-module gather and release
   study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
               --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
@@ -413,14 +413,14 @@ def throughput(status_line: str, minutes: float) -> dict:
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
                                             "train_125m": train_125m, "plain_step": plain_step,
+                                            "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
+                                            "train_125m_compiled": train_125m_compiled,
                                             "train_125m_persistent": train_125m_persistent,
                                             "study_probe": study_probe}  # fmt: skip
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
 
-                                            "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
-                                            "train_125m_compiled": train_125m_compiled,
 
 def run_stage(run: Run, name: str, stage: Callable[[Run], dict]) -> dict:
     started = time.monotonic()
@@ -469,14 +469,14 @@ def markdown(summary: dict) -> str:
 def environment(run_site: Path, dry_run: bool, token: str) -> dict[str, str]:
     """The stages' environment: the installed wheels first, then this checkout; offline (no network there)."""
     env = dict(os.environ)
+    if dry_run:  # the compiled stages' commands run, uncompiled: inductor takes minutes on CPU (test_train_compile.py)
+        env["TORCH_COMPILE_DISABLE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(run_site), str(REPO), env.get("PYTHONPATH")) if p)
     env["PATH"] = f"{run_site / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.update({MARKER: token, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"})
     if dry_run:
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     return env
-    if dry_run:  # the compiled stages' commands run, uncompiled: inductor takes minutes on CPU (test_train_compile.py)
-        env["TORCH_COMPILE_DISABLE"] = "1"
 
 
 def main(argv: list[str] | None = None) -> int:
