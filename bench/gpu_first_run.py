@@ -283,7 +283,7 @@ def train_125m_persistent(run: Run) -> dict:
     the step when ZeRO-3 gathers and releases nothing (its hooks still run). Against train_125m's step: how much of
     the 3.4% MFU of the first run is the per-module gather and release."""
     output_dir, config = run.work / "train-125m-persistent", run.work / "zero3-persistent.json"
-    tuned = json.loads((REPO / "configs" / "zero3.json").read_text())
+    tuned = json.loads((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
     tuned["zero_optimization"].update(stage3_param_persistence_threshold=10**8, memory_efficient_linear=False)
     config.write_text(json.dumps(tuned, indent=1))
     overrides = [*train_overrides(run, output_dir), f"deepspeed.config={config}"]

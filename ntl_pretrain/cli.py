@@ -9,12 +9,13 @@ import importlib.metadata
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from ntl_pretrain.config.loading import dump_recipe, load_recipe
+from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_reporting
 from ntl_pretrain.outputs import check_output
@@ -131,20 +132,34 @@ def run_train(args: argparse.Namespace) -> int:
     from ntl_pretrain.runtime.supervisor import EXIT_MARGIN_S, supervise
 
     print(f"ntl-pretrain: {launch_line(args, recipe)}", file=sys.stderr, flush=True)
+    piped = _written_for_the_ranks(recipe) if is_pipe(args.recipe) else None
+    if piped is not None:  # the ranks cannot read the pipe again: they get its recipe, resolved, from a file
+        args.recipe, args.overrides = str(piped), []
+        command = train_command(args, env, recipe.logging.verbose)
     started = time.time()
     grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
     try:
         return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
     finally:
         run_lock.clear_if_gone(recipe.train.output_dir)
+        if piped is not None:
+            piped.unlink(missing_ok=True)
+
+
+def _written_for_the_ranks(recipe: Recipe) -> Path:
+    handle, name = tempfile.mkstemp(prefix="ntl-pretrain-piped-recipe-", suffix=".yaml")
+    with os.fdopen(handle, "w") as file:
+        file.write(dump_recipe(recipe))
+    return Path(name)
 
 
 def launch_line(args: argparse.Namespace, recipe: Recipe) -> str:
     """Said once the recipe passed every check: what the next half minute or more (the ranks import torch and
     DeepSpeed and build the model, silently) is spent on, and which recipe file it follows."""
     processes = f"{args.nproc} process" + ("es" if args.nproc > 1 else "")
+    recipe_path = Path(args.recipe).absolute() if is_pipe(args.recipe) else Path(args.recipe).resolve()
     return (
-        f"training {Path(args.recipe).resolve()} into {recipe.train.output_dir}: starting {processes}; each "
+        f"training {recipe_path} into {recipe.train.output_dir}: starting {processes}; each "
         "loads the libraries and builds the model before step 1"
     )
 

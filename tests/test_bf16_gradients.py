@@ -32,7 +32,7 @@ def test_bf16_runs_accumulate_and_reduce_gradients_in_fp32():
 def test_the_recipe_chooses_the_reduction_dtype_and_a_disagreeing_json_is_refused(tmp_path):
     config = build_deepspeed_config(load_recipe(TINY, [*BF16_OVERRIDES, "train.reduce_dtype=bf16"]), 2)
     assert config["communication_data_type"] == "bf16" and config["data_types"] == {"grad_accum_dtype": "fp32"}
-    chosen = json.loads((REPO / "configs" / "zero3.json").read_text())
+    chosen = json.loads((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
     chosen["communication_data_type"] = "fp32"
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(chosen))
@@ -47,7 +47,7 @@ def test_the_recipe_chooses_the_reduction_dtype_and_a_disagreeing_json_is_refuse
 
 
 def test_a_deepspeed_json_may_choose_bf16_reduction(tmp_path):
-    chosen = json.loads((REPO / "configs" / "zero3.json").read_text())
+    chosen = json.loads((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
     chosen["communication_data_type"] = "bf16"
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(chosen))

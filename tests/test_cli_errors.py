@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ntl_pretrain import cli, errors
+from ntl_pretrain.checkpoint import manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny-cpu.yaml")
@@ -249,7 +250,7 @@ def workspace(tmp_path):
     step = tmp_path / "alias-run" / "checkpoints" / "step_1"
     (step / "hf_config").mkdir(parents=True)
     (step / "recipe.yaml").write_text(ALIAS_RECIPE)
-    (step / "manifest.json").write_text('{"version": 1, "files": {}}')  # what makes a step folder a checkpoint
+    manifest.write(step, manifest.describe(step, ["recipe.yaml"]))  # what makes a step folder a checkpoint
     return tmp_path
 
 

@@ -45,7 +45,33 @@ def test_base_inheritance_merges_sections_and_anchors_paths(tmp_path):
     assert recipe.loss.ntl.weight == 0.7 and recipe.seed == 3
     assert recipe.loss.ntl.kind == base.loss.ntl.kind  # sibling keys of a merged section survive
     assert recipe.model == base.model and recipe.data == base.data
-    assert recipe.deepspeed.config == str(REPO / "configs" / "zero3.json")  # relative to the file that set it
+    assert recipe.deepspeed.config == "pkg:ntl_pretrain/config/zero3.json"
+
+
+def test_paths_a_recipe_reads_are_relative_to_its_file_and_outputs_to_the_working_directory(tmp_path, monkeypatch):
+    """A recipe copied elsewhere, with its files beside it, runs from any folder (issue 50: the default
+    `../configs/zero3.json` resolved only from inside recipes/); `base:` anchors each file's paths to its own folder;
+    the run's folder and the overrides' paths stay where the command runs."""
+    shared, mine, elsewhere = tmp_path / "shared", tmp_path / "mine", tmp_path / "elsewhere"
+    for folder in (shared, mine, elsewhere):
+        folder.mkdir()
+    (shared / "sums.jsonl").write_text('{"text": "1 plus 1 is 2"}\n')
+    for folder in (mine, elsewhere):
+        (folder / "held_out.jsonl").write_text('{"text": "2 plus 2 is 4"}\n')
+    (mine / "ds.json").write_text((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
+    write(shared / "base.yaml", {**yaml.safe_load(TINY.read_text()), "data": {"sources": [{"path": "sums.jsonl"}]}})
+    child = write(mine / "run.yaml", {"base": "../shared/base.yaml", "deepspeed": {"config": "ds.json"},
+                                      "data": {"validation": [{"path": "held_out.jsonl"}]}})  # fmt: skip
+    monkeypatch.chdir(elsewhere)
+    recipe, ds_config = load_run(child, [], world_size=1)
+    assert recipe.data.sources[0].path == str(shared / "sums.jsonl")
+    assert recipe.data.validation[0].path == str(mine / "held_out.jsonl")
+    assert recipe.deepspeed.config == str(mine / "ds.json") and ds_config["zero_optimization"]["stage"] == 3
+    assert recipe.train.output_dir == "runs/tiny-cpu"  # under elsewhere/, where the command runs
+    assert load_recipe(child, ["data.validation=[{path: held_out.jsonl}]"]).data.validation[0].path == "held_out.jsonl"
+    copied = elsewhere / "tiny-copy.yaml"
+    copied.write_text(TINY.read_text())
+    assert load_run(copied, [], world_size=2)[0].deepspeed.config == "pkg:ntl_pretrain/config/zero3.json"
 
 
 def test_overrides_parse_as_yaml_and_apply_last(tmp_path):
@@ -103,7 +129,6 @@ def test_gpu_recipes_scale_to_the_ranks_their_header_names(recipe_path):
 )
 def test_bad_recipes_name_the_key_and_the_file(tmp_path, in_base, in_child, overrides, origin, key):
     base_data = yaml.safe_load(TINY.read_text())
-    base_data["deepspeed"]["config"] = str(REPO / "configs" / "zero3.json")
     for section, values in in_base.items():
         base_data.setdefault(section, {}).update(values)
     write(tmp_path / "base.yaml", base_data)
@@ -206,7 +231,7 @@ def test_indivisible_global_batch_fails_naming_the_recipe():
 
 
 def test_deepspeed_json_may_not_own_recipe_keys(tmp_path):
-    config = json.loads((REPO / "configs" / "zero3.json").read_text())
+    config = json.loads((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 4
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
@@ -216,7 +241,7 @@ def test_deepspeed_json_may_not_own_recipe_keys(tmp_path):
 
 @pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json"])
 def test_shipped_deepspeed_configs_are_zero3(name):
-    config = build_deepspeed_config(load_recipe(TINY, [f"deepspeed.config={REPO / 'configs' / name}"]), 2)
+    config = build_deepspeed_config(load_recipe(TINY, [f"deepspeed.config=pkg:ntl_pretrain/config/{name}"]), 2)
     assert config["zero_optimization"]["stage"] == 3
 
 

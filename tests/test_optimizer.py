@@ -10,7 +10,7 @@ from helpers.launches import REPO, partition_all_config, single_launcher_run, st
 
 from ntl_pretrain.optim.optimizer import optimizer_kind
 
-CONFIGS = REPO / "configs"
+CONFIGS = REPO / "ntl_pretrain" / "config"
 
 
 @pytest.mark.parametrize(("config", "device", "kind"), [

@@ -14,8 +14,8 @@ from helpers.launches import LAUNCH_TIMEOUT_S, REPO
 
 pytestmark = pytest.mark.slow
 
-# What the two commands read: the package, the recipes with their DeepSpeed configs, the tests and their settings.
-CHECKOUT = ("ntl_pretrain", "recipes", "configs", "tests", "pyproject.toml", "README.md")
+# What the two commands read: the package (its DeepSpeed configs too), the recipes, the tests and their settings.
+CHECKOUT = ("ntl_pretrain", "recipes", "tests", "pyproject.toml", "README.md")
 MAIN_JOB_STEPS = 8  # past the 7 steps the dry-run test asks for, as the README's 300 are
 CHEAP = [f"train.max_steps={MAIN_JOB_STEPS}", "data.seq_len=32", "train.micro_batch_size=2",
          "train.global_batch_size=4", "train.eval_every_steps=null", "logging.progress_bar=false"]  # fmt: skip

@@ -376,7 +376,7 @@ def workspace(tmp_path):
                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048}  # fmt: skip
     (tmp_path / "random-weights" / "config.json").write_text(json.dumps(tiny_llama))
     (tmp_path / "random-weights" / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
-    zero3 = json.loads((REPO / "configs" / "zero3_offload.json").read_text())
+    zero3 = json.loads((REPO / "ntl_pretrain" / "config" / "zero3_offload.json").read_text())
     zero3["zero_optimization"]["offload_param"]["device"] = "gpu-ram"
     (tmp_path / "offload-gpu-ram.json").write_text(json.dumps(zero3))
     (tmp_path / "zero-int.json").write_text('{"zero_optimization": 5}')
@@ -388,7 +388,7 @@ def workspace(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, **section}))
     without_data = yaml.safe_load(TINY.read_text())
     del without_data["data"]
-    without_data["deepspeed"]["config"] = str(REPO / "configs" / "zero3.json")
+    without_data["deepspeed"]["config"] = str(REPO / "ntl_pretrain" / "config" / "zero3.json")
     without_data["train"]["output_dir"] = str(out)
     (tmp_path / "nodata.yaml").write_text(yaml.safe_dump(without_data))
     gpt2 = {**without_data, "data": yaml.safe_load(TINY.read_text())["data"]}

@@ -139,7 +139,7 @@ def test_a_moe_run_logs_its_balancing_loss(tmp_path):
     for step in records(output_dir).values():
         assert step["aux_loss"] > 0
         assert step["loss"] == pytest.approx(step["ce"] + 0.3 * step["ntl"] + 0.05 * step["aux_loss"], rel=1e-9)
-    assert " aux " in console and "ntl " in console
+    assert " aux_loss " in console and "ntl " in console  # named as in metrics.jsonl and the docs
 
 
 def train_on_different_experts(output_dir: str, ds_config: str) -> None:

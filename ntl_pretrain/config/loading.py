@@ -12,6 +12,9 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import os
+import select
+import stat
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -29,6 +32,10 @@ OVERRIDE_ORIGIN = "command-line override"
 # (torch's step counters): a larger one is a typo, and refused before it overflows mid-run.
 MAX_RECIPE_INT = 2**53
 MAX_YAML_BYTES = 1 << 20  # recipes are a few KB; the bound keeps a mistaken or hostile file from exhausting memory
+PIPE_WAIT_S = 5.0  # a recipe pipe whose writer has not written by then never will, or is not a recipe's
+# A pipe can be read once: its recipe, kept for the later loads in this process (the CLI reads it before torch is
+# imported, and again with the DeepSpeed config).
+_PIPED: dict[str, bytes] = {}
 
 
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
@@ -46,7 +53,10 @@ def dump_recipe(recipe: Recipe) -> str:
 
 
 def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
-    path = path.expanduser().resolve()
+    path = path.expanduser()
+    # A pipe's /dev/fd/N resolves to a name that does not exist; its recipe's relative paths are the working
+    # directory's, as a pipe has no folder of its own.
+    path, folder = (path.absolute(), Path.cwd()) if is_pipe(path) else (path.resolve(), path.resolve().parent)
     if path in seen:
         raise RecipeError(f"{path}: base: inheritance cycle through {[str(p) for p in seen]}")
     raw = read_yaml_file(path)
@@ -55,7 +65,7 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str
     if not raw:
         raise RecipeError(f"{path}: empty recipe; start from one in recipes/ (e.g. base: tiny-cpu.yaml, then the keys "
                           f"to change)")  # fmt: skip
-    _anchor_relative_paths(raw, path.parent)
+    _anchor_relative_paths(raw, folder)
     base = raw.pop("base", None)
     merged, origins = ({}, {}) if base is None else _load_yaml_chain(_base_path(path, base), seen + (path,))
     _deep_merge(merged, raw)
@@ -121,11 +131,7 @@ _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.cons
 def read_yaml_file(path: Path) -> object:
     """The parsed YAML file (a recipe, or the recipe.yaml saved in a run); every failure, also a file over
     `MAX_YAML_BYTES` or one with aliases, is one RecipeError naming the file."""
-    try:
-        with path.open("rb") as file:
-            data = file.read(MAX_YAML_BYTES + 1)
-    except OSError as error:
-        raise RecipeError(f"{path}: cannot read recipe: {error.strerror or error}") from error
+    data = _recipe_bytes(path)
     if len(data) > MAX_YAML_BYTES:
         raise RecipeError(f"{path}: over {MAX_YAML_BYTES >> 20} MiB, too large for a recipe")
     if b"\0" in data:
@@ -139,7 +145,65 @@ def read_yaml_file(path: Path) -> object:
     except RecipeError as error:
         raise RecipeError(f"{path}: {error}") from error
     except yaml.YAMLError as error:
-        raise RecipeError(f"{path}: invalid YAML: {_one_line(error)}") from error
+        raise RecipeError(f"{path}: invalid YAML {_yaml_problem(error)}") from error
+
+
+def _recipe_bytes(path: Path) -> bytes:
+    """A recipe file's bytes (at most one more than `MAX_YAML_BYTES`), or a pipe's (process substitution,
+    `<(...)`): read once, and kept for the later reads of the same path in this process. A pipe no program writes
+    to is refused after `PIPE_WAIT_S`, anything else that is not a file at once: a plain open would wait forever."""
+    if str(path) in _PIPED:
+        return _PIPED[str(path)]
+    try:
+        mode = path.stat().st_mode
+        if stat.S_ISFIFO(mode):
+            _PIPED[str(path)] = _read_pipe(path)
+            return _PIPED[str(path)]
+        if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise RecipeError(f"{path}: {what}; name a recipe file (or a pipe that a program writes one into)")
+        with path.open("rb") as file:
+            return file.read(MAX_YAML_BYTES + 1)
+    except OSError as error:
+        raise RecipeError(f"{path}: cannot read recipe: {error.strerror or error}") from error
+
+
+def _read_pipe(path: Path) -> bytes:
+    handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # no writer yet: the open returns, a read finds nothing
+    try:
+        waiting = select.poll()
+        waiting.register(handle, select.POLLIN)
+        if not waiting.poll(PIPE_WAIT_S * 1000):
+            raise RecipeError(f"{path}: a pipe that no program writes to (waited {PIPE_WAIT_S:g} s); name a recipe "
+                              f"file, or start the program that writes it")  # fmt: skip
+        os.set_blocking(handle, True)  # a writer is there: read to its end
+        chunks, size = [], 0
+        while size <= MAX_YAML_BYTES and (chunk := os.read(handle, 1 << 16)):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(handle)
+
+
+def is_pipe(path: str | Path) -> bool:
+    """A named pipe, or a process substitution's `/dev/fd/N`."""
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """`at line L, column C: <problem> (<context> at line ...)` from PyYAML's error, whose own text names the input
+    `"<unicode string>"` (it was given text, not the file)."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f"({_one_line(error)})"
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    where = f" at line {context_mark.line + 1}, column {context_mark.column + 1}" if context_mark else ""
+    return f"at line {mark.line + 1}, column {mark.column + 1}: {error.problem}" + (
+        f" ({context}{where})" if context else "")  # fmt: skip
 
 
 def _one_line(error: Exception) -> str:
@@ -158,12 +222,30 @@ def _base_path(path: Path, base: object) -> Path:
 
 
 def _anchor_relative_paths(raw: dict, directory: Path) -> None:
-    """Recipe-relative paths become absolute so that recipes extending others from elsewhere work."""
-    section = raw.get("deepspeed")
-    if isinstance(section, dict) and isinstance(section.get("config"), str):
-        config = section["config"]
-        if not config.startswith("pkg:") and not Path(config).expanduser().is_absolute():
-            section["config"] = str((directory / config).resolve())
+    """The inputs a recipe file names by a relative path are read from the file's folder, wherever the command runs
+    and whichever recipe extends it: the DeepSpeed JSON, the tokenizer, `init_from`, and the files of the data and
+    eval sources (not a hub dataset's name). Outputs (`train.output_dir`) and resumes of them stay relative to the
+    working directory, as paths on a command line are."""
+    for section, key in (("deepspeed", "config"), ("tokenizer", "path")):
+        if isinstance(raw.get(section), dict):
+            _anchor(raw[section], key, directory)
+    _anchor(raw, "init_from", directory)
+    for section, lists in (("data", ("sources", "validation")), ("eval", ("qa_sets", "validation"))):
+        for name in lists:
+            items = raw.get(section, {}).get(name) if isinstance(raw.get(section), dict) else None
+            for item in items if isinstance(items, list) else ():
+                if isinstance(item, dict) and item.get("format") != "hub":
+                    _anchor(item, "path", directory)
+
+
+def _anchor(mapping: dict, key: str, directory: Path) -> None:
+    """`mapping[key]`, a relative local path, made absolute against `directory`; `pkg:`, `~`, absolute paths and
+    URLs (`s3://`) are left as they are."""
+    value = mapping.get(key)
+    if not isinstance(value, str) or not value or value.startswith(("pkg:", "~")) or "://" in value:
+        return
+    if not Path(value).is_absolute():
+        mapping[key] = str((directory / value).resolve())
 
 
 def _deep_merge(into: dict, update: Mapping) -> None:
@@ -195,7 +277,8 @@ def _parse_override(item: str) -> tuple[str, object]:
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader)
     except (yaml.YAMLError, RecipeError) as error:
-        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: value {text!r} is not valid YAML ({_one_line(error)})") from error
+        problem = _yaml_problem(error) if isinstance(error, yaml.YAMLError) else f"({_one_line(error)})"
+        raise RecipeError(f"{OVERRIDE_ORIGIN}: {key}: value {text!r} is not valid YAML {problem}") from error
     return key, value
 
 

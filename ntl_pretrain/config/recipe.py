@@ -309,11 +309,12 @@ class LoggingConfig:
 
 @dataclass
 class DeepSpeedSection:
-    config: str = "../configs/zero3.json"
-    """DeepSpeed JSON (ZeRO settings); a relative path is relative to the recipe file that sets it.
+    config: str = "pkg:ntl_pretrain/config/zero3.json"
+    """DeepSpeed JSON (ZeRO settings): the package's ZeRO-3 one by default (`pkg:ntl_pretrain/config/zero3_offload.json`
+    offloads the optimizer and weights to the CPU); a relative path is relative to the recipe file that sets it.
     Batch sizes, precision and clipping come from the recipe: the JSON must leave them out or `auto`."""
     zero_stage: Literal[0, 1, 2, 3] | None = None
-    """ZeRO stage, in place of the JSON's `zero_optimization.stage`; null = the JSON's (3 in configs/zero3.json).
+    """ZeRO stage, in place of the JSON's `zero_optimization.stage`; null = the JSON's (3 in the package's zero3.json).
     3 partitions the weights, gradients and Adam states over the ranks: the only stage for a model whose weights,
     gradients and Adam states (16 bytes a parameter in bf16) do not fit on one device. 2 keeps the weights whole
     on every rank and partitions gradients and Adam states: no gathering in forward and backward, the faster step

@@ -59,13 +59,21 @@ def check_source_files(source: SourceConfig) -> None:
     probe_source(source)
 
 
+class MissingFields(DataError):
+    """The records hold none of the fields the source reads: the key at fault is `text_field` or `template`."""
+
+
 def probe_source(source: SourceConfig) -> None:
-    """Raise `ValueError("path: <file>: <cause>")` for the first local file that cannot serve this source."""
+    """Raise `ValueError("<key>: <file>: <cause>")` for the first local file that cannot serve this source: the key
+    is `path`, or the one naming the fields (`text_field`, `template`) when the records lack them, so that an
+    override of that key is blamed, not the file that set the path."""
     if source.format == "hub" or is_remote(source.path):
         return
     for file in resolve_files(source):
         try:
             _probe_file(source, file)
+        except MissingFields as error:
+            raise ValueError(f"{'template' if source.template is not None else 'text_field'}: {error}") from None
         except DataError as error:
             raise ValueError(f"path: {error}") from None
 
@@ -147,7 +155,7 @@ def _check_columns(source: SourceConfig, file: str, fmt: str) -> None:
     missing = [name for name in source.template_fields if name not in columns]
     if missing:
         wanted = ", ".join(repr(name) for name in missing)
-        raise DataError(f"{file}: no column {wanted}; the columns are {columns}")
+        raise MissingFields(f"{file}: no column {wanted}; the columns are {columns}")
 
 
 def _array_head(file: str, head: bytes, whole: bool) -> list:
@@ -189,7 +197,7 @@ def _check_records(source: SourceConfig, file: str, records: list, parse) -> Non
     fields = sorted({name for record in _parsed(records) for name in record})
     wanted = ", ".join(repr(name) for name in source.template_fields)
     if reasons["missing_field"]:
-        raise DataError(f"{file}: {probed} has all of the fields {wanted}; the records have fields {fields}")
+        raise MissingFields(f"{file}: {probed} has all of the fields {wanted}; the records have fields {fields}")
     described = ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items()))
     raise DataError(f"{file}: {probed} gives a document ({described}; fields read: {wanted})")
 

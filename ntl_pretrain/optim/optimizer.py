@@ -1,9 +1,10 @@
 """AdamW, run the way each placement runs it fastest; the update rule is the same in every case.
 
-- ZeRO offloads the optimizer to the CPU (`offload_optimizer` in the DeepSpeed config, `configs/zero3_offload.json`):
-  DeepSpeed's CPU Adam, a vectorised C++ kernel that DeepSpeed compiles on first use (a minute or two, then cached)
-  and reports several times faster than torch's AdamW on the host (not measured here: it pays off at billions of
-  offloaded parameters, not on the tiny models these machines train).
+- ZeRO offloads the optimizer to the CPU (`offload_optimizer` in the DeepSpeed config,
+  `pkg:ntl_pretrain/config/zero3_offload.json`): DeepSpeed's CPU Adam, a vectorised C++ kernel that DeepSpeed
+  compiles on first use (a minute or two, then cached) and reports several times faster than torch's AdamW on the
+  host (not measured here: it pays off at billions of offloaded parameters, not on the tiny models these machines
+  train).
 - CUDA: torch's fused AdamW, one kernel per parameter group instead of several per tensor.
 - Otherwise (CPU ranks): torch's AdamW with its default implementation.
 """

@@ -59,14 +59,15 @@ def startup_line(parameters: int, world_size: int, micro_batch: int, global_batc
 
 
 def step_fields(record: dict) -> str:
-    """The fields of a training step, shared by the bar and the plain lines (`aux`: a MoE's balancing loss)."""
+    """The fields of a training step, shared by the bar and the plain lines (`aux_loss`: a MoE's balancing loss,
+    named as metrics.jsonl and the docs name it)."""
     return (f"loss {record['loss']:.4f} ce {record['ce']:.4f} ntl {record['ntl']:.4f}{_aux_field(record, ' ')} "
             f"lr {record['lr']:.3g} {record['tokens_per_s']:,.0f} tok/s mem {record['peak_mem_mib']:,.0f} "
             "MiB")  # fmt: skip
 
 
 def _aux_field(record: dict, separator: str) -> str:
-    return f"{separator}aux {record['aux_loss']:.4f}" if "aux_loss" in record else ""
+    return f"{separator}aux_loss {record['aux_loss']:.4f}" if "aux_loss" in record else ""
 
 
 def evaluation_line(record: dict) -> str:

@@ -38,7 +38,7 @@ def recipe_overrides(output_dir: Path, ds_config: Path) -> list[str]:
 
 def partition_all_config(folder: Path) -> Path:
     """ZeRO-3 that partitions every parameter of the tiny model (the shipped config keeps small ones whole)."""
-    config = json.loads((REPO / "configs" / "zero3.json").read_text())
+    config = json.loads((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     path = folder / "zero3_partition_all.json"
     path.write_text(json.dumps(config))
