@@ -14,13 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.heads.architectures import CHECKED, trunk_path
-from ntl_pretrain.train.engine import engine_config, foreach_gradient_norm, layer_classes
+from ntl_pretrain.train.engine import engine_config, foreach_gradient_norm, layer_classes, qualified_name
 
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-
-
-def qualified(module: torch.nn.Module) -> str:
-    return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 @pytest.mark.parametrize("model_type", sorted(CHECKED))
@@ -29,7 +25,7 @@ def test_every_decoder_layer_is_gathered_whole(model_type):
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(tiny_config(model_type))
     classes = set(layer_classes(lm))
-    leaves = [module for module in lm.modules() if qualified(module) in classes]
+    leaves = [module for module in lm.modules() if qualified_name(type(module)) in classes]
     trunk = lm.get_submodule(trunk_path(lm))
     stack = max((module for module in trunk.modules() if isinstance(module, torch.nn.ModuleList)), key=len)
     gathered = {id(param) for leaf in leaves for param in leaf.parameters()}

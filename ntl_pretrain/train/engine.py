@@ -33,7 +33,11 @@ def layer_classes(lm: nn.Module) -> list[str]:
     if not classes:
         stacks = [module for module in lm.get_submodule(trunk_path(lm)).modules() if isinstance(module, nn.ModuleList)]
         classes = list(dict.fromkeys(type(layer) for layer in max(stacks, key=len, default=())))
-    return [f"{cls.__module__}.{cls.__qualname__}" for cls in classes]
+    return [qualified_name(cls) for cls in classes]
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def engine_config(ds_config: dict, recipe: Recipe, lm: nn.Module) -> dict:
@@ -125,17 +129,16 @@ def name_data_parallel_layout(module: nn.Module, stage: int) -> None:
         setattr(module, UNIVERSAL_CHECKPOINT_INFO, data_parallel_only)
 
 
-def compile_layers(lm: nn.Module) -> int:
+def compile_layers(lm: nn.Module) -> None:
     """`train.compile`: each decoder layer (the outermost modules of `layer_classes`) compiled in place
     (`nn.Module.compile`: its parameters and state-dict names stay as they are, so checkpoints and export do not
-    change). Returns how many layers."""
+    change)."""
     classes, compiled = set(layer_classes(lm)), []
     for name, module in lm.named_modules():
         inside = any(name.startswith(f"{outer}.") for outer in compiled)
-        if not inside and f"{type(module).__module__}.{type(module).__qualname__}" in classes:
+        if not inside and qualified_name(type(module)) in classes:
             module.compile()
             compiled.append(name)
-    return len(compiled)
 
 
 @contextlib.contextmanager
