@@ -4,7 +4,10 @@ GPU"). Standard library only until the install stage has run: the GPU machine ha
 Stages, in order of what a short-lived GPU should give first:
   install     the carried wheels (launch/gpu-wheels.txt's pins) into a folder put first on PYTHONPATH
   doctor      `ntl-pretrain doctor` on the one GPU (1 rank), its JSON report
-  heads       bench/gpu_heads.py: the loss and the output layer in bf16, ours vs torch CE (and Liger-Kernel)
+  heads       bench/gpu_heads.py: the loss and the output layer in bf16, ours (torch and Triton backends) vs torch
+              CE and Liger-Kernel, the Triton backend's agreement with the torch one, and issue 48's targets
+  head_step   bench/head_step.py: the 135M model's plain step with our head (torch and Triton backends) over the
+              same step with transformers' head + CE (issue 48: ours no slower)
   train_125m  100 bf16 steps of a SmolLM2-135M-shaped Llama (30x576, vocabulary 49,152) at sequence 2,048:
               tokens/s, MFU, peak memory, the step apart from the wait for data, and steps 50-52 profiled
               (CPU op time, kernel time, ops and kernel launches per step; the table in logs.tgz)
@@ -245,11 +248,30 @@ def doctor_rows(report: Path) -> dict:
 
 def heads(run: Run) -> dict:
     out = run.out / "heads.json"
-    sizes = ["--positions", "64", "--vocab", "4096", "--hidden", "32", "--device", "cpu"] if run.dry_run else []
+    # the dry run's Triton rows run in Triton's interpreter (`environment`): a few rows of the smallest vocabulary
+    sizes = ["--positions", "16", "--vocab", "2200", "--hidden", "16", "--device", "cpu"] if run.dry_run else []
     run.command("heads", [sys.executable, "bench/gpu_heads.py", "--out", str(out), *sizes], min(150.0, run.remaining()))
     report = json.loads(out.read_text())
     ratios = {f"{part}: {name}": ratio_text(m) for part in ("loss", "head") for name, m in report[part].items()}
-    return {"shape": report["shape"], "liger": report["liger"], **ratios}
+    agreement = {f"triton vs torch, {kind}": f"{difference:.1e}" for kind, difference in report["agreement"].items()}
+    targets = {f"target {name}": f"{target['ratio']:.2f}x (at most {target['at_most']}x)"
+               for name, target in report["targets"].items()}  # fmt: skip
+    return {"shape": report["shape"], "liger": report["liger"], "triton": report["triton"], **agreement, **ratios,
+            **targets}  # fmt: skip
+
+
+def head_step(run: Run) -> dict:
+    """The plain step of the 135M model with each head (bench/head_step.py; its report into logs.tgz)."""
+    out = run.logs / "head-step.json"
+    toy = [key.removeprefix("model.config.") for key in MODEL_TOY if key.startswith("model.config.")]
+    sizes = ["--device", "cpu", "--steps", "2", "--warmup", "1", *toy, "vocab_size=4096", "seq_len=32",
+             "micro_batch_size=2"] if run.dry_run else []  # fmt: skip
+    run.command("head_step", [sys.executable, "bench/head_step.py", "--out", str(out), *sizes],
+                min(120.0, run.remaining()))  # fmt: skip
+    report = json.loads(out.read_text())
+    heads = {name: f"{m['step_seconds'] * 1e3:.1f} ms, {m['over_transformers']:.2f}x" for name, m in
+             report["heads"].items()}  # fmt: skip
+    return {"triton": report["triton"], **heads}
 
 
 def ratio_text(measured: dict) -> str:
@@ -412,7 +434,7 @@ def throughput(status_line: str, minutes: float) -> dict:
 
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
-                                            "train_125m": train_125m, "plain_step": plain_step,
+                                            "head_step": head_step, "train_125m": train_125m, "plain_step": plain_step,
                                             "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
                                             "train_125m_compiled": train_125m_compiled,
                                             "train_125m_persistent": train_125m_persistent,
@@ -474,8 +496,9 @@ def environment(run_site: Path, dry_run: bool, token: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(run_site), str(REPO), env.get("PYTHONPATH")) if p)
     env["PATH"] = f"{run_site / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.update({MARKER: token, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"})
-    if dry_run:
-        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    if dry_run:  # Triton's interpreter runs the loss's Triton kernels on CPU: the heads stage times them too
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+                   TRITON_INTERPRET="1")  # fmt: skip
     return env
 
 

@@ -1,16 +1,21 @@
-"""The loss and the output layer in bf16 on a GPU: ours against torch's cross-entropy, and against Liger-Kernel's
-fused linear cross-entropy where its wheel is installed. Forward+backward, round-robin, fastest of 3 after a warm-up
-(CUDA events), and each method's peak allocated memory above its inputs (the doctor's `speed` helpers).
+"""The loss and the output layer in bf16 on a GPU: ours (torch and Triton backends) against torch's cross-entropy,
+and against Liger-Kernel's cross-entropy and fused linear cross-entropy where its wheel is installed.
+Forward+backward, round-robin, fastest of 3 after a warm-up (CUDA events), and each method's peak allocated memory
+above its inputs (the doctor's `speed` helpers).
 
     python bench/gpu_heads.py --out heads.json [--positions 8192 --vocab 128256 --hidden 4096] [--dtype bf16]
 
 Loss on logits [N, V]: `F.cross_entropy` on the logits upcast to fp32 (the baseline: what transformers' loss
-does), `ce_ntl_loss` CE-only (kind None) and CE+0.3·NTL-WAS, and Liger's `LigerCrossEntropyLoss`. Output layer
-(hidden [N, H], weight [V, H]): the dense head (`hidden @ W.T`, then `F.cross_entropy`; the baseline), our chunked
-head (`linear_ce_ntl_loss`) CE-only and with NTL-WAS, and Liger's `LigerFusedLinearCrossEntropyLoss` (CE only:
-Liger has no NTL). The vocabulary is Llama-3-like (1-3 digit chunks; at least 2,110 tokens). Liger runs on CUDA only
-(Triton); on CPU its rows are left out and the report says why. Prints one line per method and writes every figure
-to `--out` as JSON. bench/gpu_first_run.sh runs it on the first GPU (docs/doctor.md, "The first GPU").
+does), `ce_ntl_loss` CE-only (kind None), CE+0.3·NTL-WAS and CE+0.3·NTL-digits with each backend, and Liger's
+`LigerCrossEntropyLoss`. Output layer (hidden [N, H], weight [V, H]): the dense head (`hidden @ W.T`, then
+`F.cross_entropy`; the baseline), our chunked head (`linear_ce_ntl_loss`) CE-only and with NTL-WAS with each backend,
+and Liger's `LigerFusedLinearCrossEntropyLoss` (CE only: Liger has no NTL). The vocabulary is Llama-3-like (1-3
+digit chunks; at least 2,110 tokens). Before timing, the Triton backend's loss and logit gradient are compared with
+the torch backend's on the same inputs, per kind (`agreement`: the largest difference relative to the largest
+value). Then issue 48's targets, as ratios of rows of this run (`targets`). Liger runs on CUDA only, Triton on CUDA or
+under TRITON_INTERPRET=1; elsewhere their rows are left out and the report says why. Prints one line per method and
+writes every figure to `--out` as JSON. bench/gpu_first_run.sh runs it on the first GPU (docs/doctor.md, "The first
+GPU").
 """
 
 from __future__ import annotations
@@ -27,10 +32,22 @@ import torch.nn.functional as F
 from ntl_pretrain.doctor.loss_checks import draw_labels, multi_digit_vocab
 from ntl_pretrain.doctor.speed import backward_of, fastest, peak_mib
 from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.loss.backend import interpreter_ready, why_triton_cannot_run
 from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 Steps = dict[str, Callable[[], None]]
+TRITON = " [triton]"  # the suffix of a row's name with backend="triton" (the others: backend="torch")
+# Issue 48's targets: (block, row, against row, at most): row's time over the other's.
+TARGETS = {
+    "loss CE+NTL-WAS, Triton over Liger's CE": ("loss", "ce_ntl_loss CE+NTL-WAS" + TRITON, "Liger cross-entropy", 1.5),
+    "loss, digits over WAS (Triton)": ("loss", "ce_ntl_loss CE+NTL-digits" + TRITON, "ce_ntl_loss CE+NTL-WAS" + TRITON,
+                                       1.2),
+    "output layer CE+NTL-WAS, Triton over Liger's fused linear CE": (
+        "head", "chunked head CE+NTL-WAS" + TRITON, "Liger fused linear CE", 1.0),
+}  # fmt: skip
+AGREEMENT_KINDS = ("was", "digits", "number", "mse", None)
+AGREEMENT_POSITIONS = 1024
 
 
 def liger_losses() -> tuple[type, type] | str:
@@ -55,31 +72,40 @@ def inputs(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     return nv.to(device), labels_N, logits_NV, hidden_NH, weight_VH.requires_grad_()
 
 
-def loss_steps(nv, labels_N, logits_NV, liger) -> Steps:
-    steps = {
-        "F.cross_entropy": backward_of(lambda: F.cross_entropy(logits_NV.float(), labels_N), logits_NV),
-        "ce_ntl_loss CE only": backward_of(lambda: ce_ntl_loss(logits_NV, labels_N, nv, kind=None).loss, logits_NV),
-        "ce_ntl_loss CE+NTL-WAS": backward_of(lambda: ce_ntl_loss(logits_NV, labels_N, nv).loss, logits_NV),
-    }
+def triton_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the Triton backend's rows are left out here (None: they run)."""
+    return why_triton_cannot_run(device.type, dtype, interpreter_ready())
+
+
+def backends(triton_reason: str | None) -> dict[str, str]:
+    """{row-name suffix: backend} of the rows to time."""
+    return {"": "torch"} if triton_reason else {"": "torch", TRITON: "triton"}
+
+
+def loss_steps(nv, labels_N, logits_NV, liger, triton_reason) -> Steps:
+    steps = {"F.cross_entropy": backward_of(lambda: F.cross_entropy(logits_NV.float(), labels_N), logits_NV)}
+    for suffix, backend in backends(triton_reason).items():
+        for name, kind in (("CE only", None), ("CE+NTL-WAS", "was"), ("CE+NTL-digits", "digits")):
+            loss = lambda k=kind, b=backend: ce_ntl_loss(logits_NV, labels_N, nv, kind=k, backend=b).loss
+            steps[f"ce_ntl_loss {name}{suffix}"] = backward_of(loss, logits_NV)
     if not isinstance(liger, str):
         liger_ce = liger[0]()
         steps["Liger cross-entropy"] = backward_of(lambda: liger_ce(logits_NV, labels_N), logits_NV)
     return steps
 
 
-def head_steps(nv, labels_N, hidden_NH, weight_VH, liger) -> Steps:
+def head_steps(nv, labels_N, hidden_NH, weight_VH, liger, triton_reason) -> Steps:
     leaves = (hidden_NH, weight_VH)
     steps = {
         "dense head + F.cross_entropy": backward_of(
             lambda: F.cross_entropy((hidden_NH @ weight_VH.T).float(), labels_N), *leaves
         ),
-        "chunked head CE only": backward_of(
-            lambda: linear_ce_ntl_loss(hidden_NH, weight_VH, labels_N, nv, kind=None).loss, *leaves
-        ),
-        "chunked head CE+NTL-WAS": backward_of(
-            lambda: linear_ce_ntl_loss(hidden_NH, weight_VH, labels_N, nv).loss, *leaves
-        ),
     }
+    for suffix, backend in backends(triton_reason).items():
+        for name, kind in (("CE only", None), ("CE+NTL-WAS", "was")):
+            loss = lambda k=kind, b=backend: linear_ce_ntl_loss(hidden_NH, weight_VH, labels_N, nv, kind=k,
+                                                                 backend=b).loss  # fmt: skip
+            steps[f"chunked head {name}{suffix}"] = backward_of(loss, *leaves)
     if not isinstance(liger, str):
         fused = liger[1]()
         steps["Liger fused linear CE"] = backward_of(lambda: fused(weight_VH, hidden_NH, labels_N), *leaves)
@@ -92,6 +118,34 @@ def measure(steps: Steps, device: torch.device, baseline: str) -> dict[str, dict
     return {name: {"seconds": times[name], "time_ratio": times[name] / times[baseline], "peak_mib": peaks[name],
                    "memory_ratio": None if peaks[name] is None else peaks[name] / peaks[baseline]}
             for name in steps}  # fmt: skip
+
+
+def agreement(nv, labels_N, logits_NV) -> dict[str, float]:
+    """Per kind, the largest difference between the Triton and torch backends' loss and logit gradient on the first
+    `AGREEMENT_POSITIONS` positions, relative to the largest value (bf16 gradients: a few 2^-8 at most)."""
+    logits_NV, labels_N = logits_NV[:AGREEMENT_POSITIONS].detach(), labels_N[:AGREEMENT_POSITIONS]
+    found = {}
+    for kind in AGREEMENT_KINDS:
+        results = []
+        for backend in ("triton", "torch"):
+            leaf = logits_NV.clone().requires_grad_(True)
+            loss = ce_ntl_loss(leaf, labels_N, nv, kind=kind, reweigh=kind == "mse", backend=backend).loss
+            loss.backward()
+            results.append((loss.detach().float(), leaf.grad.float()))
+        (loss, grad), (want_loss, want_grad) = results
+        found[str(kind)] = max(float((loss - want_loss).abs() / want_loss.abs()),
+                               float((grad - want_grad).abs().max() / want_grad.abs().max()))  # fmt: skip
+    return found
+
+
+def target_ratios(measured: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Each target of `TARGETS` whose rows ran: the ratio, its bound, and whether it is met."""
+    ratios = {}
+    for name, (block, row, against, bound) in TARGETS.items():
+        if row in measured[block] and against in measured[block]:
+            ratio = measured[block][row]["seconds"] / measured[block][against]["seconds"]
+            ratios[name] = {"ratio": ratio, "at_most": bound, "met": ratio <= bound}
+    return ratios
 
 
 def print_table(title: str, measured: dict[str, dict]) -> None:
@@ -112,18 +166,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    liger = liger_losses()
+    liger, triton_reason = liger_losses(), triton_available(device, dtype)
     nv, labels_N, logits_NV, hidden_NH, weight_VH = inputs(args, device, dtype)
     shape = f"N={args.positions} V={args.vocab} H={args.hidden} {args.dtype} on {device_name(device)}"
-    loss = measure(loss_steps(nv, labels_N, logits_NV, liger), device, "F.cross_entropy")
+    agreed = {} if triton_reason else agreement(nv, labels_N, logits_NV)
+    loss = measure(loss_steps(nv, labels_N, logits_NV, liger, triton_reason), device, "F.cross_entropy")
     del logits_NV  # the head's rows measure their own logits, not these
-    head = measure(head_steps(nv, labels_N, hidden_NH, weight_VH, liger), device, "dense head + F.cross_entropy")
+    head = measure(head_steps(nv, labels_N, hidden_NH, weight_VH, liger, triton_reason), device,
+                   "dense head + F.cross_entropy")  # fmt: skip
+    targets = target_ratios({"loss": loss, "head": head})
+    for kind, difference in agreed.items():
+        print(f"Triton vs torch backend, kind {kind}: largest relative difference {difference:.1e}")
     print_table(f"loss on logits, {shape}", loss)
     print_table(f"output layer, {shape}", head)
+    for name, target in targets.items():
+        print(f"target {name}: {target['ratio']:.2f}x (at most {target['at_most']}x): "
+              f"{'met' if target['met'] else 'missed'}")  # fmt: skip
     liger_note = liger if isinstance(liger, str) else "measured"
-    if isinstance(liger, str):
-        print(f"Liger rows left out: {liger}")
-    report = {"shape": shape, "torch": torch.__version__, "liger": liger_note, "loss": loss, "head": head}
+    for what, reason in (("Liger", liger if isinstance(liger, str) else None), ("Triton", triton_reason)):
+        if reason:
+            print(f"{what} rows left out: {reason}")
+    report = {"shape": shape, "torch": torch.__version__, "liger": liger_note, "triton": triton_reason or "measured",
+              "agreement": agreed, "loss": loss, "head": head, "targets": targets}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

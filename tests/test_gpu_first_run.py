@@ -56,7 +56,13 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert stages["install"]["figures"]["optional_absent"] == ["liger_kernel==0.8.5"]
     assert (work / "site-packages" / "ntl_toy_wheel.py").is_file()
     assert stages["doctor"]["figures"]["bf16 gradient accumulation"].startswith("ok: ")
-    assert stages["heads"]["figures"]["head: chunked head CE+NTL-WAS"].endswith("x")
+    heads = stages["heads"]["figures"]
+    assert heads["head: chunked head CE+NTL-WAS"].endswith("x") and heads["triton"] == "measured"
+    assert heads["head: chunked head CE+NTL-WAS [triton]"].endswith("x")  # interpreted: the rows run before a GPU
+    assert float(heads["triton vs torch, digits"]) < 2**-6  # bf16 gradients: within a rounding or two
+    assert "target loss, digits over WAS (Triton)" in heads
+    step = stages["head_step"]["figures"]
+    assert step["triton"] == "measured" and step["chunked head CE+NTL-WAS [triton]"].endswith("x")
     assert stages["train_125m"]["figures"]["steps"] == 3 and stages["train_125m"]["figures"]["tokens_per_s"] > 0
     assert stages["train_125m"]["figures"]["profile"]["steps"] == [2, 2]
     persistent = stages["train_125m_persistent"]["figures"]
