@@ -207,12 +207,12 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_convert_gguf(args: argparse.Namespace) -> int:
-    from ntl_pretrain.export.gguf_file import checked_gguf
+    from ntl_pretrain.export.gguf_file import gguf_path
     from ntl_pretrain.reporting.console import ongoing, stdout_to_stderr
 
     gguf = [] if args.gguf.startswith("pkg:") else [args.gguf]
     check_output("out_dir", Path(args.out_dir), gguf, args.overwrite, folder=True)
-    checked_gguf(args.gguf)  # a bad file is refused in one line, before the first line of the conversion
+    gguf_path(args.gguf)  # a missing or foreign file is refused in one line, before the conversion's first line
     what = f"{args.gguf} -> {args.out_dir}"
     with stdout_to_stderr(), ongoing(what, prefix="ntl-pretrain convert-gguf: ", at_once=True) as stage:
         stage("loading the libraries")  # stdout carries the folder only

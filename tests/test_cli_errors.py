@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.launches import said_beyond_progress
 
 from ntl_pretrain import cli, errors
 from ntl_pretrain.checkpoint import manifest
@@ -281,7 +282,7 @@ def one_line_failure(argv: list[str], capsys) -> tuple[int, str]:
     except SystemExit as exit_:  # argparse's own refusals
         code = exit_.code
     err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    lines = said_beyond_progress(err)
     assert len(lines) == 1 and "Traceback" not in err, err
     return code, lines[0]
 

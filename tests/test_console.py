@@ -44,16 +44,20 @@ def test_unattended_console_starts_with_the_runs_shape(unattended):
     output_dir, console = unattended
     config = AutoConfig.from_pretrained(output_dir / "checkpoints" / "step_4" / "hf_config")
     parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    # while the checks take more than 3 s (torch's import most of it), every 3 s the check under way
+    checking = [line for line in ours(console) if line.startswith(f"checking {TINY} before launch: ")]
+    assert all(re.fullmatch(r"checking .* before launch: [^()]+ \(\d+ s\)", line) for line in checking), checking
+    lines = ours(console)[len(checking) :]
     # said by `ntl-pretrain train` once the checks passed (a note on the schedule first: the fixture's 4 steps are
     # shorter than the recipe's warmup, said once): the ranks' half minute of start-up is not silent
-    assert ours(console)[0].startswith("note: schedule.warmup_steps=10 is longer than train.max_steps=4")
-    assert ours(console)[1] == (f"training {TINY.resolve()} into {output_dir}: starting 1 process; each loads the "
-                                "libraries and builds the model before step 1")  # fmt: skip
+    assert lines[0].startswith("note: schedule.warmup_steps=10 is longer than train.max_steps=4")
+    assert lines[1] == (f"training {TINY.resolve()} into {output_dir}: starting 1 process; each loads the "
+                        "libraries and builds the model before step 1")  # fmt: skip
     # then, every 10 s until the rank's first line, that the run is still starting
-    starting = [line for line in ours(console) if line.startswith("still starting (")]
-    assert ours(console)[2 : 2 + len(starting)] == starting
+    starting = [line for line in lines if line.startswith("still starting (")]
+    assert lines[2 : 2 + len(starting)] == starting
     assert all(line.endswith(" s): the ranks import torch and DeepSpeed, then build the model") for line in starting)
-    assert ours(console)[2 + len(starting) : 4 + len(starting)] == [
+    assert lines[2 + len(starting) : 4 + len(starting)] == [
         f"{output_dir}: starting from scratch; attention sdpa; AdamW default",
         f"{parameters:,} parameters; world size 1; micro-batch 2, global batch 4 sequences (gradient accumulation 2); "
         "128 tokens per step (32 per sequence); precision fp32",

@@ -2,7 +2,7 @@
 
 Off a terminal a block that ends within a tick says nothing; a longer one says its stage every tick (and at once
 with `at_once`); on a terminal one line is drawn at once, redrawn at each stage and erased at the end. Ticks are
-shortened to 50 ms here; commands use `TICK_S` (4 s)."""
+shortened to 50 ms here; commands use `TICK_S` (3 s)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.launches import said_beyond_progress
 
 from ntl_pretrain import cli
 from ntl_pretrain.config.loading import load_recipe
@@ -429,7 +430,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(workspace, monkeypatch
                                       monkeypatch, capsys)  # fmt: skip
         assert code == 2, err
         assert not launches
-        lines = err.strip().splitlines()
+        lines = said_beyond_progress(err)
         assert len(lines) == 1 and "Traceback" not in err, err
         assert lines[0].startswith("ntl-pretrain train: recipe error: ")
         for fragment in fragments:

@@ -1,6 +1,6 @@
-"""A GGUF file checked before conversion: it exists (`pkg:` paths allowed), starts with the GGUF magic, and its whole
-header and tensor table parse. Light (no torch), so that `convert-gguf` refuses a bad file in one line, at once, before
-it starts the minutes of loading and dequantising."""
+"""A GGUF file checked before conversion: it exists (`pkg:` paths allowed) and starts with the GGUF magic (at once:
+`convert-gguf` refuses such a file in one line before it says anything), and its whole header and tensor table parse
+(seconds: a tokenizer's vocabulary is in the header)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,19 @@ GGUF_MAGIC = b"GGUF"
 
 def checked_gguf(gguf: str) -> Path:
     """The resolved path of a readable GGUF file; `FileNotFoundError` or `InputError` naming it otherwise."""
+    path = gguf_path(gguf)
+    check_gguf_readable(path)
+    return path
+
+
+def gguf_path(gguf: str) -> Path:
+    """The resolved path of a file that starts as a GGUF file does (reads 4 bytes)."""
     path = resolve_path(gguf).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"{gguf}: no such GGUF file ({path})")
     with path.open("rb") as file:
         if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
             raise InputError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
-    check_gguf_readable(path)
     return path
 
 

@@ -72,6 +72,7 @@ def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16",
                  stage: Callable[[str], None] = lambda _: None) -> Path:  # fmt: skip
     """Dequantise a GGUF causal LM (`pkg:` paths allowed) into an HF folder; `stage(what)` is told each step (the
     dequantisation takes minutes for 100M+ parameters on a CPU)."""
+    stage("reading the header and tensor table")
     path = checked_gguf(gguf)
     stage("dequantising the weights to float32 (transformers' GGUF loader)")
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV
 
 PREFIX = "ntl-pretrain: "
-TICK_S = 4.0  # a slow command says something at least this often (`ongoing`)
+TICK_S = 3.0  # a slow command says something at least this often (`ongoing`): under 5 s with a stall
 VALIDATION_FIELDS = ("val_loss", "val_ce", "val_ntl", "val_number_ce", "val_answer_ce", "val_answer_ntl")
 
 

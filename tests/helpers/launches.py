@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,17 @@ PER_DOCUMENT_STEPS = 4
 RUNNER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 LAUNCH_TIMEOUT_S = 400
 _session_runs: dict[str, Path] = {}
+
+
+# What a slow command says as it goes (`console.ongoing`): `train`'s checks off a terminal once they have run 3 s,
+# `convert-gguf` at once; progress lines, not part of a refusal that may follow them as the last line.
+PROGRESS = re.compile(r"ntl-pretrain: checking \S+ before launch: [^()]+ \(\d+ s\)"
+                      r"|ntl-pretrain convert-gguf: \S+ -> \S+: [^()]+( \(\d+ s\))?")  # fmt: skip
+
+
+def said_beyond_progress(stderr: str) -> list[str]:
+    """The lines of `stderr` but the progress lines."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS.fullmatch(line)]
 
 
 def recipe_overrides(output_dir: Path, ds_config: Path) -> list[str]:
