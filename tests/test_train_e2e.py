@@ -23,6 +23,7 @@ from helpers.launches import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.evaluation import generation_metrics
 
@@ -86,7 +87,8 @@ def test_loss_decreases_with_ntl_logged(tiny_run):
 
 
 def test_run_directory_holds_resolved_recipe_and_last_checkpoints(tiny_run, ds_config):
-    assert load_recipe(tiny_run / "recipe.yaml") == load_recipe(TINY, overrides(tiny_run, ds_config))
+    resolved, _ = load_run(TINY, overrides(tiny_run, ds_config), 2)  # with the ZeRO stage the run trained at
+    assert load_recipe(tiny_run / "recipe.yaml") == resolved and resolved.deepspeed.zero_stage == 3
     root = tiny_run / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_40", "step_50"]  # keep_last=2
     assert (root / "latest").read_text() == "step_50"
