@@ -195,9 +195,10 @@ def token_on_other_experts(lm, top_k: int) -> int:
 
 @pytest.mark.slow
 def test_ranks_routing_to_different_experts_train_under_zero3(tmp_path):
-    """OLMoE's sparse block is not among the classes DeepSpeed makes ZeRO-3 leaves by default, and none is set: a
-    rank whose tokens skip an expert still gathers and reduces its weights, because transformers 5 keeps each layer's
-    experts in one module (fused tensors). The timeout turns a collective mismatch into a failure, not a hang."""
+    """OLMoE's sparse block is not among the classes DeepSpeed makes ZeRO-3 leaves by default (the trainer makes
+    each decoder layer one, `deepspeed.gather: layer`): a rank whose tokens skip an expert still gathers and reduces
+    its weights, because transformers 5 keeps each layer's experts in one module (fused tensors), and the layer is
+    gathered whole. The timeout turns a collective mismatch into a failure, not a hang."""
     ds_config = partition_all_config(tmp_path)
     run_distributed(train_on_different_experts, 2, str(tmp_path / "run"), str(ds_config), timeout_s=240)
     assert not Path(tmp_path / "run" / "checkpoints").exists()  # train_step alone: nothing saved
