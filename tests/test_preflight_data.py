@@ -69,3 +69,14 @@ def test_a_run_that_meets_it_anyway_names_the_fix_too(lines_txt):
     with pytest.raises(DataError, match=r"reader 1 of 2 no usable document .* if its records are lines, set "
                                         r"sample_by: line"):  # fmt: skip
         stream.next_document()
+
+
+def test_whole_files_are_counted_not_read(tmp_path):
+    """`sample_by: document`: one document a file; a reader past the written files has none."""
+    for name, text in (("a.txt", "12 plus 30 is 42"), ("b.txt", "7 times 6 is 42")):
+        (tmp_path / name).write_text(text)
+    recipe = load_recipe(TINY, [f"data.sources=[{{path: {tmp_path}, format: txt, sample_by: document}}]",
+                                "data.validation=[]", "train.eval_every_steps=null"])  # fmt: skip
+    check_readers(recipe, world_size=2)
+    with pytest.raises(RecipeError, match=r"reader 2 of 3 .* holds 2 usable documents for 3 readers"):
+        check_readers(recipe, world_size=3)

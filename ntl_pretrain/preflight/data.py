@@ -4,7 +4,7 @@ A reader is one data-parallel rank, or one of its `data.num_workers` workers; th
 in turn (data/sources.py). A source with fewer usable records than readers leaves a reader without any, which the
 run finds only after launch, on one rank, once every rank has imported torch and built the model ("a whole epoch
 gave reader 1 of 2 no usable document"). Here each reader reads its own share until its first document: a few
-records each, at any world size. Line files (jsonl, json lines, txt) on this machine are read; parquet, arrow,
+records each, at any world size (a txt source of one document a file is counted by its files' sizes, not read). Line files (jsonl, json lines, txt) on this machine are read; parquet, arrow,
 remote files and hub datasets are not (their shares are whole files or row groups, and reading them needs
 `datasets` or the network).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from pathlib import Path
 
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.data.files import is_remote, resolve_files, source_format
@@ -42,6 +43,9 @@ def read_here(source: SourceConfig) -> bool:
 
 def reader_without_document(source: SourceConfig, readers: int) -> int | None:
     """The first reader whose share of one epoch holds no usable document; None when every reader has one."""
+    if _whole_files(source):
+        written = _written_files(source)
+        return None if written >= readers else written
     for reader in range(readers):
         stream = SourceStream(source, shard=reader, num_shards=readers, cycle=False, skipped=Counter())
         if stream.next_document() is None:
@@ -62,5 +66,16 @@ def _why(source: SourceConfig, readers: int, index: int) -> str:
 
 
 def _documents(source: SourceConfig, at_most: int) -> int:
+    if _whole_files(source):
+        return min(at_most, _written_files(source))
     stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=Counter())
     return sum(1 for _ in zip(range(at_most), iter(stream.next_document, None), strict=False))
+
+
+def _whole_files(source: SourceConfig) -> bool:
+    """A txt source of one document a file: its files' sizes tell what reading them whole would."""
+    return source.sample_by == "document" and source_format(source, resolve_files(source)[0]) == "txt"
+
+
+def _written_files(source: SourceConfig) -> int:
+    return sum(1 for file in resolve_files(source) if Path(file).stat().st_size)
