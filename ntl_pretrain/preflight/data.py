@@ -4,9 +4,9 @@ A reader is one data-parallel rank, or one of its `data.num_workers` workers; th
 in turn (data/sources.py). A source with fewer usable records than readers leaves a reader without any, which the
 run finds only after launch, on one rank, once every rank has imported torch and built the model ("a whole epoch
 gave reader 1 of 2 no usable document"). Here each reader reads its own share until its first document: a few
-records each, at any world size (a txt source of one document a file is counted by its files' sizes, not read). Line files (jsonl, json lines, txt) on this machine are read; parquet, arrow,
-remote files and hub datasets are not (their shares are whole files or row groups, and reading them needs
-`datasets` or the network).
+records each, at any world size (a txt source of one document a file is counted by its files' sizes, not read).
+Line files (jsonl, json lines, txt) on this machine are read; parquet, arrow, remote files and hub datasets are not
+(their shares are whole files or row groups, and reading them needs `datasets` or the network).
 """
 
 from __future__ import annotations
