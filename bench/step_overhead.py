@@ -176,7 +176,8 @@ class PlainStep:
 @contextlib.contextmanager
 def torch_linear() -> Iterator[None]:
     """torch's own `F.linear`: building a model under ZeRO-3 replaces it process-wide with DeepSpeed's
-    (`memory_efficient_linear`), which the plain step must not pay for."""
+    (`memory_efficient_linear`), which the plain step and a ZeRO-1 or -2 run (its own process never builds under
+    ZeRO-3) must not pay for."""
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
     patched = F.linear
@@ -185,6 +186,18 @@ def torch_linear() -> Iterator[None]:
         yield
     finally:
         F.linear = patched
+
+
+def as_in_its_own_process(trainer: Trainer) -> Callable[[list[dict]], dict]:
+    """`trainer.train_step`, below ZeRO-3 with torch's `F.linear` (`torch_linear`)."""
+    if trainer.engine.zero_optimization_stage() == 3:
+        return trainer.train_step
+
+    def step(batches: list[dict]) -> dict:
+        with torch_linear():
+            return trainer.train_step(batches)
+
+    return step
 
 
 def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
@@ -240,7 +253,7 @@ def run_and_report(trainers: dict[str, Trainer], steps: int) -> None:
     batches = iter(trainers["ours"].loader)
     parts = PartTimes()
     twins = {name: PlainStep(trainer, parts if name == "ours" else None) for name, trainer in trainers.items()}
-    runners = {"plain": twins["ours"], **{name: trainer.train_step for name, trainer in trainers.items()}}
+    runners = {"plain": twins["ours"], **{name: as_in_its_own_process(trainer) for name, trainer in trainers.items()}}
     times = {name: [] for name in runners}
     for name, trainer in trainers.items():
         parts.of_ours(name, trainer)
