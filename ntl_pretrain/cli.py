@@ -120,30 +120,35 @@ def run_train(args: argparse.Namespace) -> int:
     finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
         "nothing to train (raise train.max_steps to continue)"  # fmt: skip
     env = launch_environment(recipe.train.device)
-    command = train_command(args, env, recipe.logging.verbose)
     if args.dry_run:
         print(dump_recipe(recipe), end="")
-        print("# " + (finished if done is not None else shlex.join(command)))
+        print("# " + (finished if done is not None else shlex.join(train_command(args, env, recipe.logging.verbose))))
         return 0
     if done is not None:
         print(f"ntl-pretrain: {finished}")
         return 0
+    return launch(args, recipe, env)
+
+
+def launch(args: argparse.Namespace, recipe: Recipe, env: dict[str, str]) -> int:
+    """Run the launcher under the supervisor; the exit code of the run. Its lock goes with it, whatever ends it."""
     from ntl_pretrain.runtime import run_lock
     from ntl_pretrain.runtime.supervisor import EXIT_MARGIN_S, supervise
 
-    print(f"ntl-pretrain: {launch_line(args, recipe)}", file=sys.stderr, flush=True)
-    piped = _written_for_the_ranks(recipe) if is_pipe(args.recipe) else None
-    if piped is not None:  # the ranks cannot read the pipe again: they get its recipe, resolved, from a file
-        args.recipe, args.overrides = str(piped), []
-        command = train_command(args, env, recipe.logging.verbose)
-    started = time.time()
-    grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
+    line = launch_line(args, recipe)
+    piped = is_pipe(args.recipe)  # the ranks cannot read the pipe again: they get its recipe, resolved, from a file
+    if piped:
+        args.recipe, args.overrides = str(_written_for_the_ranks(recipe)), []
     try:
+        command = train_command(args, env, recipe.logging.verbose)  # refuses GPUs it cannot select, before the line
+        print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
+        started = time.time()
+        grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
         return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
     finally:
         run_lock.clear_if_gone(recipe.train.output_dir)
-        if piped is not None:
-            piped.unlink(missing_ok=True)
+        if piped:
+            Path(args.recipe).unlink(missing_ok=True)
 
 
 def _written_for_the_ranks(recipe: Recipe) -> Path:
