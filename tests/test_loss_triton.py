@@ -151,10 +151,12 @@ def test_bf16_logits_are_computed_in_fp32_as_the_torch_backend_does():
 def test_chunked_head_equals_the_float64_reference(transform, monkeypatch):
     """linear_ce_ntl_loss in chunks, its gradient written over each chunk's logits by the kernel (which applies the
     transform and its chain rule), against autograd through the float64 reference. Rows of 41 columns in blocks of
-    16: the kernels' online log-sum-exp runs over three blocks, the last one part-masked."""
+    16 and classes of up to 10 members in blocks of 4: the kernels' online log-sum-exps run over several blocks, the
+    last one part-masked."""
     from ntl_pretrain.loss import triton_ops
 
     monkeypatch.setattr(triton_ops, "MAX_BLOCK_V", 16)
+    monkeypatch.setattr(triton_ops, "MAX_BLOCK_M", 4)
     nv = synthetic_vocab()
     extra = {} if transform is None else {"transform": transform}
     for seed, (kind, reweigh) in enumerate(KIND_CASES if transform is None else SOME_CASES):

@@ -269,8 +269,8 @@ def class_stats(class_parts, t: Targets, kind: str | None, spans: NumberSpans | 
     return ClassStats(torch.where(t.is_number, class_lse, 0.0), ntl_raw, value_sum, number_slope)
 
 
-def reweighed_ntl(classes: ClassStats, class_mass: torch.Tensor, t: Targets, reweigh: bool) -> torch.Tensor:
-    """Per-position NTL, 0 where the label is not a number."""
+def reweighed_ntl(classes: ClassStats, class_mass: torch.Tensor | None, t: Targets, reweigh: bool) -> torch.Tensor:
+    """Per-position NTL, 0 where the label is not a number (the class mass is read only to reweigh)."""
     ntl = classes.ntl_raw * class_mass + t.cap * (1 - class_mass) if reweigh else classes.ntl_raw
     return torch.where(t.is_number, ntl, 0.0)
 
