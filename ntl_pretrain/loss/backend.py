@@ -20,8 +20,8 @@ KERNELS_MODULE = "ntl_pretrain.loss.triton_kernels"
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, key: str = "backend") -> str:
-    """ "torch" or "triton" for a loss on `device` with logits of `dtype`; a "triton" that cannot run here is a
-    one-line error naming `key` (the argument, or the recipe key the heads pass)."""
+    """The backend, torch or triton, that computes a loss on `device` from logits of `dtype`; a "triton" that cannot
+    run here is a one-line error naming `key` (the argument, or the recipe key the heads pass)."""
     if backend not in BACKENDS:
         raise ValueError(f"{key} must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":

@@ -15,8 +15,6 @@ Imported only when the Triton backend runs (backend.py): `@triton.jit` decides a
 compiled for the GPU or interpreted on CPU tensors (`TRITON_INTERPRET=1`).
 """
 
-from __future__ import annotations
-
 import os
 
 import triton
