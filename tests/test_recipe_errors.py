@@ -389,7 +389,6 @@ def workspace(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, **section}))
     without_data = yaml.safe_load(TINY.read_text())
     del without_data["data"]
-    without_data["deepspeed"]["config"] = str(REPO / "ntl_pretrain" / "config" / "zero3.json")
     without_data["train"]["output_dir"] = str(out)
     (tmp_path / "nodata.yaml").write_text(yaml.safe_dump(without_data))
     gpt2 = {**without_data, "data": yaml.safe_load(TINY.read_text())["data"]}
