@@ -9,16 +9,20 @@ a step costs what is dispatched per parameter and per module; the CPU ratio matc
   `loss.backward()`, `clip_grad_norm_` (foreach), torch's AdamW, the recipe's schedule, one `.item()` a step;
 - ours: `Trainer.train_step` through the DeepSpeed engine, with the recipe's defaults; each `--variant` adds one
   more with its overrides (e.g. `--variant "zero2 deepspeed.zero_stage=2"`); the word `deepspeed-norm` among them
-  gives the variant DeepSpeed's own per-parameter gradient norm back (the trainer replaces it: train/engine.py).
+  gives the variant DeepSpeed's own per-parameter gradient norm back (the trainer replaces it: train/engine.py), and
+  `deepspeed-functions` ZeRO-3's autograd Functions as DeepSpeed applies them (the linear layer and each module's
+  backward hooks; the trainer applies them classically: train/zero3_functions.py).
 Every step runs plain and each of ours on the same batch, in an order rotated every step. Each of ours is checked
 against a plain twin loaded with its engine's initial weights (the timed plain step is ours' twin): their losses
 must agree step by step (printed: `max |Δ loss|`, the largest difference over the run).
 Printed per configuration: the median ms per step, the median of the per-step ratios to plain, aten ops per step
 (torch.profiler) and Python function calls per step (cProfile), the last two counted over separate steps; then
-the median ms per step of each part (forward, backward, optimizer step and its gradient norm), timed during the
-same interleaved steps.
+the median ms per step of each part (forward; backward and the engine's gradient reduce and partition in it; the
+optimizer step and in it the gradient norm, the optimizer's update, and at ZeRO-3 the release of every parameter
+and the re-gathering of the persistent ones), timed during the same interleaved steps.
 
-    python bench/step_overhead.py [--steps 30] [--variant "NAME [deepspeed-norm] KEY=VALUE ..."] [KEY=VALUE ...]
+    python bench/step_overhead.py [--steps 30] [--variant "NAME [deepspeed-norm] [deepspeed-functions] KEY=VALUE ..."]
+                                  [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ntl_pretrain.model.build import CausalLMWithLoss, parameter_groups
 from ntl_pretrain.optim.optimizer import build_optimizer
 from ntl_pretrain.optim.schedule import lr_multiplier
 from ntl_pretrain.runtime.process_group import free_port
+from ntl_pretrain.train import trainer as trainer_module
 from ntl_pretrain.train.main import init_distributed, quiet_console
 from ntl_pretrain.train.trainer import IGNORE_INDEX, Trainer
 
@@ -65,7 +70,17 @@ TOY = [
 WARMUP_STEPS = 3
 COUNTED_STEPS = 3
 DEEPSPEED_NORM = "deepspeed-norm"
-PARTS = ("forward", "backward", "optimizer step", "of which gradient norm")
+DEEPSPEED_FUNCTIONS = "deepspeed-functions"
+PARTS = (
+    "forward",
+    "backward",
+    "of which gradient reduce and partition",
+    "optimizer step",
+    "of which gradient norm",
+    "of which the optimizer's update",
+    "of which releasing every parameter",
+    "of which re-gathering persistent ones",
+)
 
 
 def single_process_defaults() -> None:
@@ -106,6 +121,11 @@ class PartTimes:
             self.wrap(name, part, engine, function)
         for function in ("_get_norm_groups", "scaled_global_norm"):  # ZeRO-3's; ZeRO-1 and -2's
             self.wrap(name, "of which gradient norm", engine.optimizer, function)
+        for part, function in (("of which gradient reduce and partition", "independent_gradient_partition_epilogue"),
+                               ("of which the optimizer's update", "_optimizer_step"),  # per parameter group
+                               ("of which releasing every parameter", "_partition_all_parameters"),  # ZeRO-3 only
+                               ("of which re-gathering persistent ones", "_post_step")):  # fmt: skip
+            self.wrap(name, part, engine.optimizer, function)
 
     def medians_ms(self, configuration: str, steps: int) -> dict[str, float | None]:
         """Each part's median per step over the timed steps (a part called k times a step: its step sums)."""
@@ -113,8 +133,11 @@ class PartTimes:
         for part in PARTS:
             calls = self.seconds.get(configuration, {}).get(part, [])
             per_step = len(calls) // (WARMUP_STEPS + steps)
+            if not per_step:  # a part this configuration does not have (the ZeRO-3 ones below stage 3)
+                found[part] = None
+                continue
             sums = [sum(calls[i : i + per_step]) for i in range(0, per_step * (WARMUP_STEPS + steps), per_step)]
-            found[part] = statistics.median(sums[WARMUP_STEPS:]) * 1e3 if per_step else None
+            found[part] = statistics.median(sums[WARMUP_STEPS:]) * 1e3
         return found
 
 
@@ -160,7 +183,8 @@ class PlainStep:
             if self.grad_clip > 0:
                 with self.timed("of which gradient norm"):
                     torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip, foreach=True)
-            self.optimizer.step()
+            with self.timed("of which the optimizer's update"):
+                self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         ce, ntl = (sums / torch.stack([num_tokens, num_number_tokens])).tolist()
@@ -188,16 +212,46 @@ def torch_linear() -> Iterator[None]:
         F.linear = patched
 
 
-def as_in_its_own_process(trainer: Trainer) -> Callable[[list[dict]], dict]:
-    """`trainer.train_step`, below ZeRO-3 with torch's `F.linear` (`torch_linear`)."""
-    if trainer.engine.zero_optimization_stage() == 3:
+@contextlib.contextmanager
+def deepspeed_linear() -> Iterator[None]:
+    """DeepSpeed's ZeRO-3 `F.linear` (`zero3_linear_wrap`), which the trainer replaces process-wide."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    patched = F.linear
+    F.linear = zero3_linear_wrap
+    try:
+        yield
+    finally:
+        F.linear = patched
+
+
+def as_in_its_own_process(trainer: Trainer, given_back: frozenset[str]) -> Callable[[list[dict]], dict]:
+    """`trainer.train_step`, below ZeRO-3 with torch's `F.linear` (`torch_linear`), at ZeRO-3 with DeepSpeed's where
+    `deepspeed-functions` gives it back, else with the trainer's."""
+    if trainer.engine.zero_optimization_stage() != 3:
+        linear = torch_linear
+    elif DEEPSPEED_FUNCTIONS in given_back:
+        linear = deepspeed_linear
+    else:
         return trainer.train_step
 
     def step(batches: list[dict]) -> dict:
-        with torch_linear():
+        with linear():
             return trainer.train_step(batches)
 
     return step
+
+
+@contextlib.contextmanager
+def functions_as_deepspeed_applies_them(given_back: bool) -> Iterator[None]:
+    """A trainer built inside leaves its modules' ZeRO-3 backward Functions as DeepSpeed made them."""
+    patched = trainer_module.apply_zero3_functions_classically
+    if given_back:
+        trainer_module.apply_zero3_functions_classically = lambda module: None
+    try:
+        yield
+    finally:
+        trainer_module.apply_zero3_functions_classically = patched
 
 
 def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
@@ -206,9 +260,11 @@ def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
     return Trainer(recipe, ds_config)
 
 
-def parse_variant(text: str) -> tuple[str, list[str], bool]:
+def parse_variant(text: str) -> tuple[str, list[str], frozenset[str]]:
+    """The variant's name, its overrides and which of DeepSpeed's own parts it gets back."""
     name, *words = shlex.split(text)
-    return name, [word for word in words if word != DEEPSPEED_NORM], DEEPSPEED_NORM in words
+    given_back = {DEEPSPEED_NORM, DEEPSPEED_FUNCTIONS}
+    return name, [word for word in words if word not in given_back], frozenset(given_back.intersection(words))
 
 
 def aten_ops_per_step(step: Callable[[], object]) -> float:
@@ -238,22 +294,26 @@ def main() -> None:
     quiet_console(rank=0)
     init_distributed()
     with tempfile.TemporaryDirectory() as scratch:
-        trainers = {}
-        for name, extra, deepspeed_norm in [("ours", [], False), *args.variant]:
-            trainers[name] = build_trainer([*args.overrides, *extra], f"{scratch}/{name}")
-            if deepspeed_norm:  # the class's own method again
+        trainers, given_back = {}, {}
+        for name, extra, given_back[name] in [("ours", [], frozenset()), *args.variant]:
+            with functions_as_deepspeed_applies_them(DEEPSPEED_FUNCTIONS in given_back[name]):
+                trainers[name] = build_trainer([*args.overrides, *extra], f"{scratch}/{name}")
+            if DEEPSPEED_NORM in given_back[name]:  # the class's own method again
                 del trainers[name].engine.optimizer.get_grad_norm_direct
-        run_and_report(trainers, args.steps)
+        run_and_report(trainers, given_back, args.steps)
     dist.destroy_process_group()
 
 
-def run_and_report(trainers: dict[str, Trainer], steps: int) -> None:
+def run_and_report(trainers: dict[str, Trainer], given_back: dict[str, frozenset[str]], steps: int) -> None:
     """Every step: the plain step and each of ours in turn (timed), then each variant's plain twin (untimed: a
     variant at another ZeRO stage starts from other weights, so its losses are checked against its own twin)."""
     batches = iter(trainers["ours"].loader)
     parts = PartTimes()
     twins = {name: PlainStep(trainer, parts if name == "ours" else None) for name, trainer in trainers.items()}
-    runners = {"plain": twins["ours"], **{name: as_in_its_own_process(trainer) for name, trainer in trainers.items()}}
+    runners = {
+        "plain": twins["ours"],
+        **{name: as_in_its_own_process(trainer, given_back[name]) for name, trainer in trainers.items()},
+    }
     times = {name: [] for name in runners}
     for name, trainer in trainers.items():
         parts.of_ours(name, trainer)
@@ -295,10 +355,10 @@ def print_report(trainer: Trainer, times: dict, drift: dict, counted: dict, step
 
 
 def print_parts(by_part: dict[str, dict[str, float | None]]) -> None:
-    print(f"{'ms per step, by part':<26}" + "".join(f"{name:>16}" for name in by_part))
+    print(f"{'ms per step, by part':<40}" + "".join(f"{name:>16}" for name in by_part))
     for part in PARTS:
         cells = (by_part[name][part] for name in by_part)
-        print(f"{part:<26}" + "".join(f"{'':>16}" if cell is None else f"{cell:>16.1f}" for cell in cells))
+        print(f"{part:<40}" + "".join(f"{'':>16}" if cell is None else f"{cell:>16.1f}" for cell in cells))
 
 
 if __name__ == "__main__":
