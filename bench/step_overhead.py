@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -197,32 +198,20 @@ class PlainStep:
         return ((labels != IGNORE_INDEX) & (self.classes[labels.clamp(min=0)] >= 0)).sum()
 
 
-@contextlib.contextmanager
-def torch_linear() -> Iterator[None]:
+def torch_linear() -> contextlib.AbstractContextManager:
     """torch's own `F.linear`: building a model under ZeRO-3 replaces it process-wide with DeepSpeed's
     (`memory_efficient_linear`), which the plain step and a ZeRO-1 or -2 run (its own process never builds under
     ZeRO-3) must not pay for."""
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
-    patched = F.linear
-    F.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", patched)
-    try:
-        yield
-    finally:
-        F.linear = patched
+    return mock.patch.object(F, "linear", getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", F.linear))
 
 
-@contextlib.contextmanager
-def deepspeed_linear() -> Iterator[None]:
+def deepspeed_linear() -> contextlib.AbstractContextManager:
     """DeepSpeed's ZeRO-3 `F.linear` (`zero3_linear_wrap`), which the trainer replaces process-wide."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
-    patched = F.linear
-    F.linear = zero3_linear_wrap
-    try:
-        yield
-    finally:
-        F.linear = patched
+    return mock.patch.object(F, "linear", zero3_linear_wrap)
 
 
 def as_in_its_own_process(trainer: Trainer, given_back: frozenset[str]) -> Callable[[list[dict]], dict]:
@@ -242,16 +231,11 @@ def as_in_its_own_process(trainer: Trainer, given_back: frozenset[str]) -> Calla
     return step
 
 
-@contextlib.contextmanager
-def functions_as_deepspeed_applies_them(given_back: bool) -> Iterator[None]:
+def functions_as_deepspeed_applies_them(given_back: bool) -> contextlib.AbstractContextManager:
     """A trainer built inside leaves its modules' ZeRO-3 backward Functions as DeepSpeed made them."""
-    patched = trainer_module.apply_zero3_functions_classically
-    if given_back:
-        trainer_module.apply_zero3_functions_classically = lambda module: None
-    try:
-        yield
-    finally:
-        trainer_module.apply_zero3_functions_classically = patched
+    if not given_back:
+        return contextlib.nullcontext()
+    return mock.patch.object(trainer_module, "apply_zero3_functions_classically", lambda module: None)
 
 
 def build_trainer(overrides: list[str], output_dir: str) -> Trainer:

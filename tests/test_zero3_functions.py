@@ -9,6 +9,7 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -115,19 +116,15 @@ def steps_with_and_without_classic_functions(folder: str, steps: int) -> None:
     functions = [getattr(module, name) for module in hooked for name in MODULE_FUNCTIONS]
     assert hooked and all("setup_context" not in vars(function) for function in functions)
     assert F.linear is not zero3_linear_wrap and F.linear.__name__ == "zero3_linear"
-    apply_classically = trainer_module.apply_zero3_functions_classically
-    trainer_module.apply_zero3_functions_classically = lambda module: None
-    deepspeeds = trainer(f"{folder}/deepspeeds")
-    trainer_module.apply_zero3_functions_classically = apply_classically
-    classic_linear_function = F.linear
+    with mock.patch.object(trainer_module, "apply_zero3_functions_classically", lambda module: None):
+        deepspeeds = trainer(f"{folder}/deepspeeds")
     loader = iter(classic.loader)
     for batches in [[next(loader)] for _ in range(steps)]:
         with signatures_bound() as bound:
             loss = classic.train_step(batches)["loss"]
         assert not bound, bound
-        F.linear = zero3_linear_wrap
-        assert deepspeeds.train_step(batches)["loss"] == loss
-        F.linear = classic_linear_function
+        with mock.patch.object(F, "linear", zero3_linear_wrap):
+            assert deepspeeds.train_step(batches)["loss"] == loss
 
 
 @pytest.mark.slow
