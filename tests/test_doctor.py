@@ -38,25 +38,28 @@ def report_of(command: list[str], out, log) -> dict:
 
 
 def test_one_process_passes_on_cpu(tmp_path):
+    """One process, as `ntl-pretrain doctor` runs on one GPU; the speed and training rows, which run the same code
+    at any world size, are left to the 2-rank test (each costs minutes of launches on 2 CPU cores)."""
     out = tmp_path / "report.json"
-    command = [sys.executable, "-m", "ntl_pretrain.cli", "doctor", "--quick", "--out", str(out)]
+    command = [sys.executable, "-m", "ntl_pretrain.cli", "doctor", "--quick", "--skip", "speed", "train", "--out",
+               str(out)]  # fmt: skip
     checks = report_of(command, out, tmp_path / "log.txt")
     skipped = {name for name, check in checks.items() if check["status"] == "skip"}
     assert skipped == {"all-reduce bandwidth", "network", "loss vocab-parallel fp32", "reduce-scatter fp32 / bf16",
-                       "flash-attention documents", "throughput"}  # fmt: skip
+                       "flash-attention documents", "speed loss", "speed output layer", "train", "train resume",
+                       "export", "throughput"}  # fmt: skip
     assert "32.937500, exact 32.937500" in checks["bf16 gradient accumulation"]["figure"]
     assert "upcast path" in checks["chunked head fp32 accumulation"]["figure"]  # no CPU kernel for out_dtype
-    assert "1 rank(s), fp32, attention sdpa, AdamW default" in checks["train"]["figure"]
-    assert checks["train resume"]["detail"]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
-    assert max(checks["export"]["detail"].values()) < 1e-5
     progress = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("ntl-pretrain")]
-    groups = ("environment", "collectives", "loss", *GPU_PATH_CHECKS, "speed", "ZeRO stage", "train")
+    groups = ("environment", "collectives", "loss", *GPU_PATH_CHECKS, "ZeRO stage")
     advice = "train at stage 2 (the weights fit whole: no gathering, the faster step: deepspeed.zero_stage: 2)"
     assert checks["ZeRO stage"]["figure"].endswith(f"{advice}; the recipe runs stage 3")
     assert progress[: len(groups)] == [f"ntl-pretrain doctor: running the {name} checks" for name in groups]
 
 
 def test_two_ranks_pass_on_cpu_and_check_the_vocabulary_parallel_loss(tmp_path):
+    """Every row a CPU can run, on 2 ranks of a deepspeed launch: the training checks launch a 2-rank run of their
+    own from inside it (the doctor's launch variables removed), resume it bit-exactly and export it."""
     out = tmp_path / "report.json"
     command = [*RUNNER, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ntl_pretrain.doctor",
                "--quick", "--out", str(out)]  # fmt: skip
@@ -65,8 +68,14 @@ def test_two_ranks_pass_on_cpu_and_check_the_vocabulary_parallel_loss(tmp_path):
     assert skipped == {"network", "flash-attention documents", "throughput"}
     assert checks["reduce-scatter fp32 / bf16"]["detail"]["rank0"]["ratio"] > 0
     assert checks["loss vocab-parallel fp32"]["figure"].startswith("2 ranks, 24 cases")
-    assert "2 rank(s), fp32" in checks["train"]["figure"]
+    assert "2 rank(s), fp32, attention sdpa, AdamW default" in checks["train"]["figure"]
+    trained_by = "rank0"  # the node's local rank 0 runs the training checks; rank 1's rows say so
+    assert checks["train resume"]["detail"][trained_by]["worst_relative_difference"] == 0.0  # fp32 on CPU: bit-exact
+    assert max(checks["export"]["detail"][trained_by].values()) < 1e-5
     assert checks["all-reduce bandwidth"]["detail"]["rank1"]["busbw_GBps"] > 0
+    progress = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("ntl-pretrain")]
+    assert "ntl-pretrain doctor: running the speed checks" in progress
+    assert "ntl-pretrain doctor: running the train checks" in progress
 
 
 def planted_faults() -> None:
@@ -129,12 +138,12 @@ def accumulation_on_every_rank() -> None:
     assert rounded.ok is False and "bfloat16 accumulator" in rounded.figure, f"rank {dist.get_rank()}: {rounded.figure}"
 
 
-@pytest.mark.parametrize("world_size", [5, 8])
-def test_gradient_accumulation_passes_on_every_rank_of_5_and_8(world_size, monkeypatch):
-    """At 5+ ranks a 4-element weight left ranks 4+ with padding only: they failed with an exact setup."""
+def test_gradient_accumulation_passes_on_every_rank_of_5(monkeypatch):
+    """At 5+ ranks a 4-element weight left ranks 4+ with padding only: they failed with an exact setup (5 ranks
+    hold one such rank; 8 would hold four, at 8 processes' start-up on 2 cores)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    run_distributed(accumulation_on_every_rank, world_size)
+    run_distributed(accumulation_on_every_rank, 5)
 
 
 def test_the_throughput_row_fails_for_each_reason_it_names():
