@@ -344,6 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False))
 
 
+def module_main(command: str) -> int:
+    """`python -m ntl_pretrain.<package> ARGS` is `ntl-pretrain <command> ARGS`: the entry point of each rank of a
+    launch (`deepspeed --module ntl_pretrain.doctor`). Through `main`, the arguments are parsed before torch is
+    imported, so `--help` and a mistyped flag answer at once on every rank."""
+    from ntl_pretrain.reporting.console import whole_lines
+
+    whole_lines()  # under `deepspeed`, ranks share the launcher's pipes
+    return main([command, *sys.argv[1:]])
+
+
 def _run(args: argparse.Namespace, extra: list[str]) -> int | None:
     if extra:
         if getattr(args, "overrides", None) is None or any(arg.startswith("-") for arg in extra):

@@ -5,6 +5,7 @@ to the end of rank 0's start line); `console.whole_lines`, called by every rank 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from ntl_pretrain.reporting.console import whole_lines
 
@@ -37,9 +38,15 @@ def test_a_printed_line_is_one_write_after_whole_lines():
 
 
 def test_every_rank_entry_keeps_lines_whole():
-    from ntl_pretrain.doctor import commands as doctor
-    from ntl_pretrain.evaluation import commands as evaluation
+    """The modules a launcher starts ranks with: training's own entry, and the doctor's and evaluation's, which
+    are the CLI's commands through `cli.module_main`."""
+    from importlib.util import find_spec
+
+    from ntl_pretrain import cli
     from ntl_pretrain.train import main as train
 
-    for main in (train.main, doctor.main, evaluation.main):
+    for main in (train.main, cli.module_main):
         assert "whole_lines" in main.__code__.co_names, main
+    for package in ("ntl_pretrain.doctor", "ntl_pretrain.evaluation"):
+        source = Path(find_spec(f"{package}.__main__").origin).read_text()
+        assert "module_main(" in source, package

@@ -11,9 +11,9 @@ import pytest
 from helpers.launches import REPO, as_a_user_runs_it, unattended_run
 from test_evaluate_generation import TINY_TOKENIZER, greedy_one_by_one, tiny_model
 
+from ntl_pretrain.cli import main as cli_main
 from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.evaluation import EvalConfig, QaSetConfig, generation_metrics, validation_metrics
-from ntl_pretrain.evaluation.commands import main
 from ntl_pretrain.evaluation.model_folder import resolve_target
 from ntl_pretrain.tokenizer import load_tokenizer, resolve_path
 
@@ -32,7 +32,7 @@ def test_eval_command_on_an_hf_folder(tmp_path: Path) -> None:
             "--validation", HELD_OUT, "--template", "{question} {answer}", "--seq-len", "64",
             "--max-validation-batches", "2", "--out", str(out),
             "--answers", str(tmp_path / "answers.jsonl")]  # fmt: skip
-    assert main(args) == 0
+    assert cli_main(["eval", *args]) == 0
     record = json.loads(out.read_text())
 
     cfg = EvalConfig(qa_sets=[QaSetConfig(path=QA)], max_examples=6, max_new_tokens=5, batch_size=4)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from ntl_pretrain.cli import main as cli_main
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
@@ -24,7 +25,6 @@ from ntl_pretrain.evaluation.answers import error_profile, error_size
 from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.study.archive import ARCHIVED, archive_run
 from ntl_pretrain.study.commands import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
-from ntl_pretrain.study.commands import main as study_command
 from ntl_pretrain.study.decision import Effect, decide, same_effect_rule
 from ntl_pretrain.study.report import (
     VALIDATION_METRICS,
@@ -463,7 +463,7 @@ def test_report_and_runs_csv_carry_exact_match_per_answer_token_class(tmp_path: 
 
 
 def study_main(capsys, *argv: str) -> tuple[int, str, str]:
-    code = study_command([*argv])
+    code = cli_main(["study", *argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -488,8 +488,6 @@ def test_a_bad_override_or_variant_touches_no_run_folder(tmp_path: Path, capsys)
 
 def test_overrides_after_seeds_or_variants_are_overrides(tmp_path: Path, capsys) -> None:
     """argparse's nargs="+" swallows the words after `--seeds`; the study gives back the `key=value` ones."""
-    from ntl_pretrain.cli import main as cli_main
-
     where = ["--recipes", str(STUDY_RECIPES), "--runs-dir", str(tmp_path / "runs")]
     assert cli_main(["study", *where, "--variants", "ce", "--seeds", "0", "1", "train.max_steps=5", "--status"]) == 0
     assert "ce: 0 done, 2 pending" in capsys.readouterr().out

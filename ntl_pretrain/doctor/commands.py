@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ntl_pretrain.doctor.arguments import SKIPPABLE, TRAIN_ROWS, add_arguments
+from ntl_pretrain.doctor.arguments import SKIPPABLE, TRAIN_ROWS
 from ntl_pretrain.doctor.collectives import collectives_check, request_nccl_log
 from ntl_pretrain.doctor.environment import environment_check
 from ntl_pretrain.doctor.gpu_paths import GPU_PATH_CHECKS
@@ -24,8 +24,7 @@ from ntl_pretrain.doctor.report import Check, guarded, merge_ranks, table, write
 from ntl_pretrain.doctor.speed import speed_check
 from ntl_pretrain.doctor.training import local_ranks, throughput_check, train_checks
 from ntl_pretrain.doctor.zero_stage import zero_stage_check
-from ntl_pretrain.errors import InputError, add_verbose, check_can_write, run_reporting
-from ntl_pretrain.reporting.console import whole_lines
+from ntl_pretrain.errors import InputError, check_can_write
 from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 
 # Ranks other than each node's first wait in a collective while it trains (minutes on a slow machine).
@@ -126,12 +125,3 @@ def run_doctor(args: argparse.Namespace) -> int:
     finally:
         dist.destroy_process_group()
     return 1 if failed else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    whole_lines()  # under `deepspeed`, ranks share the launcher's pipes
-    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.doctor", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    add_verbose(parser)
-    args = parser.parse_args(argv)
-    return run_reporting("doctor", lambda: run_doctor(args), getattr(args, "verbose", False))

@@ -1,7 +1,8 @@
-"""`python -m ntl_pretrain.evaluation TARGET ...` is `ntl-pretrain eval TARGET ...`."""
+"""`python -m ntl_pretrain.evaluation TARGET ...` is `ntl-pretrain eval TARGET ...` (each rank of a launched
+evaluation runs it)."""
 
 import sys
 
-from ntl_pretrain.evaluation.commands import main
+from ntl_pretrain.cli import module_main
 
-sys.exit(main())
+sys.exit(module_main("eval"))

@@ -23,8 +23,7 @@ from ntl_pretrain.checkpoint.store import verify_before_reading
 from ntl_pretrain.data.config import DataConfig
 from ntl_pretrain.data.probe import check_source_files
 from ntl_pretrain.data.source_config import SourceConfig
-from ntl_pretrain.errors import InputError, add_verbose, run_reporting
-from ntl_pretrain.evaluation.arguments import register
+from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
 from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
 from ntl_pretrain.evaluation.model_folder import (
@@ -38,7 +37,7 @@ from ntl_pretrain.evaluation.model_folder import (
 )
 from ntl_pretrain.evaluation.validation import validation_metrics
 from ntl_pretrain.outputs import check_output, write_text
-from ntl_pretrain.reporting.console import stdout_to_stderr, whole_lines
+from ntl_pretrain.reporting.console import stdout_to_stderr
 from ntl_pretrain.reporting.metrics import open_for_append
 from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 from ntl_pretrain.tokenizer import resolve_path
@@ -229,12 +228,3 @@ def _publish(record: dict, args: argparse.Namespace) -> None:
         run_dir = resolve_target(args.target).run_dir
         with open_for_append(run_dir / "metrics.jsonl") as metrics:
             metrics.write(text + "\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    whole_lines()  # under `deepspeed`, ranks share the launcher's pipes
-    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.evaluation")
-    register(parser.add_subparsers(dest="command", required=True))
-    add_verbose(parser)
-    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    return run_reporting("eval", lambda: run_eval(args), getattr(args, "verbose", False))

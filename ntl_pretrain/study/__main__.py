@@ -2,6 +2,6 @@
 
 import sys
 
-from ntl_pretrain.study.commands import main
+from ntl_pretrain.cli import module_main
 
-sys.exit(main())
+sys.exit(module_main("study"))

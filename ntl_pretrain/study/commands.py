@@ -34,7 +34,7 @@ from ntl_pretrain.errors import InputError, check_can_write
 from ntl_pretrain.outputs import SIGNATURE, check_output, starts_with
 from ntl_pretrain.runtime.run_lock import check_free
 from ntl_pretrain.study.archive import archive_run
-from ntl_pretrain.study.arguments import EXIT_UNFINISHED, register
+from ntl_pretrain.study.arguments import EXIT_UNFINISHED
 from ntl_pretrain.study.decision import RULES
 from ntl_pretrain.study.provenance import code_version
 from ntl_pretrain.study.report import write_report
@@ -252,14 +252,3 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ntl_pretrain.study")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["study", *(sys.argv[1:] if argv is None else argv)])
-    return run_study(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
