@@ -18,20 +18,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "deepspeed", "scipy", "matplotlib", "datasets", "pyarrow")
 COMMANDS = ("train", "export", "convert-gguf", "verify", "eval", "plot", "study", "data", "doctor")
-# Runs the CLI as `ntl-pretrain` does, then prints its exit code and the heavy modules it imported.
+# Runs `python -m MODULE ARGS` (the CLI, or a module a launcher starts each rank with), then prints its exit code
+# and the heavy modules it imported.
 PROBE = f"""
-import json, sys
-from ntl_pretrain import cli
+import json, runpy, sys
+module, sys.argv = sys.argv[1], sys.argv[1:]
 try:
-    code = cli.main(sys.argv[1:])
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    code = None
 except SystemExit as stop:
     code = stop.code
 print(json.dumps({{"code": code, "heavy": [name for name in {HEAVY!r} if name in sys.modules]}}))
 """
 
 
-def started(argv: list[str]) -> tuple[dict, str]:
-    done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=REPO, capture_output=True, text=True,
+def started(argv: list[str], module: str = "ntl_pretrain.cli") -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", PROBE, module, *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout + done.stderr
 
@@ -68,29 +70,14 @@ def test_a_command_that_runs_still_registers_its_arguments():
     assert result["code"] == 0 and "--max-examples" in output and "--ntl-kind" in output
 
 
-# Runs `python -m MODULE ARGS` as a launcher starts each rank, then prints the exit code and the heavy imports.
-MODULE_PROBE = f"""
-import json, runpy, sys
-module, sys.argv = sys.argv[1], sys.argv[1:]
-try:
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-    code = None
-except SystemExit as stop:
-    code = stop.code
-print(json.dumps({{"code": code, "heavy": [name for name in {HEAVY!r} if name in sys.modules]}}))
-"""
-
-
 @pytest.mark.parametrize(("module", "command"), [("evaluation", "eval"), ("doctor", "doctor"), ("study", "study")])
 def test_the_ranks_entry_points_answer_help_and_a_mistyped_flag_without_importing_torch(module, command):
     """`deepspeed --module ntl_pretrain.doctor` starts every rank with the module: a mistyped flag is refused by each
     at once, not after seconds of imports per rank."""
     for argv, code, says in (["--help"], 0, f"usage: ntl-pretrain {command}"), (["x", "--qiuck"], 2, "--qiuck"):
-        done = subprocess.run([sys.executable, "-c", MODULE_PROBE, f"ntl_pretrain.{module}", *argv], cwd=REPO,
-                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result == {"code": code, "heavy": []}, done.stdout + done.stderr
-        assert says in done.stdout + done.stderr
+        result, output = started(argv, f"ntl_pretrain.{module}")
+        assert result == {"code": code, "heavy": []}, output
+        assert says in output
 
 
 def test_a_checkout_that_is_not_installed_still_answers(monkeypatch):
