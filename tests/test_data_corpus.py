@@ -103,15 +103,20 @@ def test_multiplication_splits_all_900_questions_and_extrapolates_to_three_digit
 
 def test_committed_corpus_is_small_and_regenerates_byte_for_byte(tmp_path):
     total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
-    assert total < 3_500_000
+    assert total < 4_000_000  # 3.66 MB with study v6's noise-free regression set (issue 58)
     run(["data", "make-arithmetic", "--out", str(tmp_path), "--seed", "0"])
     run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0"])
+    run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0", "--noise-sd", "0", "--name", "regression-exact"])
     written = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*.jsonl"))
     assert Path("regression/train.jsonl") in written
     generated = (path.relative_to(CORPUS) for path in CORPUS.rglob("*.jsonl") if path.parent.name != "prose")
     assert written == sorted(generated)  # every committed generated file, the regression task's included
     for path in written:
         assert (tmp_path / path).read_bytes() == (CORPUS / path).read_bytes(), path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def regression_records(examples) -> list[tuple[int, int, int]]:
@@ -140,6 +145,19 @@ def test_regression_is_deterministic_noisy_in_training_and_noise_free_held_out()
     assert sum(map(len, questions)) == len(set().union(*questions))  # no question in two splits
     exact = make_splits({"train": 300, "validation": 10, "interpolation": 10}, seed=0, noise_sd=0)
     assert all(y == a + b for split in exact.values() for a, b, y in regression_records(split))
+
+
+def test_noise_free_regression_asks_the_noisy_sets_questions_with_exact_answers():
+    """Study v6's noise-free arms (corpus/regression-exact/): the same questions in every split, answered a + b, so
+    only the labels' noise differs between the two sets (and the held-out sets are the same file's bytes)."""
+    for split in ("train", "validation", "interpolation"):
+        noisy_set = read_jsonl(CORPUS / "regression" / f"{split}.jsonl")
+        exact_set = read_jsonl(CORPUS / "regression-exact" / f"{split}.jsonl")
+        assert [e["question"] for e in exact_set] == [e["question"] for e in noisy_set], split
+        assert all(y == a + b for a, b, y in regression_records(exact_set)), split
+    assert (CORPUS / "regression-exact" / "interpolation.jsonl").read_bytes() == (
+        CORPUS / "regression" / "interpolation.jsonl"
+    ).read_bytes()
 
 
 def test_regression_noise_is_clipped_to_the_answer_range():

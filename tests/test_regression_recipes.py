@@ -76,3 +76,22 @@ def test_study_v5_lambda_pilot_changes_only_the_weight() -> None:
         assert recipe.train.output_dir == f"runs/study/regression/ntl-was-answer-lambda{weight}"
         assert without(recipe, "loss.ntl.weight", "train.output_dir") == without(base, "loss.ntl.weight",
                                                                                   "train.output_dir")  # fmt: skip
+
+
+def test_study_v6_noise_free_arms_differ_from_the_noisy_ones_only_in_the_training_and_validation_answers() -> None:
+    """Study v6 (issue 58): regression-exact[-1digit]/<arm> is regression[-1digit]/<arm> with the noise-free set's
+    training and validation files; the held-out questions (and so the metric keys) are the noisy task's."""
+    for tokenizer_axis in ("", "-1digit"):
+        for arm in ("ce", "ntl-was-answer"):
+            exact = load_recipe(STUDY / f"regression-exact{tokenizer_axis}" / f"{arm}.yaml")
+            noisy = load_recipe(STUDY / f"regression{tokenizer_axis}" / f"{arm}.yaml")
+            assert exact.train.output_dir == f"runs/study/regression-exact{tokenizer_axis}/{arm}"
+            assert [s.path for s in exact.data.sources] == [s.path.replace("/regression/", "/regression-exact/")
+                                                            for s in noisy.data.sources]  # fmt: skip
+            assert [s.path for s in exact.data.validation] == ["pkg:ntl_pretrain/corpus/regression-exact/validation.jsonl"]
+            assert [s.path for s in exact.eval.qa_sets] == ["pkg:ntl_pretrain/corpus/regression/interpolation.jsonl"]
+            differing = ("data.sources", "data.validation", "train.output_dir")
+            assert without(exact, *differing) == without(noisy, *differing)
+            exact_source, noisy_source = dataclasses.asdict(exact.data.sources[0]), dataclasses.asdict(noisy.data.sources[0])
+            assert {k: v for k, v in exact_source.items() if k != "path"} == {
+                k: v for k, v in noisy_source.items() if k != "path"}

@@ -96,7 +96,7 @@ def test_a_study_never_deletes_a_run_folder_that_a_live_run_holds(tmp_path):
     path = run_lock.acquire(run.run_dir)  # the first study's training rank holds it
     try:
         with pytest.raises(run_lock.RunLocked, match="is in use by another run"):
-            run_all([run], [], [], jobs=1, env={}, logs=tmp_path / "logs")
+            run_all([run], [], [], jobs=1, env={}, logs=tmp_path / "logs", device="cpu")
     finally:
         run_lock.release(path)
     assert (run.run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'

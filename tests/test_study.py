@@ -24,7 +24,7 @@ from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.evaluation.answers import error_profile, error_size
 from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.study.archive import ARCHIVED, archive_run
-from ntl_pretrain.study.commands import EXIT_UNFINISHED, execute, placement, resolve_device, run_all
+from ntl_pretrain.study.commands import EXIT_UNFINISHED, device_name, execute, placement, resolve_device, run_all
 from ntl_pretrain.study.decision import Effect, decide, same_effect_rule
 from ntl_pretrain.study.report import (
     VALIDATION_METRICS,
@@ -171,7 +171,7 @@ def test_runs_go_seed_by_seed_so_a_stopped_study_leaves_whole_pairs(tmp_path: Pa
     runs[1].done_file.write_text("{}")  # ce seed 3 finished earlier
     started = []
     monkeypatch.setattr("ntl_pretrain.study.commands.execute", lambda run, *_: started.append(run.name))
-    run_all(runs, [], [], jobs=1, env={}, logs=tmp_path / "logs")
+    run_all(runs, [], [], jobs=1, env={}, logs=tmp_path / "logs", device="cpu")
     assert started == ["ce-seed5", "ntl-was-seed5", "ntl-was-seed3", "ce-seed4", "ntl-was-seed4"]
 
 
@@ -252,7 +252,8 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     overrides = ["train.max_steps=2", "train.eval_every_steps=2", "train.eval_max_batches=null",
                  "model.config.num_hidden_layers=1"]  # fmt: skip
     _, env = placement("cpu", jobs=1, environ=dict(os.environ), cpu_count=2)
-    execute(run, overrides, ["--max-examples", "8", "--max-new-tokens", "4"], env, logs=tmp_path / "logs")
+    execute(run, overrides, ["--max-examples", "8", "--max-new-tokens", "4"], env, logs=tmp_path / "logs",
+            device=device_name("cpu"))  # fmt: skip
     results = run.results()
     records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     trainer_validation = next(r for r in records if r.get("split") == "validation")
@@ -261,7 +262,8 @@ def test_one_study_run_trains_evaluates_and_matches_the_trainers_validation(tmp_
     assert results["val_ntl_was"] == pytest.approx(trainer_validation["val_ntl"], rel=1e-5)
     assert results[f"eval/{SETS[0]}/examples"] == results[f"eval/{SETS[1]}/examples"] == 8  # the recipe's sets
     assert records[-1]["split"] == "eval"  # --log-metrics appended the evaluation for `ntl-pretrain plot`
-    assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s", "started", "finished", "code"}
+    assert set(run.timing()) == {"variant", "seed", "train_s", "eval_s", "started", "finished", "code", "device"}
+    assert run.timing()["device"] == f"cpu ({os.cpu_count()} cores)"  # where it ran (issue 58)
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     assert run.timing()["code"]["commit"] == head.stdout.strip()  # the checkout these tests import
     assert [record["set"] for record in run.answers()] == [SETS[0]] * 8 + [SETS[1]] * 8  # for error_profile
@@ -353,7 +355,9 @@ def test_report_pairs_every_metric_writes_runs_csv_and_states_the_verdict(tmp_pa
     assert [row["code"] for row in rows[::2]] == ["0123456789", "0123456789 +changes", "not recorded", "not recorded"]
     assert ("- Code (the `code` field of each run's study.json): `0123456789` 2 runs; `0123456789 +changes` 2 runs; "
             "`not recorded` 4 runs.") in section(text, "## Setup")  # fmt: skip
-    assert table_rows(section(text, "## Per run"))["ce-seed1"][-1].strip(" |") == "0123456789 +changes"
+    code_cell, device_cell = table_rows(section(text, "## Per run"))["ce-seed1"][-2:]
+    assert (code_cell.strip(" |"), device_cell.strip(" |")) == ("0123456789 +changes", "not recorded")
+    assert {row["device"] for row in rows} == {"not recorded"}  # runs made before study.json recorded a device
 
 
 def _signed(value: float) -> str:
@@ -372,7 +376,7 @@ def test_archived_runs_are_done_and_report_without_their_run_folders(tmp_path: P
     assert (archive / "ce-seed0" / "metrics.jsonl.gz").read_bytes() == first
     assert read_metrics(archive / "ce-seed0") == read_metrics(runs[0].run_dir)
     # the last run finished before --archive was given: run_all archives it and runs nothing
-    run_all(runs, [], [], jobs=2, env={}, logs=tmp_path / "logs")
+    run_all(runs, [], [], jobs=2, env={}, logs=tmp_path / "logs", device="cpu")
     assert all(run.archived for run in runs) and not (tmp_path / "logs").exists()
 
     shutil.rmtree(tmp_path / "runs")  # a fresh clone: the archive alone
@@ -578,6 +582,7 @@ def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys,
 
     monkeypatch.setattr("ntl_pretrain.study.commands.subprocess.run", fake_subprocess_run)
     monkeypatch.setattr("ntl_pretrain.study.commands._cuda_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *_: "NVIDIA H200")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     runs_dir = tmp_path / "runs"
     code, out, _ = study_main(capsys, "--recipes", str(STUDY_RECIPES), "--variants", "ce", "ntl-was", "--seeds", "0",
@@ -593,3 +598,8 @@ def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys,
         assert command[command.index("train") + 2 :][:2] == ["--nproc", "1"]
         assert command[-2:] == ["train.max_steps=7", "train.device=cuda"]
     assert (tmp_path / "study-runs.csv").is_file() and (tmp_path / "study.png").is_file()
+    timings = [json.loads(path.read_text()) for path in runs_dir.glob("*/study.json")]
+    assert len(timings) == 4 and {timing["device"] for timing in timings} == {"cuda (NVIDIA H200)"}
+    assert "- Device (the `device` field of each run's study.json): cuda (NVIDIA H200) 4 runs." in (
+        tmp_path / "study.md"
+    ).read_text()

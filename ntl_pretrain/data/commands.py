@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 from ntl_pretrain.errors import InputError
@@ -75,7 +76,10 @@ def _add_make_regression(commands: argparse._SubParsersAction) -> None:
         "make-regression",
         help="write the noisy regression task f(a,b)=a+b+noise as Q/A jsonl: train, validation, interpolation",
     )
-    parser.add_argument("--out", type=Path, default=CORPUS, help="folder for regression/<split>.jsonl")
+    parser.add_argument("--out", type=Path, default=CORPUS, help="folder for <name>/<split>.jsonl")
+    parser.add_argument(
+        "--name", default="regression", help="the set's folder under --out (regression-exact: the noise-free set)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--noise-sd", type=float, default=NOISE_SD, help="sd of the Gaussian noise on train and validation answers"
@@ -93,8 +97,10 @@ def run_make_regression(args: argparse.Namespace) -> None:
         raise InputError(f"--scale: {sum(sizes.values())} questions, more than the {(OPERAND_MAX + 1) ** 2} there are")
     if not (math.isfinite(args.noise_sd) and args.noise_sd >= 0):
         raise InputError(f"--noise-sd: must be finite and >= 0, got {args.noise_sd}")
-    check_outputs_in("--out", args.out, [f"regression/{split}.jsonl" for split in sizes], args.overwrite)
-    for path in make_regression(args.out, sizes, args.seed, args.noise_sd):
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.name):
+        raise InputError(f"--name: a folder name (letters, digits, '-', '_', '.'), got {args.name!r}")
+    check_outputs_in("--out", args.out, [f"{args.name}/{split}.jsonl" for split in sizes], args.overwrite)
+    for path in make_regression(args.out, sizes, args.seed, args.noise_sd, args.name):
         print(path)
 
 

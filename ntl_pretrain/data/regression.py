@@ -81,11 +81,14 @@ def make_splits(sizes: dict[str, int], seed: int, noise_sd: float = NOISE_SD) ->
     return splits
 
 
-def make_regression(out_dir: Path, sizes: dict[str, int], seed: int, noise_sd: float = NOISE_SD) -> list[Path]:
-    """Write `<out_dir>/regression/<split>.jsonl`; returns the written paths."""
+def make_regression(
+    out_dir: Path, sizes: dict[str, int], seed: int, noise_sd: float = NOISE_SD, folder: str = SET_NAME
+) -> list[Path]:
+    """Write `<out_dir>/<folder>/<split>.jsonl`; returns the written paths. The questions depend on the seed and the
+    sizes only (never on `folder` or the noise), so two noise levels of one seed ask the same questions."""
     written = []
     for split, examples in make_splits(sizes, seed, noise_sd).items():
-        path = out_dir / SET_NAME / f"{split}.jsonl"
+        path = out_dir / folder / f"{split}.jsonl"
         write_jsonl(path, examples)
         written.append(path)
     return written

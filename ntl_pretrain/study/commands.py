@@ -80,10 +80,11 @@ def placement(device: str, jobs: int, environ: dict[str, str], cpu_count: int) -
     return ["train.device=cuda"], env
 
 
-def execute(run: StudyRun, overrides: list[str], eval_args: list[str], env: dict[str, str], logs: Path) -> None:
+def execute(run: StudyRun, overrides: list[str], eval_args: list[str], env: dict[str, str], logs: Path,
+            device: str) -> None:  # fmt: skip
     """Train from scratch (an unfinished earlier attempt is discarded), evaluate the final checkpoint, and copy the
-    results into the run's archive folder when there is one. A folder that a live run holds (another study on the
-    same --runs-dir) is refused, never deleted."""
+    results into the run's archive folder when there is one; `study.json` records the code and the `device` that ran
+    it. A folder that a live run holds (another study on the same --runs-dir) is refused, never deleted."""
     check_free(run.run_dir)
     shutil.rmtree(run.run_dir, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
@@ -96,13 +97,14 @@ def execute(run: StudyRun, overrides: list[str], eval_args: list[str], env: dict
         subprocess.run(evaluate, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     timing = {"train_s": trained - clock, "eval_s": time.perf_counter() - trained, "started": started,
               "finished": time.time()}  # fmt: skip
-    run.done_file.write_text(json.dumps({"variant": run.variant, "seed": run.seed, **timing, "code": code}) + "\n")
+    record = {"variant": run.variant, "seed": run.seed, **timing, "code": code, "device": device}
+    run.done_file.write_text(json.dumps(record) + "\n")
     if run.archive is not None:
         archive_run(run.run_dir, run.archive)
 
 
 def run_all(runs: list[StudyRun], overrides: list[str], eval_args: list[str], jobs: int, env: dict[str, str],
-            logs: Path, stop_after_s: float | None = None) -> None:  # fmt: skip
+            logs: Path, device: str, stop_after_s: float | None = None) -> None:  # fmt: skip
     """Every unfinished run, `jobs` at a time; none starts after `stop_after_s` (runs in progress finish). A run
     finished before `--archive` was given is archived first."""
     for run in runs:
@@ -113,7 +115,7 @@ def run_all(runs: list[StudyRun], overrides: list[str], eval_args: list[str], jo
     def execute_in_time(run: StudyRun) -> bool:
         if time.monotonic() > deadline:
             return False
-        execute(run, overrides, eval_args, env, logs)
+        execute(run, overrides, eval_args, env, logs, device)
         return True
 
     # Seed by seed (each seed's variants in turn): a study stopped early leaves whole sets of paired runs.
@@ -206,7 +208,7 @@ def run_study(args: argparse.Namespace) -> int:
     eval_args = ["--max-examples", str(args.max_examples)]
     stop_after_s = None if args.stop_after is None else args.stop_after * 60
     run_all(runs, [*args.overrides, *device_overrides], eval_args, args.jobs, env, args.runs_dir / "logs",
-            stop_after_s)  # fmt: skip
+            device_name(device), stop_after_s)  # fmt: skip
     finished = [run for run in runs if run.done]
     # A protocol's report, or a verdict, from some of the runs is what the protocol forbids: a peek.
     if len(finished) < len(runs) and (args.protocol is not None or rule is not None or not finished):
@@ -246,6 +248,15 @@ def status_lines(runs: list[StudyRun]) -> list[str]:
     in_progress = sum(run.progress() for run in runs if not run.done)
     return [*lines, f"all: {done} of {len(runs)} planned runs done, {len(runs) - done} pending; the unfinished runs "
             f"have trained {in_progress:.2f} runs' worth of steps"]  # fmt: skip
+
+
+def device_name(device: str) -> str:
+    """What a run's `study.json` records as its device: `cpu (N cores)` or `cuda (<the GPU's name>)`."""
+    if device == "cpu":
+        return f"cpu ({os.cpu_count() or 1} cores)"
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name()})"
 
 
 def _cuda_available() -> bool:

@@ -211,12 +211,13 @@ def error_profile_section(runs: list[StudyRun]) -> list[str]:
 
 
 def per_run_table(runs: list[StudyRun], measured: list[dict], metrics: list[Metric]) -> list[str]:
-    lines = ["| run | " + " | ".join(metric.title for metric in metrics) + " | train s | eval s | code |"]
-    lines.append("|---|" + "---:|" * (len(metrics) + 2) + "---|")
+    lines = ["| run | " + " | ".join(metric.title for metric in metrics) + " | train s | eval s | code | device |"]
+    lines.append("|---|" + "---:|" * (len(metrics) + 2) + "---|---|")
     for run, results in zip(runs, measured, strict=True):
         timing = run.timing()
         cells = [_format(results[metric.key], metric.digits) for metric in metrics]
-        cells += [f"{timing['train_s']:.0f}", f"{timing['eval_s']:.0f}", describe(timing.get("code"))]
+        cells += [f"{timing['train_s']:.0f}", f"{timing['eval_s']:.0f}", describe(timing.get("code")),
+                  timing.get("device", "not recorded")]  # fmt: skip
         lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -266,12 +267,13 @@ def write_runs_csv(runs: list[StudyRun], measured: list[dict], path: Path) -> No
     def write(partial: Path) -> None:
         with partial.open("w", newline="") as file:
             writer = csv.writer(file)
-            writer.writerow(["run", "variant", "seed", *keys, "train_s", "eval_s", "code"])
+            writer.writerow(["run", "variant", "seed", *keys, "train_s", "eval_s", "code", "device"])
             for run, results in zip(runs, measured, strict=True):
                 timing = run.timing()
                 values = [results.get(key, "") for key in keys]
-                code = describe(timing.get("code"))
-                writer.writerow([run.name, run.variant, run.seed, *values, timing["train_s"], timing["eval_s"], code])
+                code, device = describe(timing.get("code")), timing.get("device", "not recorded")
+                writer.writerow([run.name, run.variant, run.seed, *values, timing["train_s"], timing["eval_s"], code,
+                                 device])  # fmt: skip
 
     write_file(path, write)
 
@@ -350,6 +352,7 @@ def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
         + f"; seeds {sorted({run.seed for run in runs})}.",
         _evaluation_line(runs[0].results(), recipe.eval.qa_sets),
         _code_line(runs),
+        _device_line(runs),
     ]
 
 
@@ -363,6 +366,17 @@ def _code_line(runs: list[StudyRun]) -> str:
         return f"- Code: every run at `{next(iter(counts))}` (the `code` field of each run's study.json)."
     each = "; ".join(f"`{code}` {count} run{'s' * (count != 1)}" for code, count in counts.items())
     return f"- Code (the `code` field of each run's study.json): {each}."
+
+
+def _device_line(runs: list[StudyRun]) -> str:
+    """Where the runs ran, from each run's `study.json` (`device`; runs of studies before v6 have none)."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        device = run.timing().get("device", "not recorded")
+        counts[device] = counts.get(device, 0) + 1
+    return "- Device (the `device` field of each run's study.json): " + "; ".join(
+        f"{device} {count} run{'s' * (count != 1)}" for device, count in counts.items()
+    ) + "."
 
 
 def _recipes_folder(runs: list[StudyRun]) -> Path:
