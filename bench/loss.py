@@ -78,7 +78,7 @@ def make_step(method: str, llama3_vocab_size: int):
             ntl = NumberLevelLoss(copy.deepcopy(tokenizer), vocab_size=vocab_size, reweigh=False)
         return nv, lambda logits, labels: F.cross_entropy(logits, labels) + 0.3 * ntl(logits[None], labels[None])
     kind = {"c": "was", "d": None, "e": "number", "g": "number", "h": "digits"}[method]
-    return nv, lambda logits, labels: ce_ntl_loss(logits, labels, nv, kind=kind, weight=0.3).loss
+    return nv, lambda logits, labels: ce_ntl_loss(logits, labels, nv, kind=kind, ntl_weight=0.3).loss
 
 
 def make_batch(nv, positions: int, vocab_size: int):

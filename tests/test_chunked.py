@@ -43,9 +43,9 @@ def leaves(*tensors, dtype):
 
 
 def unchunked(hidden, weight, labels, nv, kind, reweigh, reduction):
-    return parts(
-        ce_ntl_loss(hidden @ weight.T, labels, nv, kind=kind, weight=NTL_WEIGHT, reweigh=reweigh, reduction=reduction)
-    )
+    logits = hidden @ weight.T
+    out = ce_ntl_loss(logits, labels, nv, kind=kind, ntl_weight=NTL_WEIGHT, reweigh=reweigh, reduction=reduction)
+    return parts(out)
 
 
 def float64_reference(hidden, weight, labels, nv, kind, reweigh, reduction, transform=IDENTITY):
@@ -283,7 +283,7 @@ def test_bf16_weight_gradient_is_as_accurate_as_the_dense_bf16_path():
         if name == "chunked":
             linear_ce_ntl_loss(h, w, labels, nv, ntl_weight=NTL_WEIGHT, reduction="sum", chunk_size=4).loss.backward()
         else:
-            ce_ntl_loss(h @ w.T, labels, nv, weight=NTL_WEIGHT, reduction="sum").loss.backward()
+            ce_ntl_loss(h @ w.T, labels, nv, ntl_weight=NTL_WEIGHT, reduction="sum").loss.backward()
         grads[name] = w.grad
     chunked, dense = (relative_errors(grads[name], grads["float64"]) for name in ("chunked", "dense"))
     assert chunked.max() <= 2**-8, float(chunked.max())

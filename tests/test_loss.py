@@ -223,6 +223,19 @@ def test_integer_logits_and_missing_vocab_are_refused():
         ce_ntl_loss(torch.randn(2, 15), torch.zeros(2, dtype=torch.long), None)
 
 
+def test_lambda_is_ntl_weight_and_its_old_name_weight_still_works_with_a_deprecation_warning():
+    logits, labels = torch.randn(6, 15), torch.tensor([3, 4, 12, 5, 6, 7])
+    want = ce_ntl_loss(logits, labels, small_vocab(), ntl_weight=0.7)
+    assert want.loss.item() == pytest.approx((want.ce + 0.7 * want.ntl).item()) and want.ntl > 0
+    with pytest.warns(DeprecationWarning, match="ntl_weight"):
+        old = ce_ntl_loss(logits, labels, small_vocab(), weight=0.7)
+    assert torch.equal(old.loss, want.loss)
+    with pytest.raises(TypeError, match="both ntl_weight= and"):
+        ce_ntl_loss(logits, labels, small_vocab(), ntl_weight=0.5, weight=0.7)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'wieght'"):
+        ce_ntl_loss(logits, labels, small_vocab(), wieght=0.7)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiles_into_one_graph_with_torch_compile(backend):
     """fullgraph=True: a graph break (a host sync, a Python branch on a tensor) fails instead of passing silently."""

@@ -58,7 +58,7 @@ def test_equals_float64_reference_on_multi_digit_tokenizers(name, float_level):
     assert_close_relative(ours.grad, theirs.grad, 1e-9, "logits grad")
     numbers = count_ntl_terms(labels, nv, "number", float_level)
     assert int(out.num_number_tokens) == int(count_numbers(labels, nv, float_level=float_level)) == numbers > 8
-    mean = ce_ntl_loss(logits, labels, nv, kind="number", weight=0.3, float_level=float_level)
+    mean = ce_ntl_loss(logits, labels, nv, kind="number", ntl_weight=0.3, float_level=float_level)
     assert_close_relative(mean.ntl, ref_ntl.sum() / numbers, 1e-12, "mean over numbers")
 
 
@@ -191,6 +191,6 @@ def test_gradcheck_and_reweigh_refused():
     nv = NumberVocab.from_surfaces(["a", "0", "1", "2", "3", "10", "Ġ5"])
     labels = torch.tensor([[0, 2, 3, 5], [4, 5, 6, 2]])
     logits = torch.randn(2, 4, 7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda z: ce_ntl_loss(z, labels, nv, kind="number", weight=0.7).loss, (logits,))
+    assert torch.autograd.gradcheck(lambda z: ce_ntl_loss(z, labels, nv, kind="number", ntl_weight=0.7).loss, (logits,))
     with pytest.raises(ValueError, match="reweigh"):
         ce_ntl_loss(logits, labels, nv, kind="number", reweigh=True)

@@ -91,7 +91,7 @@ def check_case(nv, kind, reweigh, reduction, dtype, composition, seed, boundarie
             labels,
             nv,
             kind=kind,
-            weight=NTL_WEIGHT,
+            ntl_weight=NTL_WEIGHT,
             reweigh=reweigh,
             reduction=reduction,
             group=dist.group.WORLD,
@@ -351,7 +351,7 @@ class DenseModel(torch.nn.Module):
         from ntl_pretrain.loss import ce_ntl_loss
 
         hidden = self.lm.model(input_ids=inputs).last_hidden_state
-        return ce_ntl_loss(self.lm.lm_head(hidden), labels, self.nv, weight=NTL_WEIGHT, reduction="sum")
+        return ce_ntl_loss(self.lm.lm_head(hidden), labels, self.nv, ntl_weight=NTL_WEIGHT, reduction="sum")
 
 
 class Trunk(torch.nn.Module):

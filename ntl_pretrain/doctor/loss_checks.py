@@ -73,11 +73,11 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 def fused_errors(nv, labels, logits64, kind, device, dtype, group=None, columns=None) -> tuple[float, float]:
     """Loss and gradient errors of `ce_ntl_loss` on the device, against float64 on CPU."""
     rounded = logits64.to(dtype).double().requires_grad_()
-    reference = ce_ntl_loss(rounded, labels, nv, kind=kind, weight=NTL_WEIGHT)
+    reference = ce_ntl_loss(rounded, labels, nv, kind=kind, ntl_weight=NTL_WEIGHT)
     reference.loss.backward()
     lo, hi = columns or (0, logits64.shape[-1])
     logits = rounded.detach()[:, lo:hi].to(device, dtype).requires_grad_()
-    out = ce_ntl_loss(logits, labels.to(device), nv.to(device), kind=kind, weight=NTL_WEIGHT, group=group,
+    out = ce_ntl_loss(logits, labels.to(device), nv.to(device), kind=kind, ntl_weight=NTL_WEIGHT, group=group,
                       vocab_start=lo)  # fmt: skip
     out.loss.backward()
     return relative_error(out.loss, reference.loss), relative_error(logits.grad, rounded.grad[:, lo:hi])
@@ -87,7 +87,7 @@ def chunked_errors(nv, labels, hidden64, weight64, kind, device, dtype, group=No
     """Loss and gradient (hidden and weight, the larger) errors of `linear_ce_ntl_loss`, against float64 on CPU."""
     hidden_ref = hidden64.to(dtype).double().requires_grad_()
     weight_ref = weight64.to(dtype).double().requires_grad_()
-    reference = ce_ntl_loss(hidden_ref @ weight_ref.T, labels, nv, kind=kind, weight=NTL_WEIGHT)
+    reference = ce_ntl_loss(hidden_ref @ weight_ref.T, labels, nv, kind=kind, ntl_weight=NTL_WEIGHT)
     reference.loss.backward()
     lo, hi = rows or (0, weight64.shape[0])
     hidden = hidden_ref.detach().to(device, dtype).requires_grad_()

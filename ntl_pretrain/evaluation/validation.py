@@ -130,7 +130,7 @@ def _total_names(ntl_kind: str) -> list[str]:
 def _batch_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind) -> dict[str, torch.Tensor]:
     """One micro-batch's sums: CE and label tokens; number-label tokens and the CE at them; per measured kind its
     summed NTL and NTL terms (number-label tokens, or numbers); the same at the answer labels (zeros without)."""
-    out = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=ntl_kind, weight=1.0, reduction="none")
+    out = ce_ntl_loss(logits_BTV, labels_BT, number_vocab, kind=ntl_kind, ntl_weight=1.0, reduction="none")
     is_number_V = (number_vocab.classes >= 0).to(labels_BT.device)
     at_number_BT = (labels_BT != -100) & is_number_V[labels_BT.clamp_min(0)]
     totals = {"ce": out.ce.sum(), "tokens": out.num_tokens, "number_tokens": at_number_BT.sum(),
@@ -142,7 +142,7 @@ def _batch_totals(logits_BTV, labels_BT, batch, number_vocab, ntl_kind) -> dict[
     answer_mask_BT = batch.get("answer_mask", torch.zeros_like(labels_BT, dtype=torch.bool)).to(labels_BT.device)
     answer_labels_BT = torch.where(answer_mask_BT, labels_BT, -100)
     for kind in _answer_kinds(ntl_kind):
-        answer = ce_ntl_loss(logits_BTV, answer_labels_BT, number_vocab, kind=kind, weight=1.0, reduction="sum")
+        answer = ce_ntl_loss(logits_BTV, answer_labels_BT, number_vocab, kind=kind, ntl_weight=1.0, reduction="sum")
         totals |= {f"answer_ntl_{kind}": answer.ntl, f"answer_terms_{kind}": answer.num_number_tokens}
     # the answer CE is the same whatever the kind: the last call's
     return totals | {"answer_ce": answer.ce, "answer_tokens": answer.num_tokens}

@@ -49,7 +49,7 @@ class DenseHead(OutputHead):
             labels_BT,
             self.number_vocab,
             kind=self.ntl.kind,
-            weight=self.ntl.weight,
+            ntl_weight=self.ntl.weight,
             reweigh=self.ntl.reweigh,
             reduction="sum",
             float_level=self.ntl.float_level,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,14 @@ whole numbers across their tokens (number_level.py)."""
 UNWEIGHABLE_KINDS = {"number": "it weighs single tokens", "digits": "its distance has no class value range"}
 """Kinds that refuse `reweigh`, and why."""
 REDUCTIONS = ("mean", "sum", "none")
+DEFAULT_NTL_WEIGHT = 0.3
+"""λ when none is given (the paper's and the recipes' default)."""
 
 
 @dataclass
 class LossOutput:
     loss: torch.Tensor
-    """ce + weight * ntl."""
+    """ce + ntl_weight * ntl."""
     ce: torch.Tensor
     """Cross-entropy: mean over non-ignored positions, their sum, or per position (0 where ignored)."""
     ntl: torch.Tensor
@@ -46,7 +49,7 @@ def ce_ntl_loss(
     labels: torch.Tensor,
     nv: NumberVocab | None,
     kind: str | None = "was",
-    weight: float = 0.3,
+    ntl_weight: float = DEFAULT_NTL_WEIGHT,
     reweigh: bool = False,
     ignore_index: int = -100,
     reduction: str = "mean",
@@ -55,9 +58,10 @@ def ce_ntl_loss(
     float_level: bool = False,
     ntl_labels: torch.Tensor | None = None,
     backend: str = "auto",
+    **deprecated,
 ) -> LossOutput:
-    """Cross-entropy plus `weight` times the Number Token Loss of `kind` (was|mse|mae|huber|digits|number, or None
-    for CE only). "digits" is WAS over the digits of a multi-digit token: sum_j q_j (1/k) sum_i |d_j[i] - d_t[i]|,
+    """Cross-entropy plus `ntl_weight` (λ) times the Number Token Loss of `kind` (was|mse|mae|huber|digits|number, or
+    None for CE only). "digits" is WAS over the digits of a multi-digit token: sum_j q_j (1/k) sum_i |d_j[i] - d_t[i]|,
     so a near miss in any digit costs as much as on a single-digit token (docs/loss.md); on single digits it is
     "was". "number" is one loss per whole number across its tokens, along the last dimension of `labels`;
     `float_level` lets one decimal point join two runs of number labels into one number (number_level.py).
@@ -70,7 +74,9 @@ def ce_ntl_loss(
     loss of the full vocabulary; each rank's gradient covers its own columns. "mean" divides by this call's
     counts (a batch without number labels has ntl = 0); to normalise over a global batch, take "sum" and divide
     by the counts summed over it. `backend`: "torch", "triton" (Triton kernels; CUDA) or "auto" (backend.py).
+    `weight=` is the old name of `ntl_weight` (deprecated: one name for λ here and in `linear_ce_ntl_loss`).
     """
+    ntl_weight = renamed_ntl_weight(ntl_weight, deprecated)
     check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh, ntl_labels)
     backend = resolve_backend(backend, logits.device, logits.dtype)
     num_columns = logits.shape[-1]
@@ -93,7 +99,22 @@ def ce_ntl_loss(
     else:
         numbers = num_number_tokens.clamp_min(1)
         ce, ntl, number_ce = ce_N.sum() / num_tokens.clamp_min(1), ntl_N.sum() / numbers, number_ce_N.sum() / numbers
-    return LossOutput(ce + weight * ntl, ce, ntl, num_tokens, num_number_tokens, number_ce)
+    return LossOutput(ce + ntl_weight * ntl, ce, ntl, num_tokens, num_number_tokens, number_ce)
+
+
+def renamed_ntl_weight(ntl_weight: float, deprecated: dict) -> float:
+    """λ from `ntl_weight`, or from the keyword `weight` it replaced (a DeprecationWarning for one release: accepted
+    through version 0.2, gone after); any other keyword is the TypeError Python gives an unknown one."""
+    unknown = sorted(set(deprecated) - {"weight"})
+    if unknown:
+        raise TypeError(f"ce_ntl_loss() got an unexpected keyword argument {unknown[0]!r}")
+    if "weight" not in deprecated:
+        return ntl_weight
+    if ntl_weight != DEFAULT_NTL_WEIGHT:
+        raise TypeError("ce_ntl_loss() got both ntl_weight= and its deprecated name weight=; pass ntl_weight= only")
+    message = "ce_ntl_loss(weight=) is deprecated: λ is `ntl_weight=`, as in linear_ce_ntl_loss"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return deprecated["weight"]
 
 
 def no_number_shard(device: torch.device) -> NumberShard:
