@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tiny_models import VOCAB, tiny_model
+from helpers.tiny_models import VOCAB, enlarged_settings, tiny_model
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -20,22 +20,9 @@ from ntl_pretrain.loss.logit_transform import IDENTITY
 from ntl_pretrain.model.build import CausalLMWithLoss
 
 SEQ = 12
-# Enlarged constants (the real ones, soft-cap 30 or scale 0.1-ish, move CE too little on random logits to be seen).
-ENLARGED = {"*": 4.0, "/": 0.25, "softcap": 2.0}
-DERIVED = {"minicpm3": {"dim_model_base": 256}}  # its logits_scaling is hidden_size / dim_model_base = 0.25
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def enlarged_settings(model_type: str) -> dict:
-    """The config keys of the type's post-processing (`self.config.logits_scaling` -> logits_scaling), enlarged."""
-    if model_type in DERIVED:
-        return DERIVED[model_type]
-    rule = forward_rule(model_type)
-    steps = [(op, expression) for op, expression in rule.factors]
-    steps += [("softcap", rule.softcap)] if rule.softcap else []
-    return {expression.rsplit(".", 1)[-1]: ENLARGED[op] for op, expression in steps}
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

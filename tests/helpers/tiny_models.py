@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
+from ntl_pretrain.heads.forward_rules import forward_rule
+
 VOCAB = 128
 SIZES = {
     "vocab_size": VOCAB, "hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "n_inner": 128,
@@ -28,6 +30,10 @@ FAMILY_SETTINGS: dict[str, dict] = {
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
     "zaya": {"num_experts_per_tok": 1},
 }
+
+# Enlarged constants (the real ones, soft-cap 30 or scale 0.1-ish, move CE too little on random logits to be seen).
+ENLARGED = {"*": 4.0, "/": 0.25, "softcap": 2.0}
+DERIVED = {"minicpm3": {"dim_model_base": 256}}  # its logits_scaling is hidden_size / dim_model_base = 0.25
 
 
 def tiny_config(model_type: str, **settings):
@@ -57,3 +63,13 @@ def tiny_model(model_type: str, seed: int = 0, **settings) -> torch.nn.Module:
             if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
                 module.weight[module.padding_idx] = 0
     return lm
+
+
+def enlarged_settings(model_type: str) -> dict:
+    """The config keys of the type's post-processing (`self.config.logits_scaling` -> logits_scaling), enlarged."""
+    if model_type in DERIVED:
+        return DERIVED[model_type]
+    rule = forward_rule(model_type)
+    steps = [(op, expression) for op, expression in rule.factors]
+    steps += [("softcap", rule.softcap)] if rule.softcap else []
+    return {expression.rsplit(".", 1)[-1]: ENLARGED[op] for op, expression in steps}

@@ -1,0 +1,97 @@
+"""`apply_ntl`: one call that makes a transformers causal LM (or the model of a transformers `Trainer`) train on
+CE + λ·NTL through the chunked head, and `NtlPatch.undo` that gives transformers' behaviour back exactly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel, Trainer
+
+from ntl_pretrain.config.recipe import NtlConfig
+from ntl_pretrain.heads.architectures import OUTPUT_BIAS, checked_rule, logit_transform
+from ntl_pretrain.heads.router_aux import router_balancing
+from ntl_pretrain.integrations.causal_lm import NtlForward, NtlObjective
+from ntl_pretrain.integrations.trainer_hooks import TrainerHooks
+from ntl_pretrain.loss.backend import BACKENDS
+from ntl_pretrain.loss.ce_ntl import KINDS
+from ntl_pretrain.numbers import NumberVocab
+
+
+@dataclass
+class NtlPatch:
+    """What `apply_ntl` changed; `undo()` puts back what was there (the model's and the Trainer's own attributes)."""
+
+    model: PreTrainedModel
+    forward: NtlForward
+    trainer_hooks: TrainerHooks | None = None
+
+    def undo(self) -> None:
+        if self.model.__dict__.get("forward") is not self.forward:
+            raise RuntimeError("apply_ntl: this patch was undone already, or the model's forward was replaced since")
+        if self.trainer_hooks is not None:
+            self.trainer_hooks.undo()
+        if self.forward.replaced is None:
+            del self.model.__dict__["forward"]
+        else:
+            self.model.__dict__["forward"] = self.forward.replaced
+
+
+def apply_ntl(
+    model_or_trainer: PreTrainedModel | Trainer,
+    tokenizer,
+    kind: str | None = "was",
+    ntl_weight: float = 0.3,
+    *,
+    reweigh: bool = False,
+    float_level: bool = False,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> NtlPatch:
+    """Make `model(input_ids=..., labels=...)` return CE + `ntl_weight`·NTL of `kind` (docs/loss.md), computed by
+    `linear_ce_ntl_loss` a chunk of positions at a time (the logits are never whole; `output.logits` is None,
+    `output.ce` and `output.ntl` hold the two terms). Without labels the model is transformers' own.
+
+    Given a `Trainer`, also its counting and logging (trainer_hooks.py): NTL is normalised by the NTL terms of the
+    whole optimizer step, as CE is by `num_items_in_batch`, and the logs gain `ce` and `ntl`. Given a model alone,
+    a call with `num_items_in_batch` needs `num_number_tokens=` beside it. `tokenizer`: whose number tokens NTL reads
+    (any tokenizer `NumberVocab.from_tokenizer` takes; None with kind None). The model's family must be one the heads
+    train (heads/architectures.py: docs/compatibility.md), its output layer without a bias, its weights not
+    partitioned by DeepSpeed ZeRO-3. Returns the patch; `patch.undo()` restores the forward and the Trainer.
+    """
+    trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
+    model = model_or_trainer.model if trainer is not None else model_or_trainer
+    ntl = NtlConfig(kind, ntl_weight, reweigh, float_level)
+    _check_arguments(model, ntl, backend)
+    rule = checked_rule(model.config)
+    weight = model.get_output_embeddings().weight
+    number_vocab = None if kind is None else NumberVocab.from_tokenizer(tokenizer, vocab_size=weight.shape[0])
+    if number_vocab is not None:
+        number_vocab.require_numbers()
+    objective = NtlObjective(ntl, number_vocab, logit_transform(model), chunk_size, backend)
+    forward = NtlForward(model, objective, rule, router_balancing(model, None))
+    hooks = TrainerHooks(trainer, forward) if trainer is not None else None
+    model.forward = forward
+    return NtlPatch(model, forward, hooks)
+
+
+def _check_arguments(model, ntl: NtlConfig, backend: str) -> None:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"apply_ntl: takes a transformers causal LM or Trainer, got {type(model).__name__}")
+    if isinstance(model.__dict__.get("forward"), NtlForward):
+        raise ValueError("apply_ntl: this model has NTL applied already; undo that patch first")
+    if ntl.kind not in (*KINDS, None):
+        raise ValueError(f"apply_ntl: kind must be one of {KINDS} or None, got {ntl.kind!r}")
+    if not ntl.weight >= 0:
+        raise ValueError(f"apply_ntl: ntl_weight must be >= 0, got {ntl.weight}")
+    if backend not in BACKENDS:
+        raise ValueError(f"apply_ntl: backend must be one of {BACKENDS}, got {backend!r}")
+    try:
+        ntl.check()
+    except ValueError as error:
+        raise ValueError(f"apply_ntl: {error}") from error
+    if model.config.model_type in OUTPUT_BIAS:
+        raise ValueError(f"apply_ntl: {type(model).__name__}'s output layer has a bias, which the chunked head does "
+                         "not apply")  # fmt: skip
+    if hasattr(model.get_output_embeddings().weight, "ds_id"):
+        raise ValueError("apply_ntl: the output layer is partitioned by DeepSpeed ZeRO-3, which this drop-in does not "
+                         "gather; train under ZeRO-3 with ntl-pretrain's own trainer, or use ZeRO-1/2")  # fmt: skip

@@ -1,0 +1,164 @@
+"""`apply_ntl` on a transformers causal LM, family by family (identity, scale, divide and soft-cap transforms; tied
+and untied output layers; Llama's, OPT's and GPT-2's trunks; a MoE with its balancing loss): with λ·NTL off the
+patched forward gives transformers' own loss and gradients; with NTL on its terms equal `ce_ntl_loss` in float64 on
+transformers' own logits; completion-only labels (-100) and padding count nowhere; without labels the logits are
+transformers'; in one's own loop, micro-batches given the step's counts add up to one call over them all; undone,
+the model is transformers' again bit for bit; models and arguments it cannot serve are refused, naming why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.tiny_models import enlarged_settings, tiny_model
+from transformers import AutoTokenizer
+
+from ntl_pretrain.heads.forward_rules import forward_rule
+from ntl_pretrain.integrations import apply_ntl
+from ntl_pretrain.loss import ce_ntl_loss
+from ntl_pretrain.numbers import NumberVocab
+from ntl_pretrain.package_files import resolve_path
+
+TOKENIZER = AutoTokenizer.from_pretrained(resolve_path("pkg:ntl_pretrain/corpus/tiny-tokenizer"))
+NV = NumberVocab.from_tokenizer(TOKENIZER)
+FAMILIES = ["llama", "gemma2", "cohere", "granite", "opt", "gpt2", "mixtral"]
+LAMBDA = 0.3
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def family_model(model_type: str):
+    """A tiny model of the family at the tiny tokenizer's vocabulary, its logit transform enlarged so that leaving
+    it out would show, a MoE asked for its router logits (so that its forward adds the balancing loss); in eval
+    mode, so that dropout (OPT's, GPT-2's) draws nothing."""
+    settings = {**enlarged_settings(model_type), "vocab_size": len(TOKENIZER)}
+    if forward_rule(model_type).aux_loss is not None:
+        settings["output_router_logits"] = True
+    return tiny_model(model_type, **settings)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """Two rows of arithmetic, the second padded; labels on the answers only (-100 on prompts and padding)."""
+    rows = [("12 + 345 = ", "357"), ("7 * 8 = ", "56")]
+    prompts, answers = [TOKENIZER(p).input_ids for p, _ in rows], [TOKENIZER(a).input_ids for _, a in rows]
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
+    ids, mask, labels = [], [], []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        pad = width - len(prompt) - len(answer)
+        ids.append(prompt + answer + [TOKENIZER.eos_token_id] * pad)
+        mask.append([1] * (width - pad) + [0] * pad)
+        labels.append([-100] * len(prompt) + answer + [-100] * pad)
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
+
+
+def loss_and_gradients(lm, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    lm.zero_grad()
+    out = lm(**inputs)
+    out.loss.backward()
+    return out.loss.detach(), {name: p.grad.clone() for name, p in lm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_with_ntl_off_the_loss_and_gradients_are_transformers(model_type):
+    lm, inputs = family_model(model_type), batch()
+    want_loss, want_grads = loss_and_gradients(lm, inputs)
+    apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=0.0)
+    got_loss, got_grads = loss_and_gradients(lm, inputs)
+    assert got_loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    # float32 sums in another order: up to 2e-6 of the largest gradient element (measured; OPT's key biases, whose
+    # gradient is 0 but for rounding, are all rounding)
+    largest = max(grad.abs().max().item() for grad in want_grads.values())
+    for name, want in want_grads.items():
+        torch.testing.assert_close(got_grads[name], want, rtol=0, atol=1e-5 * largest, msg=name)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_with_ntl_on_the_terms_equal_the_float64_loss_on_transformers_logits(model_type):
+    lm, inputs = family_model(model_type), batch()
+    with torch.no_grad():  # transformers' own forward (float32: a MoE's grouped matmul takes no float64)
+        logits = lm(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits.double()
+    want = ce_ntl_loss(logits[:, :-1], inputs["labels"][:, 1:], NV, kind="was", ntl_weight=LAMBDA)
+    apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=LAMBDA)
+    out = lm(**inputs)
+    assert out.logits is None and out.num_number_tokens == 5 == want.num_number_tokens  # 3 + 2 answer digits
+    assert out.ce.item() == pytest.approx(want.ce.item(), rel=1e-6)
+    assert out.ntl.item() == pytest.approx(want.ntl.item(), rel=1e-6) and want.ntl > 0.1
+    aux = 0.0 if getattr(out, "aux_loss", None) is None else lm.config.router_aux_loss_coef * out.aux_loss
+    assert out.loss.item() == pytest.approx((out.ce + LAMBDA * out.ntl + aux).item(), rel=1e-6)
+
+
+def test_without_labels_the_logits_are_transformers_and_the_output_layer_forms_none_with_labels():
+    lm, inputs = family_model("llama"), batch()
+    want = lm(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    apply_ntl(lm, TOKENIZER)
+    calls = []
+    lm.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    got = lm(inputs["input_ids"], inputs["attention_mask"]).logits  # positional, as transformers' signature allows
+    assert torch.equal(got, want) and calls == [1]
+    lm(**inputs)
+    assert calls == [1]
+
+
+def test_in_your_own_loop_micro_batches_given_the_step_counts_equal_one_call():
+    lm, inputs = family_model("llama"), batch()
+    apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=LAMBDA)
+    want_loss, want_grads = loss_and_gradients(lm, inputs)
+    shifted = inputs["labels"][:, 1:]
+    num_tokens = (shifted != -100).sum()
+    num_numbers = ((shifted != -100) & (NV.classes[shifted.clamp_min(0)] >= 0)).sum()
+    lm.zero_grad()
+    total = 0.0
+    for row in (slice(0, 1), slice(1, 2)):  # rows with 3 and 2 number labels: their own means would differ
+        micro = {key: value[row] for key, value in inputs.items()}
+        out = lm(**micro, num_items_in_batch=num_tokens, num_number_tokens=num_numbers)
+        out.loss.backward()
+        total += out.loss.item()
+    assert total == pytest.approx(want_loss.item(), rel=1e-6)
+    for name, param in lm.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="num_number_tokens= beside num_items_in_batch"):
+        lm(**inputs, num_items_in_batch=num_tokens)
+
+
+def test_undone_the_model_is_transformers_bit_for_bit():
+    lm, inputs = family_model("gemma2"), batch()
+    want_loss, want_grads = loss_and_gradients(lm, inputs)
+    want_logits = lm(**inputs).logits
+    patch = apply_ntl(lm, TOKENIZER)
+    assert lm(**inputs).loss != want_loss
+    patch.undo()
+    assert "forward" not in vars(lm)
+    got_loss, got_grads = loss_and_gradients(lm, inputs)
+    assert torch.equal(got_loss, want_loss) and torch.equal(lm(**inputs).logits, want_logits)
+    assert all(torch.equal(got_grads[name], grad) for name, grad in want_grads.items())
+    with pytest.raises(RuntimeError, match="undone already"):
+        patch.undo()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "arguments", "message"),
+    [
+        ("gptj", {}, "output layer has a bias"),
+        ("bart", {}, "not among the architectures"),
+        ("llama", {"kind": "l2"}, "kind must be one of"),
+        ("llama", {"ntl_weight": -1.0}, "ntl_weight must be >= 0"),
+        ("llama", {"kind": "was", "float_level": True}, "float_level"),
+        ("llama", {"backend": "cuda"}, "backend must be one of"),
+    ],
+)
+def test_what_it_cannot_serve_is_refused_naming_why(model_type, arguments, message):
+    lm = tiny_model(model_type, vocab_size=len(TOKENIZER))
+    with pytest.raises(ValueError, match=message):
+        apply_ntl(lm, TOKENIZER, **arguments)
+    assert "forward" not in vars(lm)
+
+
+def test_a_second_patch_and_a_zero3_partitioned_output_layer_are_refused():
+    lm = tiny_model("llama", vocab_size=len(TOKENIZER))
+    apply_ntl(lm, TOKENIZER)
+    with pytest.raises(ValueError, match="has NTL applied already"):
+        apply_ntl(lm, TOKENIZER)
+    other = tiny_model("llama", vocab_size=len(TOKENIZER))
+    other.lm_head.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+    with pytest.raises(ValueError, match="partitioned by DeepSpeed ZeRO-3"):
+        apply_ntl(other, TOKENIZER)
