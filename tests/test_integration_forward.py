@@ -99,6 +99,15 @@ def test_without_labels_the_logits_are_transformers_and_the_output_layer_forms_n
     assert calls == [1]
 
 
+def test_shift_labels_are_taken_as_they_are_as_transformers_takes_them():
+    lm, inputs = family_model("llama"), batch()
+    shifted = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[:, 1:].contiguous()
+    want = lm(**inputs, shift_labels=shifted).loss
+    apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=0.0)
+    assert lm(**inputs, shift_labels=shifted).loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert lm(**inputs, shift_labels=shifted.roll(1, dims=1)).loss.item() != pytest.approx(want.item(), rel=1e-3)
+
+
 def test_in_your_own_loop_micro_batches_given_the_step_counts_equal_one_call():
     lm, inputs = family_model("llama"), batch()
     apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=LAMBDA)

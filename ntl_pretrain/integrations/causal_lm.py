@@ -92,7 +92,9 @@ class StepCounts:
 
 class NtlForward:
     """Set as `lm.forward` (an instance attribute: the class, and every other model of it, keep transformers'
-    forward). Holds what undoing needs (`replaced`: the instance's own `forward` before, if it had one)."""
+    forward). Holds what undoing needs (`replaced`: the instance's own `forward` before, if it had one). Once
+    `active` is False it passes every call to transformers' forward unchanged: what undoing leaves where another
+    wrapper has wrapped it since (accelerate wraps `forward` in autocast when a Trainer prepares a bf16 model)."""
 
     def __init__(
         self,
@@ -107,10 +109,13 @@ class NtlForward:
         self.signature = self.__signature__ = inspect.signature(self.transformers_forward)  # what Trainer reads
         self.trunk = operator.attrgetter(rule.trunk)
         self.counts = StepCounts()
+        self.active = True
         self.on_loss: typing.Callable[[LossParts, object], None] | None = None
         """Called with each training call's parts and its num_items_in_batch (trainer_hooks.py logs them)."""
 
     def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.transformers_forward(*args, **kwargs)
         ours = {key: kwargs.pop(key) for key in LOSS_KEYWORDS if key in kwargs}
         bound = self.signature.bind(*args, **kwargs)
         arguments = dict(bound.arguments)

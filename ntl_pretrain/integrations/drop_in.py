@@ -19,17 +19,21 @@ from ntl_pretrain.numbers import NumberVocab
 
 @dataclass
 class NtlPatch:
-    """What `apply_ntl` changed; `undo()` puts back what was there (the model's and the Trainer's own attributes)."""
+    """What `apply_ntl` changed; `undo()` puts back what was there (the model's and the Trainer's own attributes; a
+    forward wrapped since by another library stays wrapped, and passes every call to transformers')."""
 
     model: PreTrainedModel
     forward: NtlForward
     trainer_hooks: TrainerHooks | None = None
 
     def undo(self) -> None:
-        if self.model.__dict__.get("forward") is not self.forward:
-            raise RuntimeError("apply_ntl: this patch was undone already, or the model's forward was replaced since")
+        if not self.forward.active:
+            raise RuntimeError("apply_ntl: this patch was undone already")
+        self.forward.active = False
         if self.trainer_hooks is not None:
             self.trainer_hooks.undo()
+        if self.model.__dict__.get("forward") is not self.forward:
+            return  # wrapped since (accelerate's autocast): it stays in the chain, passing calls to transformers
         if self.forward.replaced is None:
             del self.model.__dict__["forward"]
         else:
