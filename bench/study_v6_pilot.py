@@ -90,8 +90,14 @@ def final_table(final: dict) -> list[str]:
             for length in LENGTHS:
                 ce = final.get((tokenizer, noise, "ce", length), {}).values()
                 ntl = final.get((tokenizer, noise, "ntl", length), {}).values()
-                row = [tokenizer, noise, length, mean(ce), mean(ntl), describe(list(gains(final, tokenizer, noise,
-                                                                                           length).values()))]
+                row = [
+                    tokenizer,
+                    noise,
+                    length,
+                    mean(ce),
+                    mean(ntl),
+                    describe(list(gains(final, tokenizer, noise, length).values())),
+                ]
                 lines.append("| " + " | ".join(row) + " |")
     return lines
 

@@ -106,7 +106,8 @@ def test_committed_corpus_is_small_and_regenerates_byte_for_byte(tmp_path):
     assert total < 4_000_000  # 3.66 MB with study v6's noise-free regression set (issue 58)
     run(["data", "make-arithmetic", "--out", str(tmp_path), "--seed", "0"])
     run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0"])
-    run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0", "--noise-sd", "0", "--name", "regression-exact"])
+    exact = ["--noise-sd", "0", "--name", "regression-exact"]
+    run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0", *exact])
     written = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*.jsonl"))
     assert Path("regression/train.jsonl") in written
     generated = (path.relative_to(CORPUS) for path in CORPUS.rglob("*.jsonl") if path.parent.name != "prose")

@@ -11,6 +11,7 @@ from ntl_pretrain.evaluation.answers import read_qa_file
 from ntl_pretrain.tokenizer import load_tokenizer, resolve_path
 
 STUDY = Path(__file__).resolve().parent.parent / "recipes" / "study"
+CORPUS = "pkg:ntl_pretrain/corpus/"
 ARMS = {"ce": (None, "all"), "ntl-was-answer": ("was", "answer"), "ntl-digits-answer": ("digits", "answer")}
 
 
@@ -88,10 +89,9 @@ def test_study_v6_noise_free_arms_differ_from_the_noisy_ones_only_in_the_trainin
             assert exact.train.output_dir == f"runs/study/regression-exact{tokenizer_axis}/{arm}"
             assert [s.path for s in exact.data.sources] == [s.path.replace("/regression/", "/regression-exact/")
                                                             for s in noisy.data.sources]  # fmt: skip
-            assert [s.path for s in exact.data.validation] == ["pkg:ntl_pretrain/corpus/regression-exact/validation.jsonl"]
-            assert [s.path for s in exact.eval.qa_sets] == ["pkg:ntl_pretrain/corpus/regression/interpolation.jsonl"]
+            assert [s.path for s in exact.data.validation] == [f"{CORPUS}regression-exact/validation.jsonl"]
+            assert [s.path for s in exact.eval.qa_sets] == [f"{CORPUS}regression/interpolation.jsonl"]
             differing = ("data.sources", "data.validation", "train.output_dir")
             assert without(exact, *differing) == without(noisy, *differing)
-            exact_source, noisy_source = dataclasses.asdict(exact.data.sources[0]), dataclasses.asdict(noisy.data.sources[0])
-            assert {k: v for k, v in exact_source.items() if k != "path"} == {
-                k: v for k, v in noisy_source.items() if k != "path"}
+            sources = [dataclasses.asdict(recipe.data.sources[0]) for recipe in (exact, noisy)]
+            assert sources[0] | {"path": sources[1]["path"]} == sources[1]  # only the file differs

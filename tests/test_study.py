@@ -600,6 +600,7 @@ def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys,
     assert (tmp_path / "study-runs.csv").is_file() and (tmp_path / "study.png").is_file()
     timings = [json.loads(path.read_text()) for path in runs_dir.glob("*/study.json")]
     assert len(timings) == 4 and {timing["device"] for timing in timings} == {"cuda (NVIDIA H200)"}
-    assert "- Device (the `device` field of each run's study.json): cuda (NVIDIA H200) 4 runs." in (
-        tmp_path / "study.md"
-    ).read_text()
+    assert (
+        "- Device (the `device` field of each run's study.json): cuda (NVIDIA H200) 4 runs."
+        in (tmp_path / "study.md").read_text()
+    )

@@ -374,9 +374,11 @@ def _device_line(runs: list[StudyRun]) -> str:
     for run in runs:
         device = run.timing().get("device", "not recorded")
         counts[device] = counts.get(device, 0) + 1
-    return "- Device (the `device` field of each run's study.json): " + "; ".join(
-        f"{device} {count} run{'s' * (count != 1)}" for device, count in counts.items()
-    ) + "."
+    return (
+        "- Device (the `device` field of each run's study.json): "
+        + "; ".join(f"{device} {count} run{'s' * (count != 1)}" for device, count in counts.items())
+        + "."
+    )
 
 
 def _recipes_folder(runs: list[StudyRun]) -> Path:
