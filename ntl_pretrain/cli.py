@@ -17,10 +17,13 @@ from typing import NamedTuple
 
 from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe
 from ntl_pretrain.config.recipe import Recipe, RecipeError
-from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, run_reporting
+from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, keep_standard_streams_open, run_reporting
 from ntl_pretrain.outputs import check_output
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
+# Commands that load torch, DeepSpeed and transformers: once they said their last line, the process ends at once,
+# without the interpreter's teardown of those libraries (seconds on a busy machine, silent: a command seemed hung).
+ENDS_AT_ONCE = ("train", "export", "convert-gguf", "eval")
 
 
 class Delegated(NamedTuple):
@@ -37,7 +40,7 @@ class Delegated(NamedTuple):
 DELEGATED_COMMANDS = {
     "eval": Delegated("ntl_pretrain.evaluation.arguments",
                       "validation CE/NTL and numeric generation metrics of a model",
-                      "ntl_pretrain.evaluation.commands:run_eval"),
+                      "ntl_pretrain.evaluation.arguments:run"),
     "plot": Delegated("ntl_pretrain.plot", "loss, CE, NTL and numeric metrics of several runs in one PNG"),
     "study": Delegated("ntl_pretrain.study.arguments", "CE vs CE+NTL: train every variant x seed, evaluate, report",
                        "ntl_pretrain.study.commands:run_study"),
@@ -104,6 +107,17 @@ def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> Re
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Before launch and after, a console that fails (`| head`, `2>&-`, a full disk) costs lines, not the run; the
+    dry run's output is data, so a closed pipe ends it."""
+    from ntl_pretrain.reporting.console import lossy_console
+
+    if args.dry_run:
+        return _checked_and_launched(args)
+    with lossy_console():
+        return _checked_and_launched(args)
+
+
+def _checked_and_launched(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
     load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
@@ -198,15 +212,20 @@ def launch_environment(device: str) -> dict[str, str]:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    """Its first line at once for a step folder (anything else is refused in one line), then the stage under way
+    every few seconds (`ongoing`)."""
     check_output("out_dir", Path(args.out_dir), [args.checkpoint_dir], args.overwrite, folder=True)
-    if (Path(args.checkpoint_dir) / "hf_config").is_dir():  # a step folder (else export refuses it, in one line)
-        print(f"ntl-pretrain export: {args.checkpoint_dir} -> {args.out_dir}: loading the libraries, checking the "
-              f"checksums, gathering the weights, writing safetensors", file=sys.stderr, flush=True)  # fmt: skip
-    from ntl_pretrain.export.hf_folder import export_checkpoint
-    from ntl_pretrain.reporting.console import stdout_to_stderr
+    step_folder = (Path(args.checkpoint_dir) / "hf_config").is_dir()
+    from ntl_pretrain.reporting.console import ongoing, stdout_to_stderr
 
-    with stdout_to_stderr():  # stdout carries the folder only
-        folder = export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype)
+    what = f"{args.checkpoint_dir} -> {args.out_dir}"
+    with stdout_to_stderr(), ongoing(what, prefix="ntl-pretrain export: ", at_once=step_folder) as stage:
+        stage("loading the libraries")  # stdout carries the folder only
+        from ntl_pretrain.export.hf_folder import export_checkpoint
+        from ntl_pretrain.reporting.console import no_library_progress_bars
+
+        with no_library_progress_bars():
+            folder = export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype, stage=stage)
     print(folder)
     return 0
 
@@ -222,8 +241,10 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
     with stdout_to_stderr(), ongoing(what, prefix="ntl-pretrain convert-gguf: ", at_once=True) as stage:
         stage("loading the libraries")  # stdout carries the folder only
         from ntl_pretrain.export.hf_folder import convert_gguf
+        from ntl_pretrain.reporting.console import no_library_progress_bars
 
-        folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, stage=stage)
+        with no_library_progress_bars():
+            folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, stage=stage)
     print(folder)
     return 0
 
@@ -336,12 +357,26 @@ def _delegated_to_register(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(_delegated_to_register(argv))
+    """The command's exit code; run as the program (`argv` None), a command of ENDS_AT_ONCE ends the process."""
+    keep_standard_streams_open()
+    parser = build_parser(_delegated_to_register(sys.argv[1:] if argv is None else argv))
     # Overrides may follow options (`train R --nproc 2 a.b=1`), which argparse cannot take as positionals.
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
-    return run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False))
+    code = run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False))
+    if argv is None and args.command in ENDS_AT_ONCE:
+        _end_process(code)
+    return code
+
+
+def _end_process(code: int) -> None:
+    """Exit now, with what was printed flushed: everything the command owns is on disk and its children are gone."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
 
 
 def module_main(command: str) -> int:

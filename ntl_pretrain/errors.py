@@ -95,6 +95,25 @@ def run_reporting(command: str, run: Callable[[], int | None], verbose: bool = F
         return EXIT_FAILED
 
 
+def keep_standard_streams_open() -> None:
+    """A command started with stdin, stdout or stderr closed (`2>&-`, as some daemonised jobs run) gets /dev/null in
+    its place. Left closed, the number is taken by the next file or pipe the command opens, and what it prints lands
+    there (the supervisor's relay would copy the run's output into its own pipe); Python's sys.stderr is None then,
+    which crashed the first `isatty()`."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stream, never closed
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
 def _detach_console() -> None:
     """Point stdout and stderr at /dev/null, so that Python's flush at exit does not fail on the closed pipe again."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -117,7 +136,10 @@ def describe(error: Exception) -> str:
 def _say(command: str, message: str, suffix: str = "") -> None:
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 3] + "..."
-    print(f"ntl-pretrain {command}: {message}{suffix}", file=sys.stderr, flush=True)
+    try:
+        print(f"ntl-pretrain {command}: {message}{suffix}", file=sys.stderr, flush=True)
+    except OSError:  # a closed or full console: the exit code still says it
+        _detach_console()
 
 
 def _log_traceback(command: str) -> str:

@@ -145,17 +145,17 @@ def test_the_launchers_error_line_for_a_graceful_stop_is_not_copied_and_other_co
     assert copied == f"step 5\nsaved\n{launcher}1\n{launcher}750\n"
 
 
-def test_the_supervisor_says_the_run_is_starting_until_its_first_output(tmp_path):
-    """The ranks' start-up (imports, model) is silent for 30 s and more: until the run writes its first byte, a line
-    every tick says it is still starting; after that, none (issue 42: no silence longer than a few seconds)."""
-    run = "import time; time.sleep(2.6); print('rank: step 1', flush=True); time.sleep(2.6)"
+def test_once_the_ranks_reported_and_exited_the_launchers_teardown_is_cut_short():
+    """DeepSpeed's runner and launch.py poll their children every second and then tear torch down: 11-43 s after the
+    run's last line on a busy machine (issue 59). The "launcher" here reports the ranks' outcome, as the last rank
+    does, then takes a minute to exit; the supervisor ends it and exits 0 at once. The other silences are filled
+    (tests/test_console_cadence.py)."""
+    run = "import time; from ntl_pretrain.runtime import lifeline; lifeline.report_outcome(True); " \
+        "print('ntl-pretrain: done', flush=True); time.sleep(600)"  # fmt: skip
     launcher = [sys.executable, "-c", run]
     supervisor = "import sys; from ntl_pretrain.runtime.supervisor import supervise; " \
-        f"sys.exit(supervise({launcher!r}, grace_seconds=30, startup_tick_s=1.0))"  # fmt: skip
+        f"sys.exit(supervise({launcher!r}, grace_seconds=30))"  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", supervisor], capture_output=True, text=True, env=env,
-                          timeout=TIMEOUT_S)  # fmt: skip
-    ticks = [line for line in done.stderr.splitlines() if line.startswith("ntl-pretrain: still starting (")]
-    assert done.returncode == 0 and done.stdout == "rank: step 1\n", done.stderr
-    assert 2 <= len(ticks) <= 3, done.stderr  # at 1 and 2 s (and perhaps 2.6), none in the 2.6 s after the output
-    assert ticks[0] == "ntl-pretrain: still starting (1 s): the ranks import torch and DeepSpeed, then build the model"
+                          timeout=TIMEOUT_S)  # a teardown waited for would take 10 min  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "ntl-pretrain: done\n", done.stderr

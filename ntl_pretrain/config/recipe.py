@@ -278,6 +278,10 @@ class LoggingConfig:
     console_every_steps: int = 10
     """Off a terminal, or with `progress_bar: false`: one line with the bar's fields every this many steps, plus the
     run's first and last step (every step is in metrics.jsonl); 0 = those two only."""
+    console_every_seconds: float = 4.0
+    """The longest rank 0's console stays silent, whatever a step takes: the last step's line if it was not printed,
+    else what is under way and for how long (`step 41/300 under way (8 s)`); on a terminal the bar is redrawn. 0 =
+    steps alone decide."""
     verbose: bool = False
     """Console: false shows the progress bar, rank 0's lines and warnings, and errors from every rank; true also
     shows the launcher's INFO lines, the other ranks' warnings and DeepSpeed's use of deprecated torch collectives."""
@@ -303,6 +307,8 @@ class LoggingConfig:
                              f"{self.profile_steps}")  # fmt: skip
         if self.console_every_steps < 0:
             raise ValueError(f"console_every_steps: must be >= 0, got {self.console_every_steps}")
+        if self.console_every_seconds < 0:
+            raise ValueError(f"console_every_seconds: must be >= 0, got {self.console_every_seconds}")
         if self.peak_flops_per_device is not None and self.peak_flops_per_device <= 0:
             raise ValueError(f"peak_flops_per_device: must be > 0 or null, got {self.peak_flops_per_device}")
 

@@ -4,6 +4,9 @@ transformers): `ntl-pretrain eval --help` and a mistyped flag answer at once."""
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import sys
 from pathlib import Path
 
 from ntl_pretrain.evaluation.config import EvalConfig
@@ -43,3 +46,19 @@ def register(subparsers: argparse._SubParsersAction, summary: str | None = None)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out / --answers file (never one of the inputs)")  # fmt: skip
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by `deepspeed`
+
+
+def run(args: argparse.Namespace) -> int:
+    """`ntl-pretrain eval`: torch and transformers load, and every input is checked, for seconds to a minute before
+    the evaluation's own first line; a line every few seconds says so (rank 0), while a quick refusal stays the only
+    line (`console.ongoing`)."""
+    from ntl_pretrain.reporting.console import ongoing
+
+    console = sys.stderr if os.environ.get("RANK", "0") == "0" else io.StringIO()
+    with ongoing(args.target, "ntl-pretrain eval: ", console) as stage:
+        stage("loading the libraries")
+        from ntl_pretrain.evaluation.commands import checked_arguments, run_eval
+
+        stage("checking the arguments and the model folder")
+        checked = checked_arguments(args)
+    return run_eval(args, checked)

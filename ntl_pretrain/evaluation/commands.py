@@ -9,10 +9,12 @@ metrics.jsonl so that `ntl-pretrain plot` shows it beside the training curves. s
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,10 +39,12 @@ from ntl_pretrain.evaluation.model_folder import (
 )
 from ntl_pretrain.evaluation.validation import validation_metrics
 from ntl_pretrain.outputs import check_output, write_text
-from ntl_pretrain.reporting.console import stdout_to_stderr
+from ntl_pretrain.reporting.console import no_library_progress_bars, ongoing, stdout_to_stderr
 from ntl_pretrain.reporting.metrics import open_for_append
 from ntl_pretrain.runtime.process_group import bind_local_device, default_backend
 from ntl_pretrain.tokenizer import resolve_path
+
+EVAL_PREFIX = "ntl-pretrain eval: "
 
 
 def evaluate_target(
@@ -50,29 +54,31 @@ def evaluate_target(
     ntl_kind: str = "was",
     answers_out: Path | None = None,
     per_document_attention: bool | None = None,
+    stage: Callable[..., None] = lambda *_, **__: None,
 ) -> dict:
     """Evaluate a run directory, checkpoint or HF folder; call on every rank of a launch (or without one).
 
     Validation uses `cfg.validation`, else the run's `data.validation`; none for a bare HF folder without
     `cfg.validation`. `seq_len` and `per_document_attention` default to the run's `data` settings (512 and false
     for an HF folder). `answers_out`: also write every question's generated answer there (jsonl, question order),
-    to see which answers were wrong and how.
+    to see which answers were wrong and how. `stage(what, say=True)` is told each stage (`console.ongoing`).
     """
     target = resolve_target(path)
     with tempfile.TemporaryDirectory(prefix="ntl-eval-") as scratch:
         if target.hf_folder is None:
-            _say(f"exporting {target.checkpoint} to a temporary HF folder")
-            target = _export_on_rank0(target, Path(scratch))
+            stage(f"exporting {target.checkpoint} to a temporary HF folder", say=True)
+            target = _export_on_rank0(target, Path(scratch), stage)
+        stage("loading the model", say=True)
         model, tokenizer = _load(target.hf_folder)
         record: dict = {"step": target.step, "split": "eval", "model": str(path)}
         data = _validation_data(target, cfg, seq_len, per_document_attention)
         if data is not None:
-            _say(f"validating on {', '.join(source.label for source in data.validation)}")
+            stage(f"validating on {', '.join(source.label for source in data.validation)}", say=True)
             record.update(validation_metrics(model, tokenizer, data.validation, seq_len=data.seq_len,
                                              max_batches=cfg.max_validation_batches, ntl_kind=ntl_kind,
                                              per_document_attention=data.per_document_attention))  # fmt: skip
-        _say(f"answering {', '.join(qa.label for qa in cfg.qa_sets)} (greedy, batches of {cfg.batch_size})")
-        answered = answer_sets(model, tokenizer, cfg, progress=_is_rank0())
+        stage(f"answering {', '.join(qa.label for qa in cfg.qa_sets)} (greedy, batches of {cfg.batch_size})", say=True)
+        answered = answer_sets(model, tokenizer, cfg, progress=stage)
         record.update(summarise_sets(answered))
         if answers_out is not None:
             _write_answers(gather_answers(answered), answers_out)
@@ -83,12 +89,6 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _say(message: str) -> None:
-    """Progress on stderr, rank 0 only: stdout carries the record."""
-    if _is_rank0():
-        print(f"ntl-pretrain: eval: {message}", file=sys.stderr, flush=True)
-
-
 def _write_answers(answered: dict, path: Path) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
@@ -96,12 +96,12 @@ def _write_answers(answered: dict, path: Path) -> None:
     write_text(path, "".join(json.dumps(record) + "\n" for record in answer_records(answered)))
 
 
-def _export_on_rank0(target: Target, scratch: Path) -> Target:
+def _export_on_rank0(target: Target, scratch: Path, stage: Callable[[str], None]) -> Target:
     """One rank writes the HF folder; the others wait and read it (same machine: `scratch` is rank 0's)."""
     distributed = dist.is_initialized()
     folder = [None]
     if not distributed or dist.get_rank() == 0:
-        folder = [str(export_for_eval(target, scratch).hf_folder)]
+        folder = [str(export_for_eval(target, scratch, stage).hf_folder)]
     if distributed:
         dist.broadcast_object_list(folder, src=0)
     return Target(Path(folder[0]), target.checkpoint)
@@ -200,16 +200,18 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
     return target, cfg
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    target, cfg = checked_arguments(args)
+def run_eval(args: argparse.Namespace, checked: tuple[Target, EvalConfig] | None = None) -> int:
+    """`checked`: what `checked_arguments(args)` returned, when the caller checked them already."""
+    target, cfg = checked or checked_arguments(args)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         bind_local_device()
         dist.init_process_group(default_backend())
     try:
-        with stdout_to_stderr():  # stdout carries the record only
+        console = sys.stderr if _is_rank0() else io.StringIO()  # progress on stderr, rank 0's: stdout is the record
+        with stdout_to_stderr(), no_library_progress_bars(), ongoing(args.target, EVAL_PREFIX, console) as stage:
             record = evaluate_target(
-                args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention
+                args.target, cfg, args.seq_len, args.ntl_kind, args.answers, args.per_document_attention, stage
             )
         if not distributed or dist.get_rank() == 0:
             _publish(record, args)

@@ -18,13 +18,12 @@ Shapes: B prompts in a batch, P padded prompt length, N = P + generated tokens.
 from __future__ import annotations
 
 import math
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ntl_pretrain.evaluation.answers import digit_matches, parse_answer, parse_reference, read_qa_file
@@ -174,17 +173,20 @@ def answer_rank_share(
     tokenizer: PreTrainedTokenizerBase,
     examples: list[QaExample],
     cfg: EvalConfig,
-    progress: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Answered]:
-    """This rank's examples (every world-th), answered in equally many batches on every rank; `progress`: show a
-    bar on stderr with this label."""
+    """This rank's examples (every world-th), answered in equally many batches on every rank; `progress` is told
+    each batch as it starts (`batch 3 of 10`)."""
     rank, world = _rank_and_world()
     mine = examples[rank::world]
     per_rank = -(-len(examples) // world)
     filler = [examples[0]] * (per_rank - len(mine)) if examples else []  # answered for lockstep, then dropped
     padded = mine + filler
     generated = []
-    for start in tqdm(range(0, per_rank, cfg.batch_size), desc=progress, disable=progress is None, file=sys.stderr):
+    starts = range(0, per_rank, cfg.batch_size)
+    for index, start in enumerate(starts):
+        if progress is not None:
+            progress(f"batch {index + 1} of {len(starts)}")
         batch = padded[start : start + cfg.batch_size]
         prompts = [cfg.prompt_template.format(question=example.question) for example in batch]
         generated += generate_batch(model, tokenizer, prompts, cfg, synced=world > 1)
@@ -202,22 +204,29 @@ def generation_metrics(
 
 
 def answer_sets(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig, progress: bool = False
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: EvalConfig,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, list[Answered]]:
     """This rank's answers (every world-th question) to every Q/A set of `cfg`, by set label; call on every rank.
-    `progress`: a bar per set on stderr (`ntl-pretrain eval`'s rank 0; the trainer prints its own lines)."""
+    `progress` is told the set and batch under way (`ntl-pretrain eval`; the trainer prints its own lines)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             return {
                 qa.label: answer_rank_share(
-                    model, tokenizer, load_qa_set(qa, cfg.max_examples), cfg, qa.label if progress else None
+                    model, tokenizer, load_qa_set(qa, cfg.max_examples), cfg, _labelled(progress, qa.label)
                 )
                 for qa in cfg.qa_sets
             }
     finally:
         model.train(was_training)
+
+
+def _labelled(progress: Callable[[str], None] | None, label: str) -> Callable[[str], None] | None:
+    return None if progress is None else lambda what: progress(f"answering {label}: {what}")
 
 
 def summarise_sets(answered: dict[str, list[Answered]], prefix: str = "eval/") -> dict[str, float]:

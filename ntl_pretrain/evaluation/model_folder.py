@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,12 +102,13 @@ def check_seq_len(config: dict | None, seq_len: int | None, max_new_tokens: int 
                              f"model's {key} ({limit})")  # fmt: skip
 
 
-def export_for_eval(target: Target, out_dir: Path) -> Target:
+def export_for_eval(target: Target, out_dir: Path, stage: Callable[[str], None] = lambda _: None) -> Target:
     """Write the checkpoint's fp32 master weights as an HF folder (evaluation never rounds to bf16); the eval
-    command verified the checkpoint already."""
+    command verified the checkpoint already. `stage` is told each step of the export."""
     from ntl_pretrain.export.hf_folder import export_checkpoint
 
-    return Target(export_checkpoint(target.checkpoint, out_dir, dtype="float32", verify=False), target.checkpoint)
+    folder = export_checkpoint(target.checkpoint, out_dir, dtype="float32", verify=False, stage=stage)
+    return Target(folder, target.checkpoint)
 
 
 def saved_recipe(target: Target) -> dict:

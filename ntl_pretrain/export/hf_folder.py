@@ -32,11 +32,17 @@ WRAPPER_PREFIX = "lm."  # CausalLMWithLoss keeps the HF model under this attribu
 
 
 def export_checkpoint(
-    checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "auto", verify: bool = True
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str = "auto",
+    verify: bool = True,
+    stage: Callable[[str], None] = lambda _: None,
 ) -> Path:
     """Write `out_dir` as an HF folder holding the checkpoint's weights; `auto` = the run's training precision.
-    `verify`: check the folder against its manifest first (False when the caller just did)."""
+    `verify`: check the folder against its manifest first (False when the caller just did). `stage(what)` is told
+    each step (minutes for a large model); DeepSpeed's reader, which prints each of its own, is kept quiet."""
     from ntl_pretrain.config.deepspeed import deepspeed_on_this_machine
+    from ntl_pretrain.reporting.console import prints_kept_off_the_console
 
     with deepspeed_on_this_machine():  # no "Setting accelerator to CPU" warning on a machine without a GPU
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -45,12 +51,18 @@ def export_checkpoint(
     if not (folder / HF_CONFIG).is_dir():
         raise FileNotFoundError(f"{folder} is not a checkpoint step folder (no hf_config/ inside)")
     if verify:
+        stage("checking the checksums")
         verify_before_reading(folder)
-    state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    stage("gathering the fp32 weights from the ZeRO shards")
+    with prints_kept_off_the_console():
+        state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     lm_state = {key[len(WRAPPER_PREFIX) :]: value for key, value in state.items() if key.startswith(WRAPPER_PREFIX)}
+    stage("building the model from its config")
     config = _without_quantization(AutoConfig.from_pretrained(folder / HF_CONFIG))  # a run from a converted GGUF
     model = model_from_state(config, lm_state, str(folder), saved_output_matrix(folder))
-    model.to(DTYPES[_resolve_dtype(dtype, folder)])
+    dtype = _resolve_dtype(dtype, folder)
+    model.to(DTYPES[dtype])
+    stage(f"writing {dtype} safetensors")
     return _save(model, AutoTokenizer.from_pretrained(folder / TOKENIZER), Path(out_dir))
 
 

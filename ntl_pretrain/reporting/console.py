@@ -3,7 +3,10 @@ end-of-run summary. Everything goes to stderr, each line starting `ntl-pretrain:
 
 Progress: on a terminal with `logging.progress_bar: true`, a tqdm bar. Anywhere else (Slurm logs, `nohup`, a pipe),
 or with the bar off, a plain line every `logging.console_every_steps` steps, plus the first and last step: a bar
-redrawn into a file becomes one line of tens of thousands of characters.
+redrawn into a file becomes one line of tens of thousands of characters. Whatever the step's speed, a line at least
+every `logging.console_every_seconds`: the last step's line when it was not said, else what is under way and for
+how long (`step 41/300 under way (8 s)`, `saving checkpoint step 40 (6 s)`); on a terminal the bar's clock moves.
+A console that fails (a closed pipe, a full disk) costs lines, never the run.
 
 A run that ends early ends with one line of its own, after the launcher's lines: `ntl-pretrain train` repeats the
 stop line (`stop_line`) or the failing rank's line (`failure_line`, whose traceback goes to a log file). Commands
@@ -44,10 +47,79 @@ def whole_lines(streams: tuple[TextIO, ...] = ()) -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def on_terminal(stream: TextIO) -> bool:
+def on_terminal(stream: TextIO | None) -> bool:
     """Whether `stream` reaches a terminal: itself, or (a rank's stdout under `ntl-pretrain train`) through the
-    supervisor's console relay, which says so in the environment."""
-    return stream.isatty() or os.environ.get(CONSOLE_TTY_ENV) == "1"
+    supervisor's console relay, which says so in the environment. None (a closed stderr: `2>&-`) is no terminal."""
+    return is_a_terminal(stream) or os.environ.get(CONSOLE_TTY_ENV) == "1"
+
+
+def is_a_terminal(stream: TextIO | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError):  # closed
+        return False
+
+
+def write_or_drop(stream: TextIO | None, text: str) -> bool:
+    """Write and flush `text`; False, having written nothing more, when the console cannot take it (None: a closed
+    stderr; EPIPE: `| head` closed it; ENOSPC: /dev/full; EIO: the terminal is gone). A line is never worth a run."""
+    if stream is None:
+        return False
+    try:
+        stream.write(text)
+        stream.flush()
+        return True
+    except (OSError, ValueError):  # ValueError: the stream was closed
+        return False
+
+
+class LossyStream(io.TextIOBase):
+    """A console stream that drops what it cannot take: after the first failed write or flush (EPIPE, ENOSPC, EIO)
+    its file descriptor is pointed at /dev/null, so that neither a later line, a child that inherits it, nor
+    Python's flush at exit fails on it again."""
+
+    def __init__(self, stream: TextIO):
+        super().__init__()
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            self.stream.write(text)
+        except (OSError, ValueError):
+            self._give_up()
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            self._give_up()
+
+    def isatty(self) -> bool:
+        return is_a_terminal(self.stream)
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def _give_up(self) -> None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+            self.stream.flush()  # what it held goes to /dev/null now
+        except (OSError, ValueError):
+            pass
+
+
+@contextlib.contextmanager
+def lossy_console() -> Iterator[None]:
+    """Inside, this process's stdout and stderr cost lines, never the command, when the console fails."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = LossyStream(sys.stdout), LossyStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def startup_line(parameters: int, world_size: int, micro_batch: int, global_batch: int, grad_accum: int,
@@ -121,8 +193,9 @@ ERASE_LINE = "\r\033[K"
 
 @contextlib.contextmanager
 def ongoing(what: str, prefix: str = PREFIX, stream: TextIO | None = None, at_once: bool = False,
-            tick_s: float = TICK_S) -> Iterator[Callable[[str], None]]:  # fmt: skip
-    """Say what a slow command does while it does it: the block calls the function it is given with each stage.
+            tick_s: float = TICK_S) -> Iterator[Callable[..., None]]:  # fmt: skip
+    """Say what a slow command does while it does it: the block calls the function it is given with each stage
+    (`stage(name, say=True)`: a stage worth a line of its own off a terminal too, said at once).
 
     On a terminal: one line at once, rewritten at each stage and every `tick_s` with the time so far, erased at the
     end (success or refusal), so that a refusal after it reads as one line. Off a terminal (a log, a pipe): a line
@@ -130,7 +203,7 @@ def ongoing(what: str, prefix: str = PREFIX, stream: TextIO | None = None, at_on
     ends sooner,
     so that a quick answer (a refusal) stays the only line, the log shows where the time went, and it is never
     silent for long."""
-    stream = stream or sys.stderr
+    stream = stream if stream is not None else sys.stderr
     line = _OngoingLine(what, prefix, stream, at_once, tick_s)
     ticking = threading.Thread(target=line.tick, daemon=True, name="ntl-ongoing")
     ticking.start()
@@ -142,9 +215,9 @@ def ongoing(what: str, prefix: str = PREFIX, stream: TextIO | None = None, at_on
 
 
 class _OngoingLine:
-    def __init__(self, what: str, prefix: str, stream: TextIO, at_once: bool, tick_s: float):
+    def __init__(self, what: str, prefix: str, stream: TextIO | None, at_once: bool, tick_s: float):
         self.what, self.prefix, self.stream, self.tick_s = what, prefix, stream, tick_s
-        self.terminal = stream.isatty()
+        self.terminal = is_a_terminal(stream)
         self.started = self.said = time.monotonic()
         self.current, self.drawn, self.at_once = "", False, at_once
         self.done = threading.Event()
@@ -152,10 +225,10 @@ class _OngoingLine:
         if self.terminal:
             self._say()
 
-    def stage(self, name: str) -> None:
+    def stage(self, name: str, say: bool = False) -> None:
         with self.lock:
             self.current = name
-            if self.terminal or (self.at_once and not self.drawn):
+            if self.terminal or say or (self.at_once and not self.drawn):
                 self._say()
 
     def tick(self) -> None:
@@ -168,16 +241,14 @@ class _OngoingLine:
         with self.lock:
             self.done.set()
             if self.terminal and self.drawn:
-                self.stream.write(ERASE_LINE)
-                self.stream.flush()
+                write_or_drop(self.stream, ERASE_LINE)
 
     def _say(self) -> None:
         elapsed = time.monotonic() - self.started
         text = self.prefix + self.what + (f": {self.current}" if self.current else "")
         text += f" ({elapsed:.0f} s)" if elapsed >= 1 else ""
         redraw = ERASE_LINE if self.drawn else ""
-        self.stream.write(redraw + text if self.terminal else text + "\n")
-        self.stream.flush()
+        write_or_drop(self.stream, redraw + text if self.terminal else text + "\n")
         self.said, self.drawn = time.monotonic(), True
 
 
@@ -197,6 +268,62 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+@contextlib.contextmanager
+def prints_kept_off_the_console() -> Iterator[None]:
+    """Inside, Python-level prints and default progress bars (tqdm writes to sys.stderr) go nowhere: for library code
+    that narrates on its own (DeepSpeed's checkpoint reader prints every stage and draws two bars), while `ongoing`,
+    which holds the real stream, says what is under way."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+@contextlib.contextmanager
+def no_library_progress_bars() -> Iterator[None]:
+    """transformers' bars (loading weights, writing shards) off: a redrawn bar is one long line in a log, and on a
+    terminal it would fight `ongoing`'s line."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def library_lines_to(log: Path, enabled: bool = True) -> Iterator[None]:
+    """Rank 0 of a run off a terminal: DeepSpeed's and transformers' log lines and Python warnings go to `log` (the
+    run's logs/ folder), and transformers' progress bars are off, so that the console holds the run's own lines."""
+    if not enabled:
+        yield
+        return
+    import logging
+    import warnings
+
+    from deepspeed.utils import logger as deepspeed_logger
+    from transformers.utils import logging as transformers_logging
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    loggers = [deepspeed_logger, transformers_logging.get_logger(), logging.getLogger("py.warnings")]
+    saved = [(logger, logger.handlers[:], logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+    with no_library_progress_bars(), warnings.catch_warnings():
+        logging.captureWarnings(True)
+        try:
+            yield
+        finally:
+            logging.captureWarnings(False)
+            for logger, handlers, propagate in saved:
+                logger.handlers[:], logger.propagate = handlers, propagate
+            handler.close()
+
+
 def duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -204,47 +331,122 @@ def duration(seconds: float) -> str:
 
 
 class RunConsole:
-    """Rank 0 prints; on other ranks every method does nothing, so call sites need no rank checks."""
+    """Rank 0 prints; on other ranks every method does nothing, so call sites need no rank checks.
+
+    `every_seconds` (0: off): the longest the console stays silent, kept by a thread that wakes `TICKS_PER_PERIOD`
+    times a period (`tick`). `clock` is the time source (tests pass a fake one and call `tick` themselves)."""
+
+    TICKS_PER_PERIOD = 8
 
     def __init__(self, *, enabled: bool, total_steps: int, first_step: int, first_tokens: int, progress_bar: bool,
-                 every_steps: int, stream: TextIO | None = None):  # fmt: skip
+                 every_steps: int, every_seconds: float = 0.0, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic, ticking: bool = True):  # fmt: skip
         self.enabled, self.total_steps, self.every_steps = enabled, total_steps, every_steps
-        self.stream = stream or sys.stderr
+        self.every_seconds, self.clock = every_seconds, clock
+        self.stream = stream if stream is not None else sys.stderr
         # The summary's throughput counts this session only (a resumed run started at `first_step`).
-        self.first_step, self.first_tokens, self.started = first_step, first_tokens, time.monotonic()
+        self.first_step, self.first_tokens, self.started = first_step, first_tokens, clock()
         self.last_train: dict | None = None
+        self.unsaid_step: dict | None = None  # the last step's record when its line was not printed
         self.last_validation: dict | None = None
         self.peak_mem_mib = 0.0
+        self.said_at = self.started
+        self.activity, self.activity_since = self._next_step(first_step), self.started
+        self.lock = threading.RLock()  # the ticking thread and the training loop print through it
         self.bar = None
         if enabled and progress_bar and on_terminal(self.stream):
             self.bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, file=self.stream)
+        self.closed = threading.Event()
+        if enabled and every_seconds > 0 and ticking:
+            threading.Thread(target=self._tick_until_closed, daemon=True, name="ntl-console").start()
 
     def say(self, message: str) -> None:
         """One line of its own, above the bar when there is one."""
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.write(PREFIX + message, file=self.stream)
-        else:
-            print(PREFIX + message, file=self.stream, flush=True)
+        with self.lock:
+            if self.bar is not None:
+                try:
+                    self.bar.write(PREFIX + message, file=self.stream)
+                except (OSError, ValueError):
+                    pass
+            else:
+                write_or_drop(self.stream, PREFIX + message + "\n")
+            self.said_at = self.clock()
 
     def step(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.last_train = record
-        self.peak_mem_mib = max(self.peak_mem_mib, record["peak_mem_mib"])
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix_str(step_fields(record), refresh=False)
-            return
+        with self.lock:
+            self.last_train = record
+            self.peak_mem_mib = max(self.peak_mem_mib, record["peak_mem_mib"])
+            step = record["step"]
+            self.activity, self.activity_since = self._next_step(step), self.clock()
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix_str(step_fields(record), refresh=False)
+                return
+            due = self.every_steps and step % self.every_steps == 0
+            if due or step in (self.first_step + 1, self.total_steps) or self._silent_too_long():
+                self._say_step(record)
+            else:
+                self.unsaid_step = record
+
+    def _say_step(self, record: dict) -> None:
         step = record["step"]
-        due = self.every_steps and step % self.every_steps == 0
-        if due or step in (self.first_step + 1, self.total_steps):
-            self.say(f"step {step}/{self.total_steps} {step_fields(record)}; {self._timing(step)}")
+        self.say(f"step {step}/{self.total_steps} {step_fields(record)}; {self._timing(step)}")
+        self.unsaid_step = None
+
+    @contextlib.contextmanager
+    def doing(self, activity: str) -> Iterator[None]:
+        """Say `activity` (seconds to minutes between steps: a save, an evaluation) before it starts; while it lasts,
+        the ticking line names it (not the step before it, whose line would then come after this one)."""
+        if not self.enabled:
+            yield
+            return
+        with self.lock:
+            self.say(activity)
+            self.activity, self.activity_since, self.unsaid_step = activity, self.clock(), None
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.activity = self._next_step((self.last_train or {"step": self.first_step})["step"])
+                self.activity_since = self.clock()
+
+    def _next_step(self, step: int) -> str:
+        """What comes after `step`: the next step, or after the last one the run's end (saving, summary)."""
+        return f"step {step + 1}/{self.total_steps} under way" if step < self.total_steps else "ending the run"
+
+    def tick(self) -> None:
+        """After `every_seconds` without a line: the last step's line when it was not said, else what is under way
+        and for how long; with a bar, a redraw (its clock moves)."""
+        if not self.enabled or self.every_seconds <= 0:
+            return
+        with self.lock:
+            if not self._silent_too_long():
+                return
+            if self.bar is not None:
+                try:
+                    self.bar.refresh()
+                except (OSError, ValueError):
+                    pass
+                self.said_at = self.clock()
+            elif self.unsaid_step is not None:
+                self._say_step(self.unsaid_step)
+            else:
+                self.say(f"{self.activity} ({self.clock() - self.activity_since:.0f} s)")
+
+    def _silent_too_long(self) -> bool:
+        return self.every_seconds > 0 and self.clock() - self.said_at >= self.every_seconds
+
+    def _tick_until_closed(self) -> None:
+        while not self.closed.wait(self.every_seconds / self.TICKS_PER_PERIOD):
+            self.tick()
 
     def _timing(self, step: int) -> str:
         """Elapsed time of this session and the time left at its pace so far (the bar shows its own)."""
-        elapsed = time.monotonic() - self.started
+        elapsed = self.clock() - self.started
         left = elapsed / max(step - self.first_step, 1) * (self.total_steps - step)
         return f"{duration(elapsed)} elapsed, ETA {duration(left)}"
 
@@ -258,7 +460,7 @@ class RunConsole:
         if not self.enabled or self.last_train is None:
             return
         self.close_bar()
-        train, seconds = self.last_train, time.monotonic() - self.started
+        train, seconds = self.last_train, self.clock() - self.started
         tokens = train["tokens"] - self.first_tokens
         parts = f"ce {train['ce']:.4f}, ntl {train['ntl']:.4f}{_aux_field(train, ', ')}"
         losses = f"train loss {train['loss']:.4f} ({parts})"
@@ -275,6 +477,15 @@ class RunConsole:
 
     def close_bar(self) -> None:
         """End the bar's line, so that what follows starts on a line of its own."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        with self.lock:
+            if self.bar is not None:
+                try:
+                    self.bar.close()
+                except (OSError, ValueError):
+                    pass
+                self.bar = None
+
+    def close(self) -> None:
+        """The end of the run's lines: no bar, no ticking."""
+        self.closed.set()
+        self.close_bar()

@@ -22,6 +22,7 @@ import time
 MAX_BUFFERED_BYTES = 4 << 20
 FLUSH_TIMEOUT_S = 2.0
 READ_BYTES = 1 << 16
+OWN_LINE = b"ntl-pretrain: "
 CONSOLE_TTY_ENV = "NTL_PRETRAIN_CONSOLE_TTY"
 """Set to 1 in the ranks' environment when the console they write to (through the relay) is a terminal."""
 
@@ -38,7 +39,8 @@ class ConsoleRelay:
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self.dropped_bytes = 0
-        self.received = False  # the child has written something (the supervisor's start-up lines stop then)
+        self.received_at: float | None = None  # when the child last wrote (time.monotonic())
+        self.said_own_line = False  # the child wrote a line of this project's (`ntl-pretrain: `)
         self._console_failed = False
         self._closed = False  # no more output will come: the writer ends once the queue is empty
         self._changed = threading.Condition()
@@ -54,7 +56,8 @@ class ConsoleRelay:
 
     def _read(self) -> None:
         while chunk := os.read(self._read_fd, READ_BYTES):
-            self.received = True
+            self.received_at = time.monotonic()
+            self.said_own_line = self.said_own_line or OWN_LINE in chunk
             if self.noise is not None:
                 chunk = self.noise.sub(b"", chunk)
             if chunk:

@@ -43,7 +43,7 @@ from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV, ConsoleRelay, co
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS
 
 RANK_MODULE = "ntl_pretrain.train"
-STARTUP_TICK_S = 10.0
+SILENCE_TICK_S = 4.5  # rank 0's console says something every 4 s (logging.console_every_seconds); this is a backstop
 # DeepSpeed's launcher logs (on stdout) `[ERROR] [launch.py:N:sigkill_handler] [cmd] exits with return code = 75`
 # when a run stops as asked: an error line on the graceful path, which `stop_line` says properly. Other codes pass.
 LAUNCHER_NOISE = re.compile(rb"(?m)^[^\n]*\[ERROR\] \[launch\.py:\d+:sigkill_handler\] [^\n]* exits with return code = "
@@ -82,14 +82,15 @@ def supervise(
     env: dict | None = None,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     last_line: Callable[[int], str | None] | None = None,
-    startup_tick_s: float = STARTUP_TICK_S,
+    silence_tick_s: float = SILENCE_TICK_S,
 ) -> int:
     """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns 0 when the
     ranks reported that they finished, `EXIT_STOPPED` when they stopped on a signal with a checkpoint, else the
     command's exit code (128 + signal when a signal ended it). `last_line(code)`: a line for stderr after the run's
-    own output (through the same relay, so that it cannot block either). Until the run writes its first byte, a
-    line every `startup_tick_s` says it is still starting (the ranks import torch and build the model: 30 s and
-    more, which would otherwise be silence)."""
+    own output (through the same relay, so that it cannot block either). Whenever the run has written nothing for
+    `silence_tick_s`, a line says so: until rank 0's first line that it is still starting (the ranks import torch
+    and build the model: 30 s and more), after it that the ranks still run. Once the ranks reported their outcome
+    and exited, the launchers' own teardown (seconds of polling and interpreter exit) is cut short."""
     handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
     os.close(handle)
     outcome_file = Path(name)
@@ -97,7 +98,7 @@ def supervise(
     terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(relays[1].destination_fd) else {}
     try:
         env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
-        code = _run(command, env, grace_seconds, relays, startup_tick_s)
+        code = _run(command, env, grace_seconds, relays, silence_tick_s, outcome_file)
         outcome = lifeline.reported_outcome(outcome_file)
         code = {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED, lifeline.REFUSED: EXIT_BAD_INPUT}.get(
             outcome, code
@@ -136,10 +137,9 @@ def _close_relays(relays: tuple[ConsoleRelay, ConsoleRelay], line: str | None) -
 
 
 def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[ConsoleRelay, ConsoleRelay],
-         startup_tick_s: float) -> int:  # fmt: skip
+         silence_tick_s: float, outcome_file: Path) -> int:  # fmt: skip
     stdout, stderr = relays
-    started = time.monotonic()
-    next_tick = started + startup_tick_s
+    silence = SilenceLine(relays, silence_tick_s)
     launcher = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout.write_fd,
                                 stderr=stderr.write_fd)  # fmt: skip
     for relay in relays:
@@ -165,10 +165,12 @@ def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[Cons
                 _signal_session(launcher.pid, signal.SIGKILL)
                 launcher.wait()
                 break
-            if time.monotonic() >= next_tick and not any(relay.received for relay in relays):
-                stderr.say(f"ntl-pretrain: still starting ({time.monotonic() - started:.0f} s): the ranks import torch "
-                           f"and DeepSpeed, then build the model")  # fmt: skip
-                next_tick += startup_tick_s
+            if _ranks_done(outcome_file, launcher):
+                _signal_session(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+                break
+            if (line := silence.line()) is not None:
+                stderr.say(line)
             time.sleep(0.2)
         deadline = first_signal[0][0] + grace_seconds if first_signal else time.monotonic()
         _end_session(launcher.pid, deadline)
@@ -177,6 +179,35 @@ def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[Cons
             signal.signal(signum, handler)
     code = launcher.returncode
     return 128 - code if code < 0 else code
+
+
+class SilenceLine:
+    """What the supervisor says when the run has written nothing for `tick_s` (its own lines count as lines)."""
+
+    def __init__(self, relays: tuple[ConsoleRelay, ...], tick_s: float, clock: Callable[[], float] = time.monotonic):
+        self.relays, self.tick_s, self.clock = relays, tick_s, clock
+        self.started = self.said_at = clock()
+
+    def line(self) -> str | None:
+        now = self.clock()
+        heard = max([self.said_at, *(relay.received_at for relay in self.relays if relay.received_at is not None)])
+        if now - heard < self.tick_s:
+            return None
+        self.said_at = now
+        if not any(relay.said_own_line for relay in self.relays):
+            return f"ntl-pretrain: still starting ({now - self.started:.0f} s): the ranks import torch and DeepSpeed, " \
+                "then build the model"  # fmt: skip
+        return f"ntl-pretrain: still running ({now - heard:.0f} s without a line from the ranks)"
+
+
+def _ranks_done(outcome_file: Path, launcher: subprocess.Popen) -> bool:
+    """The ranks reported how the run ended and none is left: what remains is the launchers' teardown."""
+    if lifeline.reported_outcome(outcome_file) is None:
+        return False
+    try:
+        return not training_ranks(psutil.Process(launcher.pid))
+    except psutil.Error:
+        return False
 
 
 def _name_frozen_ranks(

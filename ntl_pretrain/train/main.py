@@ -18,7 +18,7 @@ from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.recipe import Recipe, TrainConfig
 from ntl_pretrain.data.errors import DataError
-from ntl_pretrain.reporting.console import failure_line, first_line, whole_lines
+from ntl_pretrain.reporting.console import failure_line, first_line, library_lines_to, on_terminal, whole_lines
 from ntl_pretrain.runtime import lifeline, run_lock
 from ntl_pretrain.runtime.process_group import (
     bind_local_device,
@@ -52,6 +52,16 @@ def quiet_console(rank: int) -> None:
     set_log_level_from_string("error", deepspeed_logger)
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()  # rank 0's "Loading weights" bar is the one shown
+
+
+def library_log(recipe: Recipe) -> Path:
+    return Path(recipe.train.output_dir) / "logs" / "libraries-rank0.log"
+
+
+def quiet_libraries(recipe: Recipe) -> bool:
+    """Rank 0 off a terminal (a log, a pipe), unless `logging.verbose`: DeepSpeed's and transformers' lines and
+    Python warnings go to `library_log`, and transformers' bars are off (the other ranks show errors only)."""
+    return dist.get_rank() == 0 and not recipe.logging.verbose and not on_terminal(sys.stderr)
 
 
 def init_distributed(timeout_s: int = TrainConfig.dist_timeout_seconds) -> None:
@@ -91,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         resume_guard.check_same_recipe(recipe)
         lock = hold_output_dir(recipe)
         try:
-            trainer = Trainer(recipe, ds_config, stop)
-            finished = train_reporting_failures(trainer)
+            with library_lines_to(library_log(recipe), enabled=quiet_libraries(recipe)):
+                trainer = Trainer(recipe, ds_config, stop)
+                finished = train_reporting_failures(trainer)
         finally:
             run_lock.release(lock)
     except (resume_guard.RunRefused, run_lock.RunLocked) as error:

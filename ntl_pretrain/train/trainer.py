@@ -164,7 +164,7 @@ class Trainer:
             self._finish()
         finally:
             profiler.close()
-            self.console.close_bar()
+            self.console.close()
             self.logger.close()
         return True
 
@@ -235,6 +235,7 @@ class Trainer:
             first_tokens=self.tokens_seen,
             progress_bar=logging.progress_bar,
             every_steps=logging.console_every_steps,
+            every_seconds=logging.console_every_seconds,
         )
 
     def _make_logger(self) -> MetricsLogger:
@@ -246,16 +247,18 @@ class Trainer:
 
     # What takes seconds to minutes between steps is announced first, so that a console is never silent for long.
     def _checkpoint(self) -> None:
-        self.console.say(f"saving checkpoint step {self.step}")
-        self.save()
+        with self.console.doing(f"saving checkpoint step {self.step}"):
+            self.save()
 
     def _validate(self) -> None:
-        self.console.say(f"validating at step {self.step}")
-        self._log_evaluation(self.evaluate())
+        with self.console.doing(f"validating at step {self.step}"):
+            record = self.evaluate()
+        self._log_evaluation(record)
 
     def _generate(self) -> None:
-        self.console.say(f"generating answers to eval.qa_sets at step {self.step}")
-        self._log_evaluation(self.generation_eval())
+        with self.console.doing(f"generating answers to eval.qa_sets at step {self.step}"):
+            record = self.generation_eval()
+        self._log_evaluation(record)
 
     def _save_and_evaluate_when_due(self) -> None:
         """The step's checkpoint first: an evaluation that fails must not cost it."""
