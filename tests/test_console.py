@@ -53,7 +53,7 @@ def test_unattended_console_starts_with_the_runs_shape(unattended):
     assert lines[0].startswith("note: schedule.warmup_steps=10 is longer than train.max_steps=4")
     assert lines[1] == (f"training {TINY.resolve()} into {output_dir}: starting 1 process; each loads the "
                         "libraries and builds the model before step 1")  # fmt: skip
-    # then, every 10 s until the rank's first line, that the run is still starting
+    # then, after every 4.5 s without a line until the rank's first line, that the run is still starting
     starting = [line for line in lines if line.startswith("still starting (")]
     assert lines[2 : 2 + len(starting)] == starting
     assert all(line.endswith(" s): the ranks import torch and DeepSpeed, then build the model") for line in starting)

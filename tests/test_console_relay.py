@@ -15,6 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from helpers.launches import LAUNCH_TIMEOUT_S, TINY, environment, records
+
 from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS, StopRequest
 
@@ -159,3 +162,25 @@ def test_once_the_ranks_reported_and_exited_the_launchers_teardown_is_cut_short(
     done = subprocess.run([sys.executable, "-c", supervisor], capture_output=True, text=True, env=env,
                           timeout=TIMEOUT_S)  # a teardown waited for would take 10 min  # fmt: skip
     assert done.returncode == 0 and done.stdout == "ntl-pretrain: done\n", done.stderr
+
+
+@pytest.mark.slow
+def test_a_console_gone_before_launch_costs_lines_not_the_run(tmp_path):
+    """`train ... 2>&1 | head -n 3` exited 141 during the checks before launch, `>/dev/full` exited 1 (issue 60):
+    here stderr is a pipe whose reader has gone and stdout the full device from the start; the run trains and saves
+    all the same. (A closed stderr, `2>&-`: tests/test_console_cadence.py.)"""
+    output_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "ntl_pretrain.cli", "train", str(TINY), "--nproc", "1",
+               f"train.output_dir={output_dir}", "train.max_steps=2", "data.seq_len=32", "train.micro_batch_size=2",
+               "train.global_batch_size=2", "train.eval_every_steps=null"]  # fmt: skip
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        with open("/dev/full", "wb") as full:  # noqa: PTH123 - the device
+            done = subprocess.run(command, cwd=REPO, env=environment(), stdout=full, stderr=write_end,
+                                  timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0
+    assert sorted(records(output_dir)) == [1, 2]
+    assert (output_dir / "checkpoints" / "step_2" / "manifest.json").is_file()

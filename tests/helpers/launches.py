@@ -167,13 +167,15 @@ def short_validation_sources(folder: Path) -> list[dict]:
 
 def unattended_run(tmp_path_factory) -> tuple[Path, str]:
     """Session-cached 4-step run on one CPU rank through `ntl-pretrain train`, its stderr a pipe (not a terminal, as in
-    a Slurm log): gradient accumulation 2, validation every 2 steps, a console line every 3, steps 2-3 profiled.
+    a Slurm log): gradient accumulation 2, validation every 2 steps, a console line every 3 (and none by time), steps
+    2-3 profiled.
     Returns the run directory and its console (stdout and stderr together, as a log file holds them)."""
     if "unattended" not in _session_runs:
         output_dir = tmp_path_factory.mktemp("unattended") / "run"
+        # lines by steps alone (no time-based ones), so that which steps are printed does not depend on the load
         console = train_one_rank(output_dir, "train.global_batch_size=4", "train.eval_every_steps=2",
                                  "train.eval_max_batches=2", "logging.console_every_steps=3",
-                                 "logging.profile_steps=[2,2]", steps=4)  # fmt: skip
+                                 "logging.console_every_seconds=0", "logging.profile_steps=[2,2]", steps=4)  # fmt: skip
         _session_runs["unattended"] = (output_dir, console)
     return _session_runs["unattended"]
 
