@@ -84,12 +84,15 @@ def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16",
                  stage: Callable[[str], None] = lambda _: None) -> Path:  # fmt: skip
     """Dequantise a GGUF causal LM (`pkg:` paths allowed) into an HF folder; `stage(what)` is told each step (the
     dequantisation takes minutes for 100M+ parameters on a CPU)."""
+    from ntl_pretrain.reporting.console import prints_kept_off_the_console
+
     stage("reading the header and tensor table")
     path = checked_gguf(gguf)
     stage("dequantising the weights to float32 (transformers' GGUF loader)")
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    stage("reading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with prints_kept_off_the_console():  # its own tqdm bar, redrawn into a log for minutes as one line
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        stage("reading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     stage("moving the weights into a model built from its config")
     model = AutoModelForCausalLM.from_config(_without_quantization(loaded.config), dtype=torch.float32)
     _load_complete(model, loaded.state_dict(), str(path))

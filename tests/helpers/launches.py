@@ -28,10 +28,11 @@ LAUNCH_TIMEOUT_S = 400
 _session_runs: dict[str, Path] = {}
 
 
-# What a slow command says as it goes (`console.ongoing`): `train`'s checks off a terminal once they have run 3 s,
-# `convert-gguf` at once; progress lines, not part of a refusal that may follow them as the last line.
+# What a slow command says as it goes (`console.ongoing`): `train`'s and `eval`'s checks off a terminal once they have
+# run 3 s, `convert-gguf` and `export` at once; progress lines, not part of a refusal that may follow them last.
 PROGRESS = re.compile(r"ntl-pretrain: checking \S+ before launch: [^()]+ \(\d+ s\)"
-                      r"|ntl-pretrain convert-gguf: \S+ -> \S+: [^()]+( \(\d+ s\))?")  # fmt: skip
+                      r"|ntl-pretrain eval: \S+: [^()]+ \(\d+ s\)"
+                      r"|ntl-pretrain (convert-gguf|export): \S+ -> \S+: [^()]+( \(\d+ s\))?")  # fmt: skip
 
 
 def said_beyond_progress(stderr: str) -> list[str]:
