@@ -240,10 +240,12 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
     what = f"{args.gguf} -> {args.out_dir}"
     with stdout_to_stderr(), ongoing(what, prefix="ntl-pretrain convert-gguf: ", at_once=True) as stage:
         stage("loading the libraries")  # stdout carries the folder only
+        from ntl_pretrain.config.deepspeed import deepspeed_on_this_machine
         from ntl_pretrain.export.hf_folder import convert_gguf
         from ntl_pretrain.reporting.console import no_library_progress_bars
 
-        with no_library_progress_bars():
+        # no bars, and no "Setting accelerator to CPU" from DeepSpeed (transformers imports it while saving)
+        with no_library_progress_bars(), deepspeed_on_this_machine():
             folder = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, stage=stage)
     print(folder)
     return 0
