@@ -191,7 +191,8 @@ def test_library_lines_go_to_the_runs_log_and_their_bars_are_off(tmp_path, capfd
     loggers = (deepspeed_logger, transformers_logging.get_logger(), logging.getLogger("py.warnings"))
 
     def settings() -> tuple:
-        return [(logger.handlers[:], logger.propagate) for logger in loggers], transformers_logging.is_progress_bar_enabled()
+        handlers = [(logger.handlers[:], logger.propagate) for logger in loggers]
+        return handlers, transformers_logging.is_progress_bar_enabled()
 
     before, log = settings(), tmp_path / "logs" / "libraries-rank0.log"
     capfd.readouterr()  # DeepSpeed's import says which accelerator it found

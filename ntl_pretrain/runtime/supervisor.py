@@ -195,8 +195,9 @@ class SilenceLine:
             return None
         self.said_at = now
         if not any(relay.said_own_line for relay in self.relays):
-            return f"ntl-pretrain: still starting ({now - self.started:.0f} s): the ranks import torch and DeepSpeed, " \
-                "then build the model"  # fmt: skip
+            elapsed = now - self.started
+            return f"ntl-pretrain: still starting ({elapsed:.0f} s): the ranks import torch and DeepSpeed, then " \
+                "build the model"  # fmt: skip
         return f"ntl-pretrain: still running ({now - heard:.0f} s without a line from the ranks)"
 
 
