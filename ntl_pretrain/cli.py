@@ -252,9 +252,10 @@ def run_convert_gguf(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    """One line per checkpoint: intact, damaged (every bad file and what is wrong), unverifiable (no manifest) or not
-    a checkpoint at all; one more for a `latest` pointer that is missing, empty or names no checkpoint. Exit code 1
-    when anything is wrong or there is no checkpoint."""
+    """One line per checkpoint: intact, damaged (every bad file and what is wrong), unverifiable (saved before
+    manifests) or not a checkpoint at all; one more for a `latest` pointer that is missing, empty or names no
+    checkpoint. Exit code 1 when anything is wrong or there is no checkpoint; 2 (bad input) for a path that does
+    not exist."""
     path = Path(args.path).expanduser()
     if not path.exists():
         raise InputError(f"{path}: does not exist; name a run directory, its checkpoints/ folder or a step folder")
@@ -278,7 +279,7 @@ def _verify_folder(folder: Path, mode: str) -> bool:
     from ntl_pretrain.checkpoint import manifest
     from ntl_pretrain.checkpoint import store as checkpoint
 
-    if not checkpoint.is_checkpoint(folder):
+    if not checkpoint.holds_checkpoint(folder):
         print(f"{folder}: not a checkpoint (no {manifest.MANIFEST}, no DeepSpeed model states); a resume ignores it")
         return True
     problems = manifest.verify(folder, mode)

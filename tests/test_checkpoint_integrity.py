@@ -164,12 +164,18 @@ def test_each_kind_of_damage_is_named_with_what_is_wrong(saved_run, tmp_path, ca
         reshard.main([str(folder)])
     assert not (folder / reshard.UNIVERSAL).exists()
 
+    (folder / KINDS["data-loader state"]).write_bytes(loader_state)
     (folder / manifest.MANIFEST).write_text('{"version": 1, "fi')
     assert [problem.path.name for problem in manifest.verify(folder)] == [manifest.MANIFEST]
-    (folder / manifest.MANIFEST).unlink()  # saved before manifests existed: a torn torch file is still found
+    (folder / manifest.MANIFEST).unlink()  # lost after the save: its rank_state/ shows it was saved with one
+    assert [problem.what.split(",")[0] for problem in manifest.verify(folder)] == ["missing"]
+    shutil.rmtree(folder / "rank_state")  # as saved before manifests (and per-rank state files) existed
+    (folder / "data_sources.json").unlink()
+    optimizer_states = (folder / KINDS["optimizer states"]).read_bytes()
+    damage(folder / KINDS["optimizer states"], "truncate")  # a torn torch file is still found
     (problem,) = manifest.verify(folder)
-    assert problem.path == folder / KINDS["data-loader state"] and problem.what.startswith("not a whole torch file")
-    (folder / KINDS["data-loader state"]).write_bytes(loader_state)
+    assert problem.path == folder / KINDS["optimizer states"] and problem.what.startswith("not a whole torch file")
+    (folder / KINDS["optimizer states"]).write_bytes(optimizer_states)
     assert manifest.verify(folder) is None  # whole files: loads, unverified
     assert cli.main(["verify", str(folder)]) == 0
     assert "unverifiable" in capsys.readouterr().out
@@ -316,6 +322,8 @@ BAD_POINTERS = {  # what `latest` holds -> what verify says of it
 
 
 def check_ranks_resume_the_newest_checkpoint_past_a_bad_pointer(run: str) -> None:
+    """Also, in the same ranks (a spawn costs seconds): a file the manifest does not list is damage to a resume as
+    it is to `verify`, `export` and `eval`; `auto` passes over it, an explicit resume of it stops."""
     import torch.distributed as dist
 
     root = checkpoint.checkpoints_root(run)
@@ -325,6 +333,17 @@ def check_ranks_resume_the_newest_checkpoint_past_a_bad_pointer(run: str) -> Non
         dist.barrier()
         assert checkpoint.resolve_verified_resume("auto", run, "checksum").folder == root / "step_20", pointer
         dist.barrier()
+    stray = root / "step_20" / "notes.txt"
+    if dist.get_rank() == 0:
+        stray.write_text("added after the save")
+    dist.barrier()
+    point = checkpoint.resolve_verified_resume("auto", run, "checksum")
+    assert point.folder == root / "step_10" and point.skipped[0]["problems"] == [f"{stray}: not in the manifest"]
+    with pytest.raises(DamagedCheckpointError, match="notes.txt: not in the manifest"):
+        checkpoint.resolve_verified_resume(str(root / "step_20"), run, "checksum")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        stray.unlink()
 
 
 def test_a_bad_latest_pointer_is_reported_and_resume_takes_the_newest_checkpoint(tmp_path, capsys):
@@ -403,3 +422,106 @@ def test_a_truncated_shard_of_a_checkpoint_without_manifest_is_named_and_passed_
             torch.save({"step": step, "state": torch.arange(1000.0)}, root / f"step_{step}" / name)
     damage(root / "step_20" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", "truncate")
     run_distributed(check_ranks_pass_over_a_truncated_shard_without_manifest, 2, str(tmp_path / "run"))
+
+
+# ---- one judgement for every command -----------------------------------------------------------------------
+
+SHARDS = ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+          "zero_pp_rank_1_mp_rank_00_optim_states.pt", "rank_state/rank_00000.pt", "rank_state/rank_00001.pt",
+          "data_sources.json", "recipe.yaml"]  # fmt: skip
+
+
+def current_checkpoint(folder: Path) -> Path:
+    """A step folder laid out as today's saves lay it out (ZeRO shards of two ranks, their `rank_state/`, the data
+    fingerprint), with its manifest: what verification sees of a checkpoint, without a launch."""
+    for index, relative in enumerate(SHARDS):
+        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+        (folder / relative).write_bytes(bytes([index]) * (64 + index))
+    manifest.write(folder, manifest.describe(folder, SHARDS))
+    checkpoint.write_pointer(folder.parent, folder.name)
+    return folder
+
+
+def judged_by_every_command(folder: Path) -> list[str]:
+    """The problems `verify`, `export` and `eval` find (one process), after checking that a resume on 1, 2 or 3
+    ranks (each rank its share, as `store.agree_on_problems` gathers them) finds the same."""
+    alone = [str(problem) for problem in manifest.verify(folder) or []]
+    for world_size in (1, 2, 3):
+        shares = [manifest.verify(folder, "checksum", rank, world_size) or [] for rank in range(world_size)]
+        assert sorted({str(problem) for share in shares for problem in share}) == sorted(alone), world_size
+    return alone
+
+
+def test_what_a_resume_writes_is_part_of_the_checkpoint_and_anything_else_is_damage(tmp_path, capsys):
+    """After a resume on another number of ranks a step folder holds DeepSpeed's universal copy and the
+    `latest_universal` pointer its converter writes beside it (`verify` called that damage while `train` resumed
+    from it: issue 60). Those are the checkpoint's; a file added by anyone else is damage to every command."""
+    folder = current_checkpoint(tmp_path / "run" / "checkpoints" / "step_3")
+    (folder / "latest_universal").write_text("universal.tmp")
+    for derived in ("universal", "universal.tmp"):
+        (folder / derived / "zero" / "lm.weight").mkdir(parents=True)
+        (folder / derived / "zero" / "lm.weight" / "fp32.pt").write_bytes(b"derived")
+    assert judged_by_every_command(folder) == []
+    assert cli.main(["verify", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"{folder}: intact"
+    checkpoint.verify_before_reading(folder)  # what export and eval ask first
+
+    (folder / "tokenizer").mkdir()
+    (folder / "tokenizer" / "added_tokens.json").write_text("{}")  # loaders read folders whole: never harmless
+    assert judged_by_every_command(folder) == [f"{folder / 'tokenizer' / 'added_tokens.json'}: not in the manifest"]
+    assert cli.main(["verify", str(folder)]) == 1
+    assert capsys.readouterr().out == f"{folder}: damaged: {folder / 'tokenizer' / 'added_tokens.json'}: not in the " \
+        "manifest\n"  # fmt: skip
+    for command in (["export", str(folder), str(tmp_path / "hf")], ["eval", str(folder)]):
+        assert cli.main(command) == 1, command
+        assert "added_tokens.json: not in the manifest" in capsys.readouterr().err
+
+
+def test_a_checkpoint_is_recognised_by_its_content_and_a_lost_manifest_is_damage(tmp_path, capsys):
+    """An intact checkpoint copied to a folder of another name verifies; one whose manifest was deleted is damaged
+    (its `rank_state/` and `data_sources.json` are written only by saves that write a manifest), not "saved before
+    manifests", and a resume refuses it like any damage (`judged_by_every_command`)."""
+    folder = current_checkpoint(tmp_path / "run" / "checkpoints" / "step_3")
+    copy = tmp_path / "kept" / "best-so-far"
+    shutil.copytree(folder, copy)
+    assert cli.main(["verify", str(copy)]) == 0
+    assert capsys.readouterr().out == f"{copy}: intact\n"
+    with pytest.raises(FileNotFoundError, match="holds a checkpoint, but a resume needs it in a folder named step_"):
+        checkpoint.resolve_resume(str(copy), "unused")
+
+    (folder / manifest.MANIFEST).unlink()
+    lost = f"{folder / manifest.MANIFEST}: missing, though the folder holds rank_state/, which only saves that write " \
+        "a manifest have: it was removed or lost after the save"  # fmt: skip
+    assert judged_by_every_command(folder) == [lost]
+    assert checkpoint.is_checkpoint(folder)  # a resume looks at it, finds it damaged and passes over it
+    assert cli.main(["verify", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == f"{folder}: damaged: {lost}"
+    shutil.rmtree(folder / "rank_state")
+    assert [problem.what.split(",")[0] for problem in manifest.verify(folder)] == ["missing"]  # data_sources.json too
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("[]", 'not a checkpoint manifest (no "files" object in [])'),
+        ('{"version": 1, "files": []}', 'not a checkpoint manifest (no "files" object in {"version": 1, "files": []})'),
+        ('{"version": 1, "files": {"a.pt": 5}}', 'not a checkpoint manifest (the entry of a.pt is 5, not {"size"'),
+        ('{"version": 1, "files": {"a.pt": {"size": "5", "xxh3_64": "0"}}}', "the entry of a.pt is {"),
+        ('{"version": 1, "files": {"a.pt": {"size": true, "xxh3_64": "0"}}}', "the entry of a.pt is {"),
+        ('{"version": 1, "files": {"../../x": {"size": 1, "xxh3_64": "0"}}}', "'../../x' is not a path inside"),
+        ('{"version": 2, "files": {}}', "manifest version 2; this ntl_pretrain reads version 1"),
+        ('{"files": {}}', "manifest version null; this ntl_pretrain reads version 1"),
+        ('{"version": 1, "fi', "unreadable (Unterminated string starting at: line 1 column 16 (char 15))"),
+        (b"\xff\xfe", "unreadable ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
+    ],
+)
+def test_a_manifest_of_the_wrong_schema_is_one_line_without_a_python_error_name(tmp_path, capsys, text, said):
+    folder = current_checkpoint(tmp_path / "step_3")
+    path = folder / manifest.MANIFEST
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    (problem,) = judged_by_every_command(folder)
+    assert problem.startswith(f"{path}: ") and said in problem
+    assert cli.main(["verify", str(folder)]) == 1
+    line = capsys.readouterr().out
+    assert line.startswith(f"{folder}: damaged: {path}: ") and said in line and line.count("\n") == 1
+    assert not any(name in line for name in ("Error", "Exception"))

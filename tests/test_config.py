@@ -171,6 +171,56 @@ def test_every_choice_key_names_its_allowed_values():
             "checkpoint.verify", "data.sources.0.format", "data.sources.0.sample_by"} <= set(found)  # fmt: skip
 
 
+def whole_number_keys(cls: type, instance: object, prefix: str = ""):
+    """(dotted key, whether it is a list of them) of every field below `cls` whose values are whole numbers: `int`,
+    `int | None`, a Literal of ints (`deepspeed.zero_stage`), `list[int]`; following sections and the first item
+    of the recipe's lists of sections."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        hint, value, key = hints[field.name], getattr(instance, field.name), prefix + field.name
+        members = [arg for arg in typing.get_args(hint) if arg is not type(None)] or [hint]
+        item_hint = typing.get_args(members[0])[0] if typing.get_origin(members[0]) is list else None
+        if dataclasses.is_dataclass(hint):
+            yield from whole_number_keys(hint, value, key + ".")
+        elif dataclasses.is_dataclass(item_hint) and value:
+            yield from whole_number_keys(item_hint, value[0], key + ".0.")
+        elif item_hint is int:
+            yield key, True
+        elif members == [int] or (typing.get_origin(members[0]) is Literal and all(
+                type(arg) is int for arg in typing.get_args(members[0]))):  # fmt: skip
+            yield key, False
+
+
+def test_every_whole_number_key_refuses_a_boolean_and_a_float():
+    """`deepspeed.zero_stage: true` trained at stage 1 and `2.0` at 2 (pydantic's Literal check compares with ==):
+    every key whose value is a whole number refuses both, naming the key."""
+    found = []
+    for key, listed in whole_number_keys(Recipe, load_recipe(TINY)):
+        for value in ("true", "2.0"):
+            with pytest.raises(RecipeError) as error:
+                load_recipe(TINY, [f"{key}=[{value}, 2]" if listed else f"{key}={value}"])
+            got = True if value == "true" else 2.0
+            assert str(error.value).startswith(f"command-line override: {key}: expected "), str(error.value)
+            assert str(error.value).endswith(f"got {[got, 2] if listed else got}"), str(error.value)
+        found.append(key)
+    assert {"deepspeed.zero_stage", "train.max_steps", "seed", "logging.profile_steps", "eval.max_validation_batches",
+            "data.seq_len", "loss.vocab_parallel_size"} <= set(found) and len(found) > 30, found  # fmt: skip
+
+
+def test_a_whole_number_key_of_the_model_config_refuses_a_boolean_and_a_float():
+    """transformers refuses them too, but after our head-count check read `hidden_size: true` as 1, and in a
+    message of Python type names."""
+    from ntl_pretrain.preflight.world import model_config
+
+    for override, said in (("hidden_size=true", "got True"), ("num_hidden_layers=2.0", "got 2.0"),
+                           ("head_dim=16.0", "got 16.0")):  # fmt: skip
+        with pytest.raises(RecipeError) as error:
+            model_config(load_recipe(TINY, [f"model.config.{override}"]))
+        key = override.split("=")[0]
+        assert str(error.value) == f"model.config.{key}: expected int (LlamaConfig's {key} is a whole number), {said}"
+    assert model_config(load_recipe(TINY, ["model.config.head_dim=16", "model.config.attention_dropout=0.0"]))
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -222,6 +272,40 @@ def test_gradient_accumulation_is_derived_from_the_global_batch(overrides, world
     assert config["gradient_accumulation_steps"] == expected
     assert config["train_batch_size"] == recipe.train.micro_batch_size * expected * world_size
     assert config["bf16"] == {"enabled": recipe.train.precision == "bf16"}
+
+
+@pytest.mark.parametrize("where", ["base.yaml", "child.yaml", "command-line override"])
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ({"deepspeed": {"config": "{tmp}/syntax.json"}}, "deepspeed.config: cannot read {tmp}/syntax.json"),
+        ({"deepspeed": {"config": "{tmp}/zero-int.json"}}, "deepspeed.config: {tmp}/zero-int.json: zero_optimization:"),
+        ({"deepspeed": {"config": "{tmp}/stage-0.json"}}, "deepspeed.config: {tmp}/stage-0.json: zero_optimization.st"),
+        ({"train": {"compile": True}}, "train.compile: compiled decoder layers need ZeRO stage 1 or 2"),
+        ({"loss": {"vocab_parallel_size": 3}}, "loss.vocab_parallel_size: 3 does not divide the world size"),
+        ({"train": {"global_batch_size": 6}}, "train.global_batch_size: 6 sequences per step is not a multiple"),
+    ],
+)
+def test_a_refusal_of_the_deepspeed_config_names_where_the_value_came_from(tmp_path, where, setting, said):
+    """The file that set the key, its `base:` file or the command line: a DeepSpeed JSON given on the command line
+    was blamed on the recipe file (issue 60), and so was every key the DeepSpeed config is built from."""
+    (tmp_path / "syntax.json").write_text("{")
+    (tmp_path / "zero-int.json").write_text('{"zero_optimization": 5}')
+    (tmp_path / "stage-0.json").write_text('{"zero_optimization": {"stage": 0}}')
+    ((section, values),) = setting.items()
+    ((key, value),) = values.items()
+    value = value.replace("{tmp}", str(tmp_path)) if isinstance(value, str) else value
+    base = yaml.safe_load(TINY.read_text())
+    if where == "base.yaml":
+        base[section][key] = value
+    write(tmp_path / "base.yaml", base)
+    child = write(tmp_path / "child.yaml", {"base": "base.yaml", **({section: {key: value}} if where == "child.yaml"
+                                                                     else {})})  # fmt: skip
+    overrides = [f"{section}.{key}={json.dumps(value)}"] if where == "command-line override" else []
+    with pytest.raises(RecipeError) as error:
+        load_run(child, overrides, world_size=2)
+    origin = str(tmp_path / where) if where.endswith(".yaml") else where
+    assert str(error.value).startswith(f"{origin}: {said.replace('{tmp}', str(tmp_path))}"), str(error.value)
 
 
 def test_indivisible_global_batch_fails_naming_the_recipe():

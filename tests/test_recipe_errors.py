@@ -434,6 +434,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(workspace, monkeypatch
         assert lines[0].startswith("ntl-pretrain train: recipe error: ")
         for fragment in fragments:
             assert fragment in lines[0], lines[0]
+        if any(item.startswith("deepspeed.config=") for item in overrides):  # not the recipe file's (issue 60)
+            assert lines[0].startswith("ntl-pretrain train: recipe error: command-line override: deepspeed.config: ")
         results[bool(dry)] = lines[0]
     assert results[False] == results[True]  # --dry-run refuses exactly what train refuses
     assert sorted(p.name for p in (workspace / "out").iterdir()) == ["recipe.yaml"]

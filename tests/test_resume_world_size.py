@@ -20,6 +20,7 @@ import torch
 from helpers.launches import SAVE_AT, STEPS, partition_all_config, single_launcher_run, step_records, two_node_run
 from transformers import AutoTokenizer
 
+from ntl_pretrain import cli
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.commands import CORPUS
@@ -185,6 +186,7 @@ def test_training_resumes_on_another_number_of_ranks(tmp_path_factory, tmp_path,
     continued, reference = step_records(output_dir), step_records(uninterrupted)
     assert sorted(continued) == list(range(SAVE_AT + 1, STEPS + 1))
     assert (output_dir / "checkpoints" / saved / "universal" / "zero").is_dir()
+    assert cli.main(["verify", str(output_dir)]) == 0  # the universal copy and `latest_universal` are the checkpoint's
     first = SAVE_AT + 1  # same weights, optimizer state and batch: only the reduction order over ranks differs
     assert continued[first]["loss"] == pytest.approx(reference[first]["loss"], rel=1e-6)
     assert continued[first]["grad_norm"] == pytest.approx(reference[first]["grad_norm"], rel=1e-5)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers.launches import SAVE_AT, STEPS, partition_all_config, single_launcher_run, step_records
 
+from ntl_pretrain import cli
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
@@ -43,9 +44,14 @@ def one_line_refusal(overrides: list[str], json_config: dict | None = None, tmp_
 
 def test_what_a_stage_cannot_do_is_refused_naming_the_key(tmp_path):
     assert "deepspeed.zero_stage: 0 is not supported" in one_line_refusal(["deepspeed.zero_stage=0"])
-    assert "zero_optimization.stage: the trainer runs ZeRO stage 1, 2 or 3" in one_line_refusal(
-        [], {"zero_optimization": {"stage": 0}}, tmp_path
-    )
+    for stage in (0, True, 2.0):  # `true` equals 1 and `2.0` equals 2: read as such, they trained at stage 1 and 2
+        assert "zero_optimization.stage: the trainer runs ZeRO stage 1, 2 or 3" in one_line_refusal(
+            [], {"zero_optimization": {"stage": stage}}, tmp_path
+        )
+    for stage in ("true", "2.0"):
+        message = one_line_refusal([f"deepspeed.zero_stage={stage}"])
+        assert message == f"command-line override: deepspeed.zero_stage: expected one of 0, 1, 2, 3 (or null), got " \
+            f"{True if stage == 'true' else 2.0}"  # fmt: skip
     offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
     assert "zero_optimization.offload_param: only ZeRO-3" in one_line_refusal(
         ["deepspeed.zero_stage=2"], offload, tmp_path
@@ -79,6 +85,7 @@ def test_a_zero2_run_resumes_on_another_world_size_and_exports_its_weights(tmp_p
     continued, reference = step_records(resumed), step_records(uninterrupted)
     assert sorted(continued) == list(range(SAVE_AT + 1, STEPS + 1))
     assert (resumed / "checkpoints" / saved / "universal" / "zero").is_dir()
+    assert cli.main(["verify", str(resumed)]) == 0  # the universal copy and its `latest_universal` are the checkpoint's
     for step in continued:
         assert continued[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-6, abs=1e-5), step
 

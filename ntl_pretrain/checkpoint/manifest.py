@@ -3,7 +3,8 @@ short, a disk that filled up, bit rot) is found before anything loads.
 
 `manifest.json` is the last file written into `step_<N>.tmp` before the folder is renamed. Each rank checksums the
 files it wrote (`writer`); rank 0 also those every rank shares (config, tokenizer, recipe) and writes the
-manifest. Verification is a pure function of the folder: `check(folder, entries, mode)` lists what is wrong.
+manifest. Verification is a pure function of the folder, one judgement for every command that reads a checkpoint:
+`verify(folder, mode, rank, world_size)` lists what is wrong with the share of it that `rank` checks.
 
 Checksum: xxHash3 (64-bit) over the file in 8 MiB blocks, several GB/s on one core (docs/benchmarks.md).
 """
@@ -24,6 +25,12 @@ from ntl_pretrain.errors import CommandFailed
 MANIFEST = "manifest.json"
 # The folder `reshard.py` converts a step's shards into, after the save: derived from files the manifest vouches for.
 UNIVERSAL = "universal"
+# What a resume on another number of ranks writes into a step folder after the save, and so no manifest lists: the
+# universal copy, its temporary folder, and the pointer DeepSpeed's converter writes beside it (naming the copy).
+DERIVED = (UNIVERSAL, f"{UNIVERSAL}.tmp", "latest_universal")
+# Written by every save since manifests exist (`store.RANK_STATE`, `resume_guard.DATA_FINGERPRINT`, the first in
+# the same change as the manifest): a folder holding one and no manifest lost its manifest after the save.
+SAVED_WITH_A_MANIFEST = ("rank_state", "data_sources.json")
 VERSION = 1
 BLOCK_BYTES = 8 << 20
 VerifyMode = Literal["checksum", "size"]
@@ -108,22 +115,50 @@ class DamagedCheckpointError(CommandFailed):
 
 
 class ManifestError(ValueError):
-    """The manifest itself cannot be read."""
+    """The manifest itself cannot be read, or is not a checkpoint manifest."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"{path}: {what}")
+        self.path, self.what = path, what
 
 
 def read(folder: Path) -> dict[str, dict] | None:
-    """The manifest's file entries; None for a checkpoint written without one (before manifests existed)."""
+    """The manifest's file entries; None for a folder without one. A manifest that cannot be read, or whose
+    content is not `{"version": 1, "files": {path: {"size": bytes, "xxh3_64": digest}}}`, raises ManifestError."""
     path = folder / MANIFEST
     if not path.exists():
         return None
     try:
-        document = json.loads(path.read_text())
-        files = document["files"]
-        if not all({"size", "xxh3_64"} <= set(entry) for entry in files.values()):
-            raise KeyError("size/xxh3_64")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ManifestError(f"{path}: unreadable manifest ({type(error).__name__}: {error})") from error
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ManifestError(path, f"unreadable ({error.strerror or error})") from error
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise ManifestError(path, f"unreadable ({error})") from error
+    return _entries(document, path)
+
+
+def _entries(document: object, path: Path) -> dict[str, dict]:
+    """The `files` of a manifest document, each entry checked, so that no later step meets a surprise type."""
+    files = document.get("files") if isinstance(document, dict) else None
+    if not isinstance(files, dict):
+        raise ManifestError(path, f'not a checkpoint manifest (no "files" object in {_shown(document)})')
+    if document.get("version") != VERSION:
+        raise ManifestError(path, f"manifest version {_shown(document.get('version'))}; this ntl_pretrain reads "
+                                  f"version {VERSION}")  # fmt: skip
+    for relative, entry in files.items():
+        if Path(relative).is_absolute() or ".." in Path(relative).parts:
+            raise ManifestError(path, f"not a checkpoint manifest ({relative!r} is not a path inside the checkpoint)")
+        size, digest = (entry.get("size"), entry.get("xxh3_64")) if isinstance(entry, dict) else (None, None)
+        if not (type(size) is int and size >= 0 and isinstance(digest, str)):
+            raise ManifestError(path, f"not a checkpoint manifest (the entry of {relative} is {_shown(entry)}, not "
+                                      f"{{\"size\": bytes, \"xxh3_64\": digest}})")  # fmt: skip
     return files
+
+
+def _shown(value: object) -> str:
+    """A JSON value as the manifest holds it, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -182,29 +217,47 @@ def check_whole(folder: Path, entries: dict[str, dict]) -> list[Problem]:
     for relative in sorted(entries):
         try:
             zipfile.ZipFile(folder / relative).close()
-        except (zipfile.BadZipFile, OSError) as error:
+        except zipfile.BadZipFile as error:
             problems.append(Problem(folder / relative, f"not a whole torch file, truncated? ({error})"))
+        except OSError as error:
+            problems.append(Problem(folder / relative, f"unreadable ({error.strerror or error})"))
     return problems
 
 
-def verify(folder: Path, mode: VerifyMode = "checksum") -> list[Problem] | None:
-    """Every file of one checkpoint, in this process: the manifest lists every file the folder holds, and each is as
-    listed; without a manifest, its torch files' ends (`check_whole`), and None (unverifiable) when they are whole."""
+def verify(folder: Path, mode: VerifyMode = "checksum", rank: int = 0, world_size: int = 1) -> list[Problem] | None:
+    """The one judgement of a checkpoint, for every command that reads one (a resume, `verify`, `export`, `eval`,
+    the universal converter): what is wrong with the files `rank` of `world_size` checks (`share`; one process
+    checks them all). The folder must hold exactly the files its manifest lists, each as listed, apart from the
+    manifest itself and what a resume derives from them (`DERIVED`); a file the manifest does not list is damage
+    (loaders find files by name: DeepSpeed's shard patterns, the tokenizer folder), named by rank 0. Without a
+    manifest: damage when the folder is of a format saved with one (`SAVED_WITH_A_MANIFEST`: the manifest was
+    lost after the save); else it was saved before manifests existed, and the one thing that can be told is
+    whether each torch file is whole (`check_whole`): None (unverifiable) when they are."""
     try:
         entries = read(folder)
     except ManifestError as error:
-        return [Problem(folder / MANIFEST, str(error).split(": ", 1)[1])]
+        return [Problem(error.path, error.what)]
     if entries is None:
-        return check_whole(folder, torch_files(folder)) or None
+        if (sign := sign_of_a_manifest(folder)) is not None:
+            return [Problem(folder / MANIFEST, f"missing, though the folder holds {sign}, which only saves that write "
+                                               "a manifest have: it was removed or lost after the save")]  # fmt: skip
+        return check_whole(folder, share(torch_files(folder), rank, world_size)) or None
     if not entries:  # a save writes a manifest only after its files: an empty one vouches for nothing
         return [Problem(folder / MANIFEST, "lists no file; a checkpoint's manifest lists every file it saved")]
-    return unlisted(folder, entries) + check(folder, entries, mode)
+    added = unlisted(folder, entries) if rank == 0 else []
+    return added + check(folder, share(entries, rank, world_size), mode)
+
+
+def sign_of_a_manifest(folder: Path) -> str | None:
+    """The first of `SAVED_WITH_A_MANIFEST` the folder holds (`rank_state/`), or None."""
+    found = next((name for name in SAVED_WITH_A_MANIFEST if (folder / name).exists()), None)
+    return None if found is None else found + ("/" if (folder / found).is_dir() else "")
 
 
 def unlisted(folder: Path, entries: dict[str, dict]) -> list[Problem]:
-    """Files the folder holds that its manifest does not list (but for the manifest itself and reshard's derived
-    folder): added after the save, so nothing vouches for them."""
-    derived = (folder / UNIVERSAL, folder / f"{UNIVERSAL}.tmp")
+    """Files the folder holds that its manifest does not list, but for the manifest itself and what a resume
+    derives (`DERIVED`): added after the save, so nothing vouches for them."""
+    derived = [folder / name for name in DERIVED]
     held = [path for path in sorted(folder.rglob("*")) if path.is_file() and path != folder / MANIFEST
-            and not any(path.is_relative_to(parent) for parent in derived)]  # fmt: skip
+            and not any(path == parent or path.is_relative_to(parent) for parent in derived)]  # fmt: skip
     return [Problem(path, "not in the manifest") for path in held if path.relative_to(folder).as_posix() not in entries]

@@ -341,11 +341,19 @@ def published_steps(root: Path) -> list[Path]:
 
 
 def is_checkpoint(folder: Path) -> bool:
-    """A step folder that holds a saved engine (its manifest, or DeepSpeed's model states for checkpoints saved
-    before manifests): an empty or stray `step_<N>` is not one, and no resume starts from it."""
-    if not (STEP_DIR.match(folder.name) and folder.is_dir()):
+    """A step folder that holds a checkpoint (`holds_checkpoint`): an empty or stray `step_<N>` is not one, and no
+    resume starts from it."""
+    return bool(STEP_DIR.match(folder.name)) and holds_checkpoint(folder)
+
+
+def holds_checkpoint(folder: Path) -> bool:
+    """Whether `folder`, whatever its name, holds a saved checkpoint, whole or damaged: its manifest, DeepSpeed's
+    model states (checkpoints saved before manifests), or a file only a save writes (`manifest.SAVED_WITH_A_MANIFEST`:
+    one whose manifest was lost)."""
+    if not folder.is_dir():
         return False
-    return (folder / manifest.MANIFEST).is_file() or any(folder.glob("*mp_rank_*_model_states.pt"))
+    return ((folder / manifest.MANIFEST).is_file() or any(folder.glob("*mp_rank_*_model_states.pt"))
+            or manifest.sign_of_a_manifest(folder) is not None)  # fmt: skip
 
 
 def checkpoint_steps(root: Path) -> list[Path]:
@@ -385,6 +393,9 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
     folder = Path(resume).expanduser()
     if STEP_DIR.match(folder.name) and not is_checkpoint(folder):
         raise FileNotFoundError(f"train.resume: {folder} is not a checkpoint (no {manifest.MANIFEST}, no model states)")
+    if not STEP_DIR.match(folder.name) and holds_checkpoint(folder):
+        raise FileNotFoundError(f"train.resume: {folder} holds a checkpoint, but a resume needs it in a folder named "
+                                "step_<N> (the step it saved): copy or rename it")  # fmt: skip
     if not STEP_DIR.match(folder.name):
         found = latest(folder) or latest(checkpoints_root(folder))
         if found is None:
@@ -454,21 +465,12 @@ def newest_first(root: Path) -> list[Path]:
 
 
 def agree_on_problems(folder: Path, mode: manifest.VerifyMode) -> list[str]:
-    """Every rank checks its share of the checkpoint's files (`manifest.share`) and one all-gather gives every rank
-    all findings, so all ranks decide alike and none waits for a peer that stopped. Without a manifest only whether
-    each torch file is whole (`manifest.check_whole`). The all-gather waits in the slow-work group: reading a share
-    of a large checkpoint takes minutes, and some ranks' shares (rank 0's shared files, a slower disk) take longer
-    than others'."""
+    """`manifest.verify` on every rank, each its share of the checkpoint's files, and one all-gather gives every rank
+    all findings, so all ranks decide alike and none waits for a peer that stopped. The all-gather waits in the
+    slow-work group: reading a share of a large checkpoint takes minutes, and some ranks' shares (rank 0's shared
+    files, a slower disk) take longer than others'."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    try:
-        entries = manifest.read(folder)
-        if entries is None:  # saved before manifests: whether each torch file is whole is all that can be told
-            found = manifest.check_whole(folder, manifest.share(manifest.torch_files(folder), rank, world_size))
-        else:
-            found = manifest.check(folder, manifest.share(entries, rank, world_size), mode)
-        mine = [str(problem) for problem in found]
-    except manifest.ManifestError as error:
-        mine = [str(error)]
+    mine = [str(problem) for problem in manifest.verify(folder, mode, rank, world_size) or []]
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine, group=slow_work_group())  # hashing a share can take minutes
     return sorted({problem for found in gathered for problem in found})
@@ -483,8 +485,9 @@ def verify_before_reading(folder: Path, mode: manifest.VerifyMode = "checksum") 
 
 
 def checkpoints_in(path: Path) -> list[Path]:
-    """The step folder `path`, or every published checkpoint of a run directory or its `checkpoints/` folder."""
-    if STEP_DIR.match(path.name) or (path / manifest.MANIFEST).is_file():
+    """The checkpoint `path` (recognised by its content, whatever its name; or a `step_<N>` folder, to be judged),
+    or every published checkpoint of a run directory or its `checkpoints/` folder."""
+    if STEP_DIR.match(path.name) or holds_checkpoint(path):
         return [path]
     return published_steps(path) or published_steps(checkpoints_root(path))
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.loading import load_recipe_with_origins
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.tokenizer import resolve_path
 
@@ -87,7 +87,7 @@ def check_zero_section(section: object, path: Path) -> None:
     if not isinstance(section, dict):
         raise RecipeError(f"{path}: zero_optimization: expected an object with a stage, got {section!r}")
     stage = section.get("stage")
-    if stage not in ZERO_STAGES:
+    if type(stage) is not int or stage not in ZERO_STAGES:  # `true` equals 1 and `2.0` equals 2: both refused
         raise RecipeError(f"{path}: zero_optimization.stage: the trainer runs ZeRO stage 1, 2 or 3 (or set "
                           f"deepspeed.zero_stage in the recipe), got {stage!r}")  # fmt: skip
     if stage != 3 and (section.get("offload_param") or {}).get("device", "none") != "none":
@@ -253,12 +253,13 @@ def set_bf16_gradient_dtypes(config: dict) -> None:
 
 
 def load_run(recipe_path: str | Path, overrides: Iterable[str], world_size: int) -> tuple[Recipe, dict]:
-    """Everything that can fail before a process group exists: the recipe and its DeepSpeed config."""
-    recipe = load_recipe(recipe_path, overrides)
+    """Everything that can fail before a process group exists: the recipe and its DeepSpeed config. A refusal of
+    the config names where the key it is about came from: the recipe file, its `base:` file or the command line."""
+    recipe, origins = load_recipe_with_origins(recipe_path, overrides)
     try:
         config = build_deepspeed_config(recipe, world_size)
     except RecipeError as error:
-        raise RecipeError(f"{recipe_path}: {error}") from error
+        raise origins.blamed(error) from error
     # The recipe a run records names the stage it trains at, so that a resume at another stage can be refused.
     recipe.deepspeed.zero_stage = config["zero_optimization"]["stage"]
     return recipe, config

@@ -40,11 +40,17 @@ _PIPED: dict[str, bytes] = {}
 
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     """Load, merge (`base:` chain, then overrides), type-check and validate a recipe."""
-    raw, origins = _load_yaml_chain(Path(path), seen=())
+    return load_recipe_with_origins(path, overrides)[0]
+
+
+def load_recipe_with_origins(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Recipe, Origins]:
+    """`load_recipe`, and where each key's value came from, for the checks made after it (the DeepSpeed JSON's)."""
+    raw, by_key = _load_yaml_chain(Path(path), seen=())
     for item in overrides:
         key, value = _parse_override(item)
-        _apply_override(raw, key, value, origins)
-    return _build(Recipe, raw, (), _Origins(origins, str(path)))
+        _apply_override(raw, key, value, by_key)
+    origins = Origins(by_key, str(path))
+    return _build(Recipe, raw, (), origins), origins
 
 
 def dump_recipe(recipe: Recipe) -> str:
@@ -323,9 +329,22 @@ def _list_index(items: list, name: str, key: str) -> int:
 
 
 @dataclass
-class _Origins:
+class Origins:
+    """Where each key of a recipe came from: the file that set it, or the command-line override."""
+
     by_key: dict[str, str]
     default: str
+    """The recipe file named on the command line: where a key no file set (a default) is looked for."""
+
+    def blamed(self, error: RecipeError, file_key: str = "deepspeed.config") -> RecipeError:
+        """A refusal made after loading, with where its value came from first. Like a section's `check()`, it names
+        the recipe key it is about first (`train.compile: ...`); one that names a file instead is about a value in
+        the file that `file_key` names (the DeepSpeed JSON's own keys), so that key and its origin come first."""
+        message = str(error)
+        named = message.split(":", 1)[0].strip()
+        if not _is_recipe_key(named):
+            named, message = file_key, f"{file_key}: {message}"
+        return RecipeError(f"{self.of(tuple(named.split('.')))}: {message}")
 
     def of(self, key_path: tuple[str, ...]) -> str:
         inside = ".".join(key_path) + "."
@@ -338,7 +357,7 @@ class _Origins:
         return self.default
 
 
-def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins):
+def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: Origins):
     where = ".".join(key_path) or "<recipe>"
     if not isinstance(raw, Mapping):
         raise RecipeError(f"{origins.of(key_path)}: {where}: expected a mapping, got {raw!r}")
@@ -361,7 +380,7 @@ def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: _Origins)
     return obj
 
 
-def _run_check(obj: object, key_path: tuple[str, ...], origins: _Origins) -> None:
+def _run_check(obj: object, key_path: tuple[str, ...], origins: Origins) -> None:
     check = getattr(obj, "check", None)
     if check is None:
         return
@@ -376,7 +395,7 @@ def _run_check(obj: object, key_path: tuple[str, ...], origins: _Origins) -> Non
         raise RecipeError(f"{origins.of(named_path)}: {dotted}: {detail}") from error
 
 
-def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: _Origins) -> object:
+def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: Origins) -> object:
     """Sections recurse through `_build` (origins, unknown keys, checks); containers recurse so that an error names
     the item (`data.sources.1.weight`, `model.config.hidden_size`); every leaf is validated by pydantic."""
     if dataclasses.is_dataclass(hint):
@@ -394,6 +413,8 @@ def _coerce(hint: object, value: object, key_path: tuple[str, ...], origins: _Or
         # YAML 1.1 reads `3e-4` (no dot) as a string; accept the number it obviously means.
         with contextlib.suppress(ValueError):
             value = float(value)
+    if _near_choice(hint, value):
+        return _type_error(hint, value, key_path, origins)
     try:
         coerced = _adapter(hint).validate_python(value)
     except pydantic.ValidationError as error:
@@ -429,6 +450,27 @@ def _value_hint(hint: object, value: object) -> str:
     return f" (did you mean {close!r}?)" if close else ""
 
 
+def _is_recipe_key(dotted: str) -> bool:
+    """Whether `dotted` names a key of the recipe's schema (`train.compile`, `data.sources.0.path`,
+    `model.config.hidden_size`)."""
+    hint: object = Recipe
+    for part in dotted.split("."):
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `list[int] | None`: the list
+            hint = next((arg for arg in typing.get_args(hint) if typing.get_origin(arg) in (list, dict)), None)
+        origin = typing.get_origin(hint)
+        if dataclasses.is_dataclass(hint):
+            hint = typing.get_type_hints(hint).get(part)
+            if hint is None:
+                return False
+        elif origin is list and part.isdigit():
+            hint = typing.get_args(hint)[0]
+        elif origin is dict:
+            hint = typing.get_args(hint)[1]
+        else:
+            return False
+    return True
+
+
 def _section_holding(key: str) -> str | None:
     """Where in the recipe `key` is a field (`precision` -> `train.precision`), for a key put in the wrong section;
     None unless exactly one section has it."""
@@ -450,13 +492,26 @@ def _closest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str |
     return by_lower[close[0]] if close else None
 
 
+def _near_choice(hint: object, value: object) -> bool:
+    """`true` or `2.0` for a key whose choices are the numbers 1, 2, 3: equal to a choice (True == 1, 2.0 == 2) but
+    not of its type, which pydantic's Literal check lets through even in strict mode (so `zero_stage: true` would
+    train at stage 1)."""
+    equal = [choice for choice in _literal_values(hint) if choice == value]
+    return bool(equal) and all(type(choice) is not type(value) for choice in equal)
+
+
 def _choices(hint: object) -> list[str]:
     """The string values a Literal field (also inside `... | None`) allows; empty for any other type."""
+    return [value for value in _literal_values(hint) if isinstance(value, str)]
+
+
+def _literal_values(hint: object) -> list[object]:
+    """Every value a Literal field (also inside `... | None`) allows; empty for any other type."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Literal:
-        return [arg for arg in args if isinstance(arg, str)]
+        return list(args)
     if origin in (typing.Union, types.UnionType):
-        return [choice for arg in args for choice in _choices(arg)]
+        return [value for arg in args for value in _literal_values(arg)]
     return []
 
 

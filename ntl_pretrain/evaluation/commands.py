@@ -175,7 +175,8 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
         raise InputError("--template: formats the --validation records; give --validation too")
     target = resolve_target(args.target)
     if args.log_metrics and target.run_dir is None:
-        raise InputError(f"--log-metrics: {args.target} is an HF folder, not a run: it has no metrics.jsonl")
+        raise InputError(f"--log-metrics: {args.target} is not in a run (an HF folder, or a checkpoint outside "
+                         f"<run>/checkpoints/): it has no metrics.jsonl")  # fmt: skip
     if target.checkpoint is not None:  # every process alike, before any file of the checkpoint is read
         verify_before_reading(target.checkpoint)
     for path in args.validation or []:

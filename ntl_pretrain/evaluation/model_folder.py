@@ -34,13 +34,15 @@ class Target:
 
     @property
     def step(self) -> int | None:
-        if self.checkpoint is None:
-            return None
-        return int(checkpoint.STEP_DIR.match(self.checkpoint.name).group(1))
+        """From the folder's name (`step_<N>`); None for a checkpoint copied to a folder of another name."""
+        found = None if self.checkpoint is None else checkpoint.STEP_DIR.match(self.checkpoint.name)
+        return None if found is None else int(found.group(1))
 
     @property
     def run_dir(self) -> Path | None:
-        return None if self.checkpoint is None else self.checkpoint.parent.parent
+        """The run the checkpoint is part of (`<run>/checkpoints/step_<N>`); None for an HF folder or a copy."""
+        run = None if self.step is None else self.checkpoint.parent.parent
+        return run if run is not None and checkpoint.checkpoints_root(run) == self.checkpoint.parent else None
 
 
 def resolve_target(path: str | Path) -> Target:
@@ -51,7 +53,7 @@ def resolve_target(path: str | Path) -> Target:
         if not has_weights(folder):
             raise FileNotFoundError(f"{folder}: an HF folder without weights (none of {', '.join(WEIGHT_FILES)})")
         return Target(folder, None)
-    if (folder / checkpoint.HF_CONFIG).is_dir():
+    if checkpoint.holds_checkpoint(folder):
         return Target(None, folder)
     step = checkpoint.latest(folder) or checkpoint.latest(checkpoint.checkpoints_root(folder))
     if step is None:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from ntl_pretrain.checkpoint.store import HF_CONFIG, TOKENIZER, verify_before_reading
+from ntl_pretrain.checkpoint.manifest import MANIFEST
+from ntl_pretrain.checkpoint.store import HF_CONFIG, TOKENIZER, holds_checkpoint, verify_before_reading
 from ntl_pretrain.config.loading import read_yaml_file
 from ntl_pretrain.export.gguf_file import checked_gguf
 from ntl_pretrain.heads import saved_output_matrix
@@ -48,11 +49,14 @@ def export_checkpoint(
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = Path(checkpoint_dir).resolve()
-    if not (folder / HF_CONFIG).is_dir():
-        raise FileNotFoundError(f"{folder} is not a checkpoint step folder (no hf_config/ inside)")
+    if not holds_checkpoint(folder):
+        raise FileNotFoundError(f"{folder} is not a checkpoint (no {MANIFEST}, no DeepSpeed model states); name a "
+                                "step folder, <output_dir>/checkpoints/step_<N>")  # fmt: skip
     if verify:
         stage("checking the checksums")
         verify_before_reading(folder)
+    if not (folder / HF_CONFIG).is_dir():  # a checkpoint saved before manifests, which nothing vouches for
+        raise FileNotFoundError(f"{folder}: a checkpoint without hf_config/ (its model config); export needs it")
     stage("gathering the fp32 weights from the ZeRO shards")
     with prints_kept_off_the_console():
         state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)

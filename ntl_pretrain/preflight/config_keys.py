@@ -19,7 +19,11 @@ import difflib
 import functools
 import importlib
 import inspect
+import json
 import re
+import types
+import typing
+from pathlib import Path
 
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 
@@ -29,6 +33,45 @@ CONFIG_READ = re.compile(r"""config\.(\w+)|(?:getattr|hasattr)\(\s*[\w.]*config\
 # `from ...modeling_rope_utils import` (the rest of the shared modeling code reads every config's common keys only).
 MODELING_IMPORT = re.compile(r"^from (\.\.\w+\.|\.\.\.)(modeling_\w+) import", re.MULTILINE)
 SHARED_SHAPE_CODE = "modeling_rope_utils"
+
+
+def check_whole_number_keys(recipe: Recipe) -> None:
+    """A `model.config` key that the config class declares a whole number (`hidden_size: int`, `head_dim: int |
+    None`) refuses `true` and `2.0`, as the recipe's own integer keys do, before the config is built: transformers
+    refuses them too, but in a message of Python type names, and our size checks would first read `true` as 1."""
+    config_class = _config_class(recipe)
+    if config_class is None:
+        return
+    for key, value in recipe.model.config.items():
+        if type(value) in (bool, float) and _declares_whole_number(config_class, key):
+            raise RecipeError(f"model.config.{key}: expected int ({config_class.__name__}'s {key} is a whole number), "
+                              f"got {value!r}")  # fmt: skip
+
+
+def _config_class(recipe: Recipe) -> type | None:
+    """The HF config class the run builds: `model.model_type`'s, or that of `init_from`'s config.json (None where
+    it cannot be told yet: the config's own checks report why)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = recipe.model.model_type
+    if model_type is None and recipe.init_from is not None:
+        try:
+            model_type = json.loads((Path(recipe.init_from).expanduser() / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: model_config says so
+            return None
+    return CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+
+
+def _declares_whole_number(config_class: type, key: str) -> bool:
+    """Whether the nearest annotation of `key` in the config class's hierarchy is `int` or `int | None`."""
+    for klass in config_class.__mro__:
+        hint = inspect.get_annotations(klass).get(key)
+        if isinstance(hint, str):
+            return hint.replace(" ", "") in ("int", "int|None", "Optional[int]")
+        if hint is not None:
+            members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+            return set(members) - {type(None)} == {int}
+    return False
 
 
 def check_config_keys(recipe: Recipe, config) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError
+from ntl_pretrain.preflight.config_keys import check_whole_number_keys
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "n_inner")  # fmt: skip
@@ -40,6 +41,7 @@ def check_given_sizes(recipe: Recipe) -> None:
     """The sizes `model.config` sets, before transformers builds a config from them: it divides by the head count
     (a ZeroDivisionError) and warns about token ids outside a negative vocabulary before any check of ours runs."""
     given = recipe.model.config
+    check_whole_number_keys(recipe)
     check_sizes(recipe, given)  # `where` names every key of model.config as model.config.<key>
     for width_key, heads_key in HEAD_SPLITS:
         width, heads = given.get(width_key), given.get(heads_key)
