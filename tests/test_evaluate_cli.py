@@ -38,7 +38,7 @@ def test_eval_command_on_an_hf_folder(tmp_path: Path) -> None:
     cfg = EvalConfig(qa_sets=[QaSetConfig(path=QA)], max_examples=6, max_new_tokens=5, batch_size=4)
     expected = generation_metrics(model, tokenizer, cfg)
     source = SourceConfig(path=str(resolve_path(HELD_OUT)), template="{question} {answer}")
-    expected.update(validation_metrics(model, tokenizer, [source], seq_len=64, max_batches=2))
+    expected.update(validation_metrics(model, tokenizer, [source], seq_len=64, max_sequences=16))  # 2 batches of 8
     assert record["step"] is None and record["split"] == "eval"
     for key, value in expected.items():
         assert record[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key

@@ -33,7 +33,7 @@ from ntl_pretrain.evaluation.generation import (
     summarise_sets,
 )
 from ntl_pretrain.numbers import NumberVocab
-from ntl_pretrain.tokenizer import load_tokenizer
+from ntl_pretrain.tokenizer import load_tokenizer, resolve_path
 
 TINY_TOKENIZER = "pkg:ntl_pretrain/corpus/tiny-tokenizer"
 VALIDATION = SourceConfig(
@@ -297,7 +297,7 @@ def reference_validation(model, tokenizer, max_batches: int) -> dict[str, float]
 
 def test_validation_metrics_match_float64_reference(tokenizer) -> None:
     model = tiny_model(tokenizer)
-    got = validation_metrics(model, tokenizer, [VALIDATION], seq_len=64, micro_batch_size=4, max_batches=3)
+    got = validation_metrics(model, tokenizer, [VALIDATION], seq_len=64, micro_batch_size=4, max_sequences=12)
     expected = reference_validation(model, tokenizer, max_batches=3)
     assert got["val_tokens"] == expected["val_tokens"] and got["val_number_tokens"] == expected["val_number_tokens"]
     assert got["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)
@@ -309,6 +309,46 @@ def test_validation_metrics_match_float64_reference(tokenizer) -> None:
     # an untrained model: CE is near log V everywhere, yet the number positions differ by far more than rel=1e-5
     assert expected["val_number_ce"] != pytest.approx(expected["val_ce"], rel=1e-3)
     assert got["val_perplexity"] == pytest.approx(math.exp(expected["val_ce"]), rel=1e-5)
+
+
+def trainers_capped_validation(model, tokenizer, data: DataConfig, max_batches: int, micro_batch: int, ranks: int):
+    """(CE, label tokens) the trainer logs with `train.eval_max_batches: max_batches`: each of its `ranks` evaluates
+    the first `max_batches` micro-batches of its validation loader over all sources (`Trainer._lockstep`), as
+    `helpers.launches.assert_model_reproduces_logged_validation` checks against real runs' logged numbers."""
+    ce = tokens = 0.0
+    for rank in range(ranks):
+        loader = build_dataloader(data, tokenizer, micro_batch_size=micro_batch, dp_rank=rank, dp_world_size=ranks,
+                                  seed=0, split="validation")  # fmt: skip
+        for _, batch in zip(range(max_batches), loader, strict=False):
+            with torch.no_grad():
+                logits_NV = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.flatten(0, 1)
+            labels_N = batch["labels"].flatten()
+            ce += F.cross_entropy(logits_NV.double(), labels_N, ignore_index=-100, reduction="sum").item()
+            tokens += (labels_N != -100).sum().item()
+    return ce, tokens
+
+
+@pytest.mark.parametrize(("max_batches", "micro_batch", "ranks"), [(1, 4, 1), (3, 2, 3), (50, 4, 2)])
+def test_eval_caps_validation_as_the_trainer_does(tokenizer, tmp_path, max_batches, micro_batch, ranks) -> None:
+    """`train.eval_max_batches: N` covers the first N x micro-batch x ranks sequences of the whole split; eval's
+    cap counts the same (`sequence_cap`), in one process, so the aggregate `val_ce` of the same weights is the same.
+    It capped each source at N of its own batches of 8 (issue 60: 7.07 against the trainer's 7.11). Two short
+    sources, so that a cap ends inside the second one; the last case covers the whole split."""
+    from ntl_pretrain.evaluation.validation import sequence_cap
+
+    model = tiny_model(tokenizer)
+    sources = []
+    for name, count in (("arithmetic", 20), ("word_problems", 23)):
+        lines = resolve_path(f"pkg:ntl_pretrain/corpus/{name}/validation.jsonl").read_text().splitlines(True)
+        (tmp_path / f"{name}.jsonl").write_text("".join(lines[:count]))
+        sources.append(SourceConfig(name=name, path=str(tmp_path / f"{name}.jsonl"), template="{question} {answer}"))
+    data = DataConfig(sources=sources, validation=sources, seq_len=64)
+    ce, tokens = trainers_capped_validation(model, tokenizer, data, max_batches, micro_batch, ranks)
+    got = validation_metrics(model, tokenizer, sources, seq_len=64,
+                             max_sequences=sequence_cap(max_batches, micro_batch, ranks))  # fmt: skip
+    assert got["val_tokens"] == tokens
+    assert got["val_ce"] == pytest.approx(ce / tokens, rel=1e-6)
+    assert ("val/word_problems/tokens" in got) == (max_batches * micro_batch * ranks > 6)  # arithmetic: 6 sequences
 
 
 # ---- two ranks ----------------------------------------------------------------------------------------------

@@ -216,7 +216,9 @@ class TrainConfig:
     eval_every_steps: int | None = None
     """Evaluate on the data validation split every N steps (and at the end); null = never."""
     eval_max_batches: int | None = None
-    """Cap on validation micro-batches per rank and evaluation; null = the whole split."""
+    """Cap on validation micro-batches per rank and evaluation: the first eval_max_batches × micro_batch_size × ranks
+    packed sequences of the split, its sources in order (`ntl-pretrain eval --max-validation-batches` counts the
+    same); null = the whole split."""
     max_nonfinite_steps: int = 5
     """Skip steps whose loss is NaN/inf; stop the run after this many in a row."""
     dist_timeout_seconds: int = 300

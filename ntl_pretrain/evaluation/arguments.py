@@ -37,7 +37,10 @@ def register(subparsers: argparse._SubParsersAction, summary: str | None = None)
     parser.add_argument("--per-document-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="restart positions at each packed document (and keep attention inside it); "
                              "default: the run's data.per_document_attention, else off")  # fmt: skip
-    parser.add_argument("--max-validation-batches", type=int, default=None)
+    parser.add_argument("--max-validation-batches", type=int, default=None, metavar="N",
+                        help="what train.eval_max_batches: N evaluated in the run: N micro-batches of its "
+                             "train.micro_batch_size on each of its ranks, the split's first sequences (an HF "
+                             "folder: N x 8); default: the whole split")  # fmt: skip
     parser.add_argument("--ntl-kind", choices=["was", "mse", "mae", "huber", "digits", "number"], default="was")
     parser.add_argument("--out", type=Path, default=None, help="also write the record to this JSON file")
     parser.add_argument("--log-metrics", action="store_true", help="append the record to the run's metrics.jsonl")

@@ -36,8 +36,9 @@ from ntl_pretrain.evaluation.model_folder import (
     recipe_eval,
     recipe_validation,
     resolve_target,
+    validation_layout,
 )
-from ntl_pretrain.evaluation.validation import validation_metrics
+from ntl_pretrain.evaluation.validation import MICRO_BATCH, sequence_cap, validation_metrics
 from ntl_pretrain.outputs import check_output, write_text
 from ntl_pretrain.reporting.console import no_library_progress_bars, ongoing, stdout_to_stderr
 from ntl_pretrain.reporting.metrics import open_for_append
@@ -64,6 +65,7 @@ def evaluate_target(
     to see which answers were wrong and how. `stage(what, say=True)` is told each stage (`console.ongoing`).
     """
     target = resolve_target(path)
+    max_sequences = sequence_cap(cfg.max_validation_batches, *validation_layout(target, MICRO_BATCH))
     with tempfile.TemporaryDirectory(prefix="ntl-eval-") as scratch:
         if target.hf_folder is None:
             stage(f"exporting {target.checkpoint} to a temporary HF folder", say=True)
@@ -75,7 +77,7 @@ def evaluate_target(
         if data is not None:
             stage(f"validating on {', '.join(source.label for source in data.validation)}", say=True)
             record.update(validation_metrics(model, tokenizer, data.validation, seq_len=data.seq_len,
-                                             max_batches=cfg.max_validation_batches, ntl_kind=ntl_kind,
+                                             max_sequences=max_sequences, ntl_kind=ntl_kind,
                                              per_document_attention=data.per_document_attention))  # fmt: skip
         stage(f"answering {', '.join(qa.label for qa in cfg.qa_sets)} (greedy, batches of {cfg.batch_size})", say=True)
         answered = answer_sets(model, tokenizer, cfg, progress=stage)
@@ -175,7 +177,7 @@ def checked_arguments(args: argparse.Namespace) -> tuple[Target, EvalConfig]:
         raise InputError("--template: formats the --validation records; give --validation too")
     target = resolve_target(args.target)
     if args.log_metrics and target.run_dir is None:
-        raise InputError(f"--log-metrics: {args.target} is not in a run (an HF folder, or a checkpoint outside "
+        raise InputError(f"--log-metrics: {args.target} is not a run (an HF folder, or a checkpoint outside "
                          f"<run>/checkpoints/): it has no metrics.jsonl")  # fmt: skip
     if target.checkpoint is not None:  # every process alike, before any file of the checkpoint is read
         verify_before_reading(target.checkpoint)

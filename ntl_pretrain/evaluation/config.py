@@ -74,7 +74,10 @@ class EvalConfig:
     """`ntl-pretrain eval` only: held-out sources for CE, perplexity and NTL; empty = the run's
     `data.validation` (the trainer already reports validation CE/NTL on those)."""
     max_validation_batches: int | None = None
-    """`ntl-pretrain eval` only: cap on validation micro-batches per rank; null = the whole split."""
+    """`ntl-pretrain eval` only: the cap `train.eval_max_batches` is, so the same weights give the trainer's
+    `val_ce`: N micro-batches per rank of the run that saved the checkpoint, i.e. the first N ×
+    `train.micro_batch_size` × its ranks packed sequences of the split, its sources in order, however many processes
+    evaluate (of an HF folder, N × 8 sequences); null = the whole split."""
 
     def check(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:

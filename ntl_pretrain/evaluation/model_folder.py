@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.loading import read_yaml_file
+from ntl_pretrain.config.recipe import TrainConfig
 from ntl_pretrain.data.config import DataConfig
 from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.errors import InputError
@@ -128,6 +129,17 @@ def recipe_eval(target: Target) -> EvalConfig | None:
     qa_sets = [QaSetConfig(**qa) for qa in section.get("qa_sets") or []]
     validation = [SourceConfig(**source) for source in section.get("validation") or []]
     return EvalConfig(**{**section, "qa_sets": qa_sets, "validation": validation})
+
+
+def validation_layout(target: Target, eval_micro_batch: int) -> tuple[int, int]:
+    """(micro-batch size, ranks) that `--max-validation-batches` counts in, so that it means what
+    `train.eval_max_batches` meant in the run: the run's `train.micro_batch_size` and its ranks (one `rank_state/`
+    file each; 1 for a checkpoint saved before them); for an HF folder, eval's own micro-batch on one rank."""
+    if target.checkpoint is None:
+        return eval_micro_batch, 1
+    micro_batch_size = int(saved_recipe(target).get("train", {}).get("micro_batch_size", TrainConfig.micro_batch_size))
+    ranks = len(list((target.checkpoint / checkpoint.RANK_STATE).glob("rank_*.pt")))
+    return micro_batch_size, max(ranks, 1)
 
 
 def recipe_validation(target: Target) -> DataConfig | None:

@@ -25,10 +25,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ntl_pretrain.data import build_dataloader
 from ntl_pretrain.data.config import DataConfig
+from ntl_pretrain.data.packing import IGNORE_INDEX
 from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.numbers import NumberVocab
 
+MICRO_BATCH = 8
+"""Sequences per forward of `ntl-pretrain eval`'s validation (memory only: the sums do not depend on it)."""
 MEASURED_BESIDE = ("digits", "number")
 """NTL kinds every model is measured with beside the chosen one, whatever it trained with: the digit-wise distance
 (the near misses the class-scaled kinds barely see on multi-digit tokens) and the whole-number error."""
@@ -42,8 +45,8 @@ def validation_metrics(
     sources: list[SourceConfig],
     *,
     seq_len: int,
-    micro_batch_size: int = 8,
-    max_batches: int | None = None,
+    micro_batch_size: int = MICRO_BATCH,
+    max_sequences: int | None = None,
     ntl_kind: str = "was",
     per_document_attention: bool = False,
 ) -> dict[str, float]:
@@ -52,20 +55,22 @@ def validation_metrics(
     where it may trade CE for closer numbers; per number token), with Q/A sources `val_answer_ce`,
     `val_answer_ntl_<kind>`, `val_answer_ntl_digits` and `val_answer_tokens`, over all sources and ranks, and with
     several sources the same per source as `val/<source>/ce` etc. (e.g. prose apart from arithmetic).
-    Each source is packed on its own, as in the trainer; `max_batches` caps each source's micro-batches per rank;
+    Each source is packed on its own, as in the trainer; `max_sequences`: only the first N packed sequences of the
+    split, its sources in order (`sequence_cap`: what the trainer's `train.eval_max_batches` evaluates);
     `per_document_attention`: the run's `data.per_document_attention`. Call on every rank.
     """
     was_training = model.training
     model.eval()
     try:
         number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=model.config.vocab_size)
-        per_source = {}
+        per_source, left = {}, max_sequences
         for source in sources:
             data = DataConfig(sources=[source], validation=[source], seq_len=seq_len,
                               per_document_attention=per_document_attention)  # fmt: skip
-            per_source[source.label] = _source_sums(
-                model, tokenizer, data, number_vocab, micro_batch_size, max_batches, ntl_kind
+            per_source[source.label], taken = _source_sums(
+                model, tokenizer, data, number_vocab, micro_batch_size, left, ntl_kind
             )
+            left = None if left is None else left - taken
     finally:
         model.train(was_training)
     answers = {source.label: source.answer is not None for source in sources}
@@ -73,8 +78,17 @@ def validation_metrics(
     metrics = _summary(overall, "val_", ntl_kind, any(answers.values()))
     if len(per_source) > 1:
         for label, sums in per_source.items():
-            metrics.update(_summary(sums, f"val/{label}/", ntl_kind, answers[label]))
+            if sums["tokens"]:  # a source the cap left out has no metrics of its own, rather than a CE of 0
+                metrics.update(_summary(sums, f"val/{label}/", ntl_kind, answers[label]))
     return metrics
+
+
+def sequence_cap(max_batches: int | None, micro_batch_size: int, ranks: int) -> int | None:
+    """The packed sequences `train.eval_max_batches: max_batches` evaluates: each of the `ranks` takes every
+    `ranks`-th sequence of the split (`data.pipeline.validation_batches`) and evaluates its first `max_batches`
+    micro-batches of `micro_batch_size`, so together they cover its first `max_batches × micro_batch_size × ranks`
+    sequences, sources in order."""
+    return None if max_batches is None else max_batches * micro_batch_size * ranks
 
 
 def _source_sums(
@@ -83,10 +97,11 @@ def _source_sums(
     data: DataConfig,
     number_vocab: NumberVocab,
     micro_batch_size: int,
-    max_batches: int | None,
+    max_sequences: int | None,
     ntl_kind: str,
-) -> dict[str, float]:
-    """The sums `_batch_totals` names, over `data`'s one validation source and all ranks."""
+) -> tuple[dict[str, float], int]:
+    """The sums `_batch_totals` names over the first `max_sequences` packed sequences (all when None) of `data`'s
+    one validation source, on all ranks; and how many sequences that was."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     loader = build_dataloader(
         data,
@@ -98,17 +113,23 @@ def _source_sums(
         split="validation",
     )
     names = _total_names(ntl_kind)
-    sums = torch.zeros(len(names), dtype=torch.float64)
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # the last: sequences evaluated
+    limit = math.inf if max_sequences is None else max_sequences
     with torch.no_grad():
         for index, batch in enumerate(loader):
-            if max_batches is not None and index == max_batches:
+            # This rank's rows are the sequences rank, rank + world, ... of the source (`validation_batches`).
+            sequence_B = rank + world * (index * micro_batch_size + torch.arange(batch["labels"].shape[0]))
+            kept_B = sequence_B < limit
+            if not kept_B.any():
                 break
+            batch = {key: value[kept_B] for key, value in batch.items()}
             logits_BTV = packed_forward(model, batch["input_ids"], batch["position_ids"])
             totals = _batch_totals(logits_BTV, batch["labels"].to(model.device), batch, number_vocab, ntl_kind)
-            sums += torch.stack([totals[name] for name in names]).double().cpu()
+            sums[:-1] += torch.stack([totals[name] for name in names]).double().cpu()
+            sums[-1] += (batch["labels"] != IGNORE_INDEX).any(dim=1).sum()  # a padding row (the split's end) has none
     if world > 1:
         dist.all_reduce(sums)
-    return dict(zip(names, sums.tolist(), strict=True))
+    return dict(zip(names, sums[:-1].tolist(), strict=True)), int(sums[-1])
 
 
 def measured_kinds(ntl_kind: str) -> tuple[str, ...]:
