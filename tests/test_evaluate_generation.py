@@ -328,12 +328,12 @@ def trainers_capped_validation(model, tokenizer, data: DataConfig, max_batches: 
     return ce, tokens
 
 
-@pytest.mark.parametrize(("max_batches", "micro_batch", "ranks"), [(1, 4, 1), (3, 2, 3), (50, 4, 2)])
+@pytest.mark.parametrize(("max_batches", "micro_batch", "ranks"), [(1, 4, 1), (3, 2, 3)])
 def test_eval_caps_validation_as_the_trainer_does(tokenizer, tmp_path, max_batches, micro_batch, ranks) -> None:
     """`train.eval_max_batches: N` covers the first N x micro-batch x ranks sequences of the whole split; eval's
     cap counts the same (`sequence_cap`), in one process, so the aggregate `val_ce` of the same weights is the same.
     It capped each source at N of its own batches of 8 (issue 60: 7.07 against the trainer's 7.11). Two short
-    sources, so that a cap ends inside the second one; the last case covers the whole split."""
+    sources, so that a cap ends inside the first one, or inside the second."""
     from ntl_pretrain.evaluation.validation import sequence_cap
 
     model = tiny_model(tokenizer)
