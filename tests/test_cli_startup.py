@@ -18,16 +18,22 @@ REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "deepspeed", "scipy", "matplotlib", "datasets", "pyarrow")
 COMMANDS = ("train", "export", "convert-gguf", "verify", "eval", "plot", "study", "data", "doctor")
 # Runs `python -m MODULE ARGS` (the CLI, or a module a launcher starts each rank with), then prints its exit code
-# and the heavy modules it imported.
+# and the heavy modules it imported, also when the command ends the process at once (`os._exit`: cli.ENDS_AT_ONCE).
 PROBE = f"""
-import json, runpy, sys
+import json, os, runpy, sys
 module, sys.argv = sys.argv[1], sys.argv[1:]
+exit_now = os._exit
+
+def report(code):
+    print(json.dumps({{"code": code, "heavy": [name for name in {HEAVY!r} if name in sys.modules]}}), flush=True)
+
+os._exit = lambda code: (report(code), exit_now(code))
 try:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     code = None
 except SystemExit as stop:
     code = stop.code
-print(json.dumps({{"code": code, "heavy": [name for name in {HEAVY!r} if name in sys.modules]}}))
+report(code)
 """
 
 
