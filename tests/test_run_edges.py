@@ -35,7 +35,7 @@ class ScriptedTrainer(Trainer):
         pass
 
     def _make_console(self):
-        return types.SimpleNamespace(step=lambda record: None, close_bar=lambda: None)
+        return types.SimpleNamespace(step=lambda record: None, close=lambda: None)
 
     def _make_logger(self):
         return types.SimpleNamespace(log=lambda record: None, progress=lambda record: None, close=lambda: None)
