@@ -28,8 +28,9 @@ WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")  # WANDB_MODE values that 
 WANDB_CONNECT_TIMEOUT_S = 5.0
 
 
-def check_world(recipe: Recipe, master_port: int | None, stage: Callable[[str], None] = lambda _: None) -> None:
-    """Every check below, in the order a user would fix them; `stage(what)` is told what is checked next."""
+def check_world(recipe: Recipe, master_port: int | None, stage: Callable[[str], None] = lambda _: None):
+    """Every check below, in the order a user would fix them; `stage(what)` is told what is checked next. Returns
+    the tokenizer the ranks will load (None: the checkpoint's, `check_tokenizer`)."""
     stage("the output folder's earlier run")
     starts_fresh = recipe.init_from is None and existing_checkpoint(recipe) is None
     check_no_earlier_run(recipe)
@@ -52,6 +53,7 @@ def check_world(recipe: Recipe, master_port: int | None, stage: Callable[[str], 
     check_output_dir(recipe.train.output_dir)
     run_lock.check_free(recipe.train.output_dir)
     check_master_port(master_port)
+    return tokenizer
 
 
 def existing_checkpoint(recipe: Recipe) -> Path | None:
