@@ -67,15 +67,6 @@ def existing_checkpoint(recipe: Recipe) -> Path | None:
         raise RecipeError(str(error)) from error
 
 
-def finished_step(recipe: Recipe) -> int | None:
-    """The step of the checkpoint a resume would load, when it has already reached `train.max_steps`."""
-    folder = existing_checkpoint(recipe)
-    if folder is None:
-        return None
-    step = checkpoint.step_of(folder)
-    return step if step >= recipe.train.max_steps else None
-
-
 def check_no_earlier_run(recipe: Recipe) -> None:
     """`train.resume: null` starts afresh: refused where output_dir holds an earlier run, unless `overwrite`."""
     if recipe.train.resume is not None or recipe.train.overwrite:
