@@ -90,14 +90,14 @@ def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
     return ["--include", "localhost:" + ",".join(devices[:nproc])]
 
 
-def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> tuple[Recipe, RunStart, str | None]:
-    """The recipe after every check a launch makes before any process starts (seconds: imports torch), how the run
-    starts, and a note when NTL finds nothing to learn in the first records; `stage` is told what is checked next."""
+def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> tuple[Recipe, RunStart]:
+    """The recipe after every check a launch makes before any process starts (seconds: imports torch), and how the
+    run starts; `stage` is told what is checked next."""
     stage("the libraries")
     from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.heads.architectures import check_recipe_architecture
     from ntl_pretrain.preflight.data import check_readers
-    from ntl_pretrain.preflight.start import check_start, no_number_labels_note
+    from ntl_pretrain.preflight.start import check_start
     from ntl_pretrain.preflight.world import check_world
 
     args.nproc = args.nproc or default_nproc()
@@ -108,8 +108,7 @@ def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> tu
     check_readers(recipe, args.nproc)
     check_recipe_architecture(recipe)
     stage("the number tokens and the checkpoint the run resumes")
-    start = check_start(recipe, ds_config["train_batch_size"], args.nproc, tokenizer)
-    return recipe, start, None if start.finished else no_number_labels_note(recipe, tokenizer)
+    return recipe, check_start(recipe, ds_config["train_batch_size"], args.nproc, tokenizer)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -130,10 +129,10 @@ def _checked_and_launched(args: argparse.Namespace) -> int:
     from ntl_pretrain.reporting.console import ongoing
 
     with ongoing(f"checking {args.recipe} before launch") as stage:
-        recipe, start, numbers_note = checked_recipe(args, stage)
+        recipe, start = checked_recipe(args, stage)
     from ntl_pretrain.optim.schedule import warmup_note
 
-    for note in (warmup_note(recipe.schedule, recipe.train.max_steps), numbers_note):
+    for note in (warmup_note(recipe.schedule, recipe.train.max_steps), start.numbers_note):
         if note:
             print(f"ntl-pretrain: note: {note}", file=sys.stderr, flush=True)
     finished = f"{recipe.train.output_dir}: already at step {start.step} of train.max_steps=" \

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.recipe import Recipe
@@ -17,19 +18,24 @@ from ntl_pretrain.data.label_bits import NO_NTL, TOKEN_BITS
 from ntl_pretrain.preflight.data import read_here
 from ntl_pretrain.preflight.world import existing_checkpoint
 
+if TYPE_CHECKING:
+    from ntl_pretrain.numbers import NumberVocab
+
 SAMPLED_DOCUMENTS = 64  # per training source: enough for a corpus with numbers, a fraction of a second to tokenise
 SAMPLED_CHARS = 1 << 20  # per source, for sources whose documents are whole files
 
 
 @dataclass(frozen=True)
 class RunStart:
-    """Where a run starts: the checkpoint it resumes (and its step), else `init_from`'s weights, else scratch."""
+    """Where a run starts: the checkpoint it resumes (and its step), else `init_from`'s weights, else scratch; and a
+    note when the first records give NTL nothing to learn (`no_number_labels_note`)."""
 
     output_dir: str
     max_steps: int
     resume_from: Path | None
     step: int | None
     init_from: str | None
+    numbers_note: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -51,7 +57,8 @@ class RunStart:
 def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -> RunStart:
     """The run's start; refuses what its ranks would refuse before step 1: a tokenizer without number tokens while
     NTL is on, a checkpoint trained with another recipe (the resume guard), output-layer slices of another layout.
-    `tokenizer`: the one `preflight.world.check_tokenizer` loaded (None: the checkpoint's)."""
+    A finished run is not launched, so nothing is checked. `tokenizer`: the one `preflight.world.check_tokenizer`
+    loaded (None: the checkpoint's)."""
     from ntl_pretrain.model.build import number_vocabulary
     from ntl_pretrain.train import resume_guard
 
@@ -62,13 +69,14 @@ def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -
         return start
     if tokenizer is None and folder is not None:
         tokenizer = _checkpoint_tokenizer(folder, recipe)
-    if tokenizer is not None:
-        number_vocabulary(recipe, tokenizer)
-    if folder is not None and tokenizer is not None:
+    if tokenizer is None:
+        return start
+    numbers = number_vocabulary(recipe, tokenizer)
+    if folder is not None:
         found = resume_guard.resume_differences(folder, recipe, tokenizer, global_batch)
         resume_guard.refuse_differences(folder, [(str(difference), difference.key) for difference in found])
         resume_guard.check_head_layout(folder, recipe, world_size)
-    return start
+    return replace(start, numbers_note=None if numbers is None else no_number_labels_note(recipe, tokenizer, numbers))
 
 
 def _checkpoint_tokenizer(folder: Path, recipe: Recipe):
@@ -78,17 +86,13 @@ def _checkpoint_tokenizer(folder: Path, recipe: Recipe):
     return load_tokenizer(str(saved), trust_remote_code=recipe.tokenizer.trust_remote_code) if saved.is_dir() else None
 
 
-def no_number_labels_note(recipe: Recipe, tokenizer) -> str | None:
-    """A note when NTL is on and the first records of every training source read here hold no label NTL acts on
-    (none is a number token, or the number tokens all lie where `ntl_labels: answer` turns NTL off); None when one
-    does, or when no source is read here (hub datasets, remote and columnar files)."""
-    if recipe.loss.ntl.kind is None or tokenizer is None:
-        return None
+def no_number_labels_note(recipe: Recipe, tokenizer, numbers: NumberVocab) -> str | None:
+    """A note when the first records of every training source read here hold no label NTL acts on (none is one of
+    the `numbers`, or they all lie where `ntl_labels: answer` turns NTL off); None when one does, or when no source
+    is read here (hub datasets, remote and columnar files)."""
     import torch
 
-    from ntl_pretrain.model.build import number_vocabulary
-
-    is_number = number_vocabulary(recipe, tokenizer).classes >= 0
+    is_number = numbers.classes >= 0
     sampled = [(source, _sampled_labels(source, tokenizer)) for source in recipe.data.sources if read_here(source)]
     sampled = [(source, labels) for source, labels in sampled if labels is not None]
     if not sampled or any(bool(is_number[torch.from_numpy(labels)].any()) for _, labels in sampled):
