@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.data.label_bits import NO_NTL, TOKEN_BITS
-from ntl_pretrain.preflight.data import read_here
+from ntl_pretrain.preflight.data import read_here, whole_files
 from ntl_pretrain.preflight.world import existing_checkpoint
 
 if TYPE_CHECKING:
@@ -89,11 +89,12 @@ def _checkpoint_tokenizer(folder: Path, recipe: Recipe):
 def no_number_labels_note(recipe: Recipe, tokenizer, numbers: NumberVocab) -> str | None:
     """A note when the first records of every training source read here hold no label NTL acts on (none is one of
     the `numbers`, or they all lie where `ntl_labels: answer` turns NTL off); None when one does, or when no source
-    is read here (hub datasets, remote and columnar files)."""
+    is read here (hub datasets, remote and columnar files, txt files read whole as one document each)."""
     import torch
 
     is_number = numbers.classes >= 0
-    sampled = [(source, _sampled_labels(source, tokenizer)) for source in recipe.data.sources if read_here(source)]
+    read = [source for source in recipe.data.sources if read_here(source) and not whole_files(source)]
+    sampled = [(source, _sampled_labels(source, tokenizer)) for source in read]
     sampled = [(source, labels) for source, labels in sampled if labels is not None]
     if not sampled or any(bool(is_number[torch.from_numpy(labels)].any()) for _, labels in sampled):
         return None
