@@ -13,12 +13,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, keep_standard_streams_open, run_reporting
 from ntl_pretrain.outputs import check_output
+
+if TYPE_CHECKING:
+    from ntl_pretrain.preflight.start import RunStart
 
 OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 # Commands that load torch, DeepSpeed and transformers: once they said their last line, the process ends at once,
@@ -87,23 +90,25 @@ def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
     return ["--include", "localhost:" + ",".join(devices[:nproc])]
 
 
-def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> Recipe:
-    """The recipe after every check a launch makes before any process starts (seconds: imports torch); `stage` is
-    told what is checked next."""
+def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> tuple[Recipe, RunStart]:
+    """The recipe after every check a launch makes before any process starts (seconds: imports torch), and how the
+    run starts; `stage` is told what is checked next."""
     stage("the libraries")
     from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.heads.architectures import check_recipe_architecture
     from ntl_pretrain.preflight.data import check_readers
+    from ntl_pretrain.preflight.start import check_start
     from ntl_pretrain.preflight.world import check_world
 
     args.nproc = args.nproc or default_nproc()
     stage("the data files and the DeepSpeed config")
-    recipe, _ = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
-    check_world(recipe, args.master_port, stage)
+    recipe, ds_config = load_run(args.recipe, args.overrides, args.nproc)  # fail here, before any process starts
+    tokenizer = check_world(recipe, args.master_port, stage)
     stage(f"the data at {args.nproc} process{'es' if args.nproc > 1 else ''}")
     check_readers(recipe, args.nproc)
     check_recipe_architecture(recipe)
-    return recipe
+    stage("the number tokens and the checkpoint the run resumes")
+    return recipe, check_start(recipe, ds_config["train_batch_size"], args.nproc, tokenizer)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -124,21 +129,22 @@ def _checked_and_launched(args: argparse.Namespace) -> int:
     from ntl_pretrain.reporting.console import ongoing
 
     with ongoing(f"checking {args.recipe} before launch") as stage:
-        recipe = checked_recipe(args, stage)
+        recipe, start = checked_recipe(args, stage)
     from ntl_pretrain.optim.schedule import warmup_note
-    from ntl_pretrain.preflight.world import finished_step
 
-    if note := warmup_note(recipe.schedule, recipe.train.max_steps):
-        print(f"ntl-pretrain: note: {note}", file=sys.stderr, flush=True)
-    done = finished_step(recipe)
-    finished = f"{recipe.train.output_dir}: already at step {done} of train.max_steps={recipe.train.max_steps}; " \
-        "nothing to train (raise train.max_steps to continue)"  # fmt: skip
+    for note in (warmup_note(recipe.schedule, recipe.train.max_steps), start.numbers_note):
+        if note:
+            print(f"ntl-pretrain: note: {note}", file=sys.stderr, flush=True)
+    finished = f"{recipe.train.output_dir}: already at step {start.step} of train.max_steps=" \
+        f"{recipe.train.max_steps}; nothing to train (raise train.max_steps to continue)"  # fmt: skip
     env = launch_environment(recipe.train.device)
     if args.dry_run:
         print(dump_recipe(recipe), end="")
-        print("# " + (finished if done is not None else shlex.join(train_command(args, env, recipe.logging.verbose))))
+        if not start.finished:
+            print(f"# {start.describe()}")
+        print("# " + (finished if start.finished else shlex.join(train_command(args, env, recipe.logging.verbose))))
         return 0
-    if done is not None:
+    if start.finished:
         print(f"ntl-pretrain: {finished}")
         return 0
     return launch(args, recipe, env)

@@ -14,8 +14,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 @pytest.fixture(scope="session", autouse=True)
 def away_from_the_checkout(tmp_path_factory):
-    """Every test runs in an empty folder, not where pytest was started: a recipe's relative `train.output_dir`
-    (`runs/tiny-cpu`) then never meets what the README's main job, or anything else, left in the checkout."""
+    """Every test runs in an empty folder, not where pytest was started: a relative path on the command line
+    (`train.output_dir=runs/x`) then never meets what the README's main job, or anything else, left there. (A
+    recipe file's own relative paths are its folder's: tests give the shipped recipes a `train.output_dir` of
+    their own, not the checkout's `runs/`.)"""
     started_in = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield

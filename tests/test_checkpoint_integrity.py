@@ -360,7 +360,7 @@ def test_a_bad_latest_pointer_is_reported_and_resume_takes_the_newest_checkpoint
     for pointer, said in BAD_POINTERS.items():
         checkpoint.write_pointer(root, pointer)
         assert checkpoint.latest(root) == root / "step_20"
-        assert preflight.finished_step(recipe) is None  # not "already at step 999"
+        assert preflight.existing_checkpoint(recipe) == root / "step_20"  # not "already at step 999"
         assert cli.main(["verify", str(tmp_path / "run")]) == 1
         assert capsys.readouterr().out.splitlines() == [
             f"{root / 'step_10'}: intact",

@@ -48,30 +48,71 @@ def test_base_inheritance_merges_sections_and_anchors_paths(tmp_path):
     assert recipe.deepspeed.config == "pkg:ntl_pretrain/config/zero3.json"
 
 
-def test_paths_a_recipe_reads_are_relative_to_its_file_and_outputs_to_the_working_directory(tmp_path, monkeypatch):
-    """A recipe copied elsewhere, with its files beside it, runs from any folder (issue 50: the default
-    `../configs/zero3.json` resolved only from inside recipes/); `base:` anchors each file's paths to its own folder;
-    the run's folder and the overrides' paths stay where the command runs."""
+def test_every_path_in_a_recipe_file_is_relative_to_its_folder_and_an_overrides_to_the_working_directory(
+    tmp_path, monkeypatch
+):
+    """One rule (issue 59): a recipe copied elsewhere, with its files beside it, means the same run from any folder
+    (issue 50: the default `../configs/zero3.json` resolved only from inside recipes/; issue 59: `output_dir` and
+    `init_from` were read from two different folders, so a walk-through's step 2 missed step 1's folder); `base:`
+    anchors each file's paths to its own folder; paths in overrides are the working directory's, as any argument's.
+    Every path comes out absolute, as the dry run prints it."""
     shared, mine, elsewhere = tmp_path / "shared", tmp_path / "mine", tmp_path / "elsewhere"
-    for folder in (shared, mine, elsewhere):
-        folder.mkdir()
+    for folder in (shared, mine, elsewhere, tmp_path / "runs" / "old"):
+        folder.mkdir(parents=True)
     (shared / "sums.jsonl").write_text('{"text": "1 plus 1 is 2"}\n')
     for folder in (mine, elsewhere):
         (folder / "held_out.jsonl").write_text('{"text": "2 plus 2 is 4"}\n')
-    (mine / "ds.json").write_text((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
+    (mine / "ds.json").write_text((REPO / "configs" / "zero3.json").read_text())
     write(shared / "base.yaml", {**yaml.safe_load(TINY.read_text()), "data": {"sources": [{"path": "sums.jsonl"}]}})
     child = write(mine / "run.yaml", {"base": "../shared/base.yaml", "deepspeed": {"config": "ds.json"},
-                                      "data": {"validation": [{"path": "held_out.jsonl"}]}})  # fmt: skip
+                                      "data": {"validation": [{"path": "held_out.jsonl"}]},
+                                      "init_from": "../models/hf", "model": {"model_type": None},
+                                      "train": {"resume": "../runs/old"}})  # fmt: skip
     monkeypatch.chdir(elsewhere)
     recipe, ds_config = load_run(child, [], world_size=1)
     assert recipe.data.sources[0].path == str(shared / "sums.jsonl")
     assert recipe.data.validation[0].path == str(mine / "held_out.jsonl")
     assert recipe.deepspeed.config == str(mine / "ds.json") and ds_config["zero_optimization"]["stage"] == 3
-    assert recipe.train.output_dir == "runs/tiny-cpu"  # under elsewhere/, where the command runs
-    assert load_recipe(child, ["data.validation=[{path: held_out.jsonl}]"]).data.validation[0].path == "held_out.jsonl"
+    assert recipe.train.output_dir == str(tmp_path / "runs" / "tiny-cpu")  # `../runs/tiny-cpu` of shared/base.yaml
+    assert (recipe.init_from, recipe.train.resume) == (str(tmp_path / "models" / "hf"), str(tmp_path / "runs" / "old"))
+    overridden = load_recipe(child, ["data.validation=[{path: held_out.jsonl}]", "train.output_dir=runs/x",
+                                     "train.resume=auto"])  # fmt: skip
+    assert overridden.data.validation[0].path == str(elsewhere / "held_out.jsonl")
+    assert (overridden.train.output_dir, overridden.train.resume) == (str(elsewhere / "runs" / "x"), "auto")
     copied = elsewhere / "tiny-copy.yaml"
     copied.write_text(TINY.read_text())
-    assert load_run(copied, [], world_size=2)[0].deepspeed.config == "pkg:ntl_pretrain/config/zero3.json"
+    recipe = load_run(copied, [], world_size=2)[0]
+    assert recipe.deepspeed.config == "pkg:ntl_pretrain/config/zero3.json"
+    assert recipe.train.output_dir == str(tmp_path / "runs" / "tiny-cpu")
+    unnamed = write(mine / "unnamed.yaml", {"base": str(TINY), "train": {"max_steps": 3}})
+    assert load_recipe(unnamed).train.output_dir == str(REPO / "runs" / "tiny-cpu")  # as the base file wrote it
+    assert load_recipe(write(mine / "bare.yaml", {"data": yaml.safe_load(TINY.read_text())["data"]})).train.output_dir \
+        == str(mine / "runs" / "default")  # fmt: skip
+
+
+def test_an_output_dir_whose_old_reading_holds_a_run_is_refused_naming_both_folders(tmp_path, monkeypatch):
+    """Before issue 59 a recipe's relative `train.output_dir` was the working directory's: where that folder holds a
+    run and the recipe's folder does not, the same command would start afresh beside the recipe. It is refused until
+    the recipe says which folder it means (an override, being the working directory's, means the old one)."""
+    project, recipes = tmp_path / "project", tmp_path / "project" / "recipes"
+    recipes.mkdir(parents=True)
+    recipe = write(recipes / "mine.yaml", {"base": str(TINY), "train": {"output_dir": "runs/mine"}})
+    (project / "runs" / "mine" / "checkpoints" / "step_2").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    with pytest.raises(RecipeError) as refused:
+        load_recipe(recipe)
+    assert str(refused.value) == (
+        f"{recipe}: train.output_dir: runs/mine is {recipes / 'runs' / 'mine'} (paths in a recipe are relative to its "
+        f"folder), not the run in {project / 'runs' / 'mine'}; write {project / 'runs' / 'mine'} to continue that run, "
+        f"or {recipes / 'runs' / 'mine'} to start this one there"
+    )
+    assert load_recipe(recipe, ["train.output_dir=runs/mine"]).train.output_dir == str(project / "runs" / "mine")
+    monkeypatch.chdir(recipes)  # both readings are one folder
+    assert load_recipe(recipe).train.output_dir == str(recipes / "runs" / "mine")
+    monkeypatch.chdir(project)
+    (recipes / "runs" / "mine").mkdir(parents=True)
+    (recipes / "runs" / "mine" / "metrics.jsonl").write_text("")  # the recipe's own folder holds a run: that one
+    assert load_recipe(recipe).train.output_dir == str(recipes / "runs" / "mine")
 
 
 def test_overrides_parse_as_yaml_and_apply_last(tmp_path):
@@ -356,11 +397,13 @@ def test_a_key_no_section_holds_gets_no_suggestion():
     assert "did you mean" not in str(error.value)
 
 
-def test_cli_dry_run_prints_the_resolved_recipe_and_launcher(capsys):
-    assert cli.main(["train", str(TINY), "--nproc", "2", "--dry-run", "train.max_steps=7"]) == 0
+def test_cli_dry_run_prints_the_resolved_recipe_and_launcher(tmp_path, capsys):
+    argv = ["train", str(TINY), "--nproc", "2", "--dry-run", "train.max_steps=7", f"train.output_dir={tmp_path}"]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     recipe_text, command = out.rsplit("# ", 1)
     assert yaml.safe_load(recipe_text)["train"]["max_steps"] == 7
+    assert f"\n# {tmp_path}: starts from scratch and trains 7 steps\n# " in out
     assert "--num_gpus 2" in command and "--module ntl_pretrain.train" in command and "train.max_steps=7" in command
 
 

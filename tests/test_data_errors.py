@@ -195,6 +195,7 @@ def test_a_rank_without_usable_records_ends_the_whole_job_naming_the_source(tmp_
     assert done.returncode == 2, done.stderr[-3000:]
     last = done.stderr.splitlines()[-1]
     assert last.startswith("ntl-pretrain: rank 1: data error: source 'one'") and "no usable document" in last, last
+    assert done.stderr.count("data error") == 1 and len(last) <= 300, done.stderr[-3000:]  # the supervisor says it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.parquet", "run"]  # no run.lock beside the folder
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["recipe.yaml"]
     assert (tmp_path / "run" / "recipe.yaml").read_text() == "# an earlier recipe\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,73 @@ def test_every_documented_yaml_block_parses_and_a_recipe_fragment_validates(wher
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"base": str(REPO / "recipes" / "tiny-cpu.yaml"), **fragment}))
     load_recipe(recipe)
+
+
+# Walk-throughs: command sequences a newcomer runs in order from the checkout's root, each step finding what the
+# one before left (issue 59: the SmolLM2 walk-through's step 2 looked for step 1's folder beside the recipe).
+# name: (file, heading, how each `train` starts): the first bash block after the heading of a doc, or with no
+# heading the `#   ntl-pretrain ...` lines of a recipe's header.
+SMOLLM2_START = "starts from the weights of init_from {checkout}/runs/smollm2-135m-hf and trains 200 steps"
+WALK_THROUGHS = {
+    "docs/recipes.md, SmolLM2 walk-through": ("docs/recipes.md", "### Walk-through: continued pretraining of SmolLM2",
+                                              SMOLLM2_START),
+    "recipes/smollm2-135m-cpt.yaml, header": ("recipes/smollm2-135m-cpt.yaml", None, SMOLLM2_START),
+    "recipes/tiny-cpu.yaml, header": ("recipes/tiny-cpu.yaml", None, "starts from scratch and trains 300 steps"),
+}  # fmt: skip
+USER_RECORDS = [{"text": f"{n} plus {n + 1} is {2 * n + 1}"} for n in range(8)]  # the walk-through's own files
+
+
+def walk_through_commands(doc: str, heading: str | None) -> list[list[str]]:
+    """argv after `ntl-pretrain` of each command, in order: the first bash block after `heading`, or the recipe's
+    commented header lines (from `ntl-pretrain` on); continuation lines joined, comments and other programs dropped."""
+    text = (REPO / doc).read_text()
+    if heading is None:
+        header = [line for line in text.split("\n\n")[0].splitlines() if "ntl-pretrain " in line]
+        text = "\n".join(line[line.index("ntl-pretrain ") :] for line in header)
+    else:
+        text = next(match[2] for match in BLOCK.finditer(text, text.index(heading)) if match[1] == "bash")
+    commands = [shlex.split(line, comments=True) for line in text.replace("\\\n", " ").splitlines()]
+    return [words[1:] for words in commands if words[:1] == ["ntl-pretrain"]]
+
+
+def stand_in_for_convert_gguf(out_dir: Path) -> None:
+    """What `convert-gguf` writes (an HF folder: config, weights, tokenizer), as a tiny Llama: the conversion
+    itself takes minutes on a CPU (tests/test_export_gguf.py runs it)."""
+    from helpers.tiny_models import tiny_model
+
+    from ntl_pretrain.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("pkg:ntl_pretrain/corpus/tiny-tokenizer")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+@pytest.mark.parametrize("walk_through", WALK_THROUGHS)
+def test_each_walk_through_runs_in_order_from_the_checkout_root(walk_through, tmp_path, monkeypatch, capsys):
+    """Every step as written, from a copy of the checkout's recipes: `convert-gguf` by a stand-in of its output,
+    `train` as its `--dry-run` (a launch trains for hours), `export` of a step only a real run writes is left out.
+    Each `train` must pass every check and say where it starts: from step 1's folder."""
+    from ntl_pretrain.runtime import supervisor
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "recipes", checkout / "recipes")
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(supervisor, "supervise", lambda *args, **kwargs: pytest.fail("a walk-through step launched"))
+    for name in ("my_numbers.jsonl", "my_numbers_val.jsonl"):
+        Path(name).write_text("".join(json.dumps(record) + "\n" for record in USER_RECORDS))
+    doc, heading, start = WALK_THROUGHS[walk_through]
+    ran = []
+    for argv in walk_through_commands(doc, heading):
+        if argv[0] == "convert-gguf":
+            stand_in_for_convert_gguf(Path(argv[2]))
+        elif argv[0] == "train":
+            code = cli.main([*argv, *([] if "--dry-run" in argv else ["--dry-run"])])
+            out, err = capsys.readouterr()
+            assert code == 0, f"{walk_through}: `ntl-pretrain {shlex.join(argv)}`: {err}"
+            plan = out.rstrip("\n").splitlines()[-2]
+            assert plan.endswith(start.format(checkout=checkout)), plan
+        else:
+            assert argv[0] == "export" and "step_N" in argv[1], argv  # a placeholder for the step a real run saved
+            continue
+        ran.append(argv[0])
+    assert "train" in ran, ran

@@ -110,19 +110,20 @@ def test_chunked_head_refuses_an_output_bias_and_points_to_dense():
         build_head(Recipe(), lm, None)
 
 
-def test_train_refuses_an_unchecked_architecture_before_launch(capsys):
+def test_train_refuses_an_unchecked_architecture_before_launch(tmp_path, capsys):
     from pathlib import Path
 
     from ntl_pretrain import cli
 
     tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
-    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", "model.model_type=bamba"]) == 2
+    dry_run = ["train", str(tiny), "--nproc", "1", "--dry-run", f"train.output_dir={tmp_path / 'run'}"]
+    assert cli.main([*dry_run, "model.model_type=bamba"]) == 2
     assert "model.model_type: BambaForCausalLM (model_type 'bamba') is not among" in capsys.readouterr().err
-    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", "model.model_type=gemma2"]) == 0
+    assert cli.main([*dry_run, "model.model_type=gemma2"]) == 0
     phi = ["model.model_type=phi", "model.config.num_key_value_heads=4"]
-    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", *phi]) == 2
+    assert cli.main([*dry_run, *phi]) == 2
     assert "loss.head: PhiForCausalLM's output layer has a bias" in capsys.readouterr().err
-    assert cli.main(["train", str(tiny), "--nproc", "1", "--dry-run", *phi, "loss.head=dense"]) == 0
+    assert cli.main([*dry_run, *phi, "loss.head=dense"]) == 0
 
 
 # model_type: its tiny HF config (the tiny recipe's sizes) with the logit post-processing its forward applies; and

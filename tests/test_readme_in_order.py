@@ -1,7 +1,9 @@
 """The README's two commands in the order a newcomer runs them, in a copy of the checkout: the main job leaves
 `runs/tiny-cpu` behind, then the tests run beside it. A test that read the working directory failed here ("already
-at step 300 of train.max_steps=7; nothing to train"). The main job is the README's command, shortened by overrides
-(its run still ends past the step the dry-run test asks for); the test run is the one that failed, not the suite."""
+at step 300 of train.max_steps=7; nothing to train"); so would one that ran a shipped recipe without a
+`train.output_dir` of its own, which now writes into the checkout's `runs/`. The main job is the README's command,
+shortened by overrides (its run still ends past the step the dry-run test asks for); the test run is the one that
+failed, not the suite."""
 
 import os
 import shutil
@@ -14,8 +16,8 @@ from helpers.launches import LAUNCH_TIMEOUT_S, REPO
 
 pytestmark = pytest.mark.slow
 
-# What the two commands read: the package (its DeepSpeed configs too), the recipes, the tests and their settings.
-CHECKOUT = ("ntl_pretrain", "recipes", "tests", "pyproject.toml", "README.md")
+# What the two commands read: the package, the DeepSpeed configs, the recipes, the tests and their settings.
+CHECKOUT = ("ntl_pretrain", "recipes", "configs", "tests", "pyproject.toml", "README.md")
 MAIN_JOB_STEPS = 8  # past the 7 steps the dry-run test asks for, as the README's 300 are
 CHEAP = [f"train.max_steps={MAIN_JOB_STEPS}", "data.seq_len=32", "train.micro_batch_size=2",
          "train.global_batch_size=4", "train.eval_every_steps=null", "logging.progress_bar=false"]  # fmt: skip
@@ -27,7 +29,7 @@ def copy_of_the_checkout(into: Path) -> Path:
     for name in CHECKOUT:
         source = REPO / name
         if source.is_dir():
-            shutil.copytree(source, into / name, ignore=ignore)
+            shutil.copytree(source, into / name, ignore=ignore, symlinks=True)
         else:
             shutil.copy2(source, into / name)
     return into

@@ -19,7 +19,7 @@ import yaml
 from helpers.launches import said_beyond_progress
 
 from ntl_pretrain import cli
-from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.loading import dump_recipe, load_recipe
 from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.runtime import supervisor
 
@@ -515,6 +515,7 @@ def test_a_finished_run_says_so_and_launches_nothing(workspace, monkeypatch, cap
     finished.mkdir(parents=True)
     (finished / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
     recipe = str(workspace / "common.yaml")
+    (finished / "recipe.yaml").write_text(dump_recipe(load_recipe(recipe)))  # what the resume guard compares
     monkeypatch.setattr(supervisor, "supervise", lambda *args, **kwargs: pytest.fail("launched a finished run"))
     for dry in ([], ["--dry-run"]):
         assert cli.main(["train", recipe, "--nproc", "2", *dry]) == 0

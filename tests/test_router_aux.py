@@ -121,10 +121,10 @@ def test_the_weight_is_checked_and_said_at_start():
         router_balancing(tiny_model("doge"), 0.5)  # is_moe false: no routers
 
 
-def test_a_weight_for_a_model_without_a_balancing_loss_is_refused_before_launch(capsys):
+def test_a_weight_for_a_model_without_a_balancing_loss_is_refused_before_launch(tmp_path, capsys):
     from ntl_pretrain import cli
 
-    dry_run = ["train", str(TINY), "--nproc", "1", "--dry-run"]
+    dry_run = ["train", str(TINY), "--nproc", "1", "--dry-run", f"train.output_dir={tmp_path / 'run'}"]
     assert cli.main([*dry_run, *MOE_RECIPE, "loss.router_aux_weight=0.1"]) == 0
     assert cli.main([*dry_run, "loss.router_aux_weight=0.5"]) == 2
     assert "loss.router_aux_weight: 0.5, but LlamaForCausalLM" in capsys.readouterr().err

@@ -1,9 +1,10 @@
 """Reading a recipe: YAML files, `base:` chains, dot-list overrides, and the typed, checked `Recipe`.
 
-A recipe file may extend another with `base: <path>` (relative to the file); mappings merge key by
-key, everything else replaces. Dot-list overrides (`loss.ntl.weight=0.5`, values parsed as YAML)
-apply last. Unknown keys, wrong types and contradictions raise `RecipeError` naming the key and the
-file (or command-line override) that set it, before any process group starts.
+A recipe file may extend another with `base: <path>`; mappings merge key by key, everything else replaces.
+Dot-list overrides (`loss.ntl.weight=0.5`, values parsed as YAML) apply last. A relative path in a recipe file,
+`base:` included, is relative to that file's folder (a piped recipe's and an override's to the working directory),
+and comes out of `load_recipe` absolute. Unknown keys, wrong types and contradictions raise `RecipeError` naming
+the key and the file (or command-line override) that set it, before any process group starts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Literal
 import pydantic
 import yaml
 
-from ntl_pretrain.config.recipe import Recipe, RecipeError
+from ntl_pretrain.config.recipe import Recipe, RecipeError, TrainConfig
 
 OVERRIDE_ORIGIN = "command-line override"
 # Every count in a recipe (steps, sizes, seeds) is exact in float64 (JSON readers of metrics.jsonl) and fits int64
@@ -39,16 +40,24 @@ _PIPED: dict[str, bytes] = {}
 
 
 def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
-    """Load, merge (`base:` chain, then overrides), type-check and validate a recipe."""
+    """Load, merge (`base:` chain, then overrides), type-check and validate a recipe. Every local path in it comes
+    out absolute: a relative one is relative to the folder of the file that wrote it (the working directory for an
+    override or a piped recipe; `_anchor_relative_paths`)."""
     return load_recipe_with_origins(path, overrides)[0]
 
 
 def load_recipe_with_origins(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Recipe, Origins]:
     """`load_recipe`, and where each key's value came from, for the checks made after it (the DeepSpeed JSON's)."""
-    raw, by_key = _load_yaml_chain(Path(path), seen=())
+    relative_output_dirs: dict[str, str] = {}
+    raw, by_key = _load_yaml_chain(Path(path), (), relative_output_dirs)
     for item in overrides:
         key, value = _parse_override(item)
         _apply_override(raw, key, value, by_key)
+    written_in = by_key.get("train.output_dir")
+    if written_in in relative_output_dirs:
+        _check_output_dir_reading(raw["train"]["output_dir"], relative_output_dirs[written_in], written_in)
+    _anchor_relative_paths(raw, Path.cwd())  # the overrides' paths (the files' are absolute by now)
+    _anchor_default_output_dir(raw, _anchor_folder(Path(path).expanduser()))
     origins = Origins(by_key, str(path))
     return _build(Recipe, raw, (), origins), origins
 
@@ -58,11 +67,13 @@ def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False)
 
 
-def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+def _load_yaml_chain(path: Path, seen: tuple[Path, ...], relative_output_dirs: dict[str, str]
+                     ) -> tuple[dict, dict[str, str]]:  # fmt: skip
+    """The merged recipe of `path` and its `base:` chain, and which file set each key; `relative_output_dirs` is
+    given the `train.output_dir` each file wrote as a relative path (`_check_output_dir_reading`)."""
     path = path.expanduser()
-    # A pipe's /dev/fd/N resolves to a name that does not exist; its recipe's relative paths are the working
-    # directory's, as a pipe has no folder of its own.
-    path, folder = (path.absolute(), Path.cwd()) if is_pipe(path) else (path.resolve(), path.resolve().parent)
+    # A pipe's /dev/fd/N resolves to a name that does not exist.
+    path, folder = (path.absolute() if is_pipe(path) else path.resolve()), _anchor_folder(path)
     if path in seen:
         raise RecipeError(f"{path}: base: inheritance cycle through {[str(p) for p in seen]}")
     raw = read_yaml_file(path)
@@ -71,9 +82,13 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> tuple[dict, dict[str
     if not raw:
         raise RecipeError(f"{path}: empty recipe; start from one in recipes/ (e.g. base: tiny-cpu.yaml, then the keys "
                           f"to change)")  # fmt: skip
+    output_dir = raw["train"].get("output_dir") if isinstance(raw.get("train"), dict) else None
+    if _is_relative_local(output_dir):
+        relative_output_dirs[str(path)] = output_dir
     _anchor_relative_paths(raw, folder)
     base = raw.pop("base", None)
-    merged, origins = ({}, {}) if base is None else _load_yaml_chain(_base_path(path, base), seen + (path,))
+    merged, origins = ({}, {}) if base is None else _load_yaml_chain(_base_path(path, folder, base), seen + (path,),
+                                                                     relative_output_dirs)  # fmt: skip
     _deep_merge(merged, raw)
     origins.update({key: str(path) for key in _dotted_keys(raw)})
     return merged, origins
@@ -216,25 +231,33 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _base_path(path: Path, base: object) -> Path:
-    """`base:` is a non-empty path string, relative to the file that names it; `~` is expanded."""
+def _base_path(path: Path, folder: Path, base: object) -> Path:
+    """`base:` is a non-empty path string, relative to `folder` (the recipe's; `_anchor_folder`); `~` is expanded."""
     if not isinstance(base, str) or not base.strip():
         raise RecipeError(f"{path}: base: expected a path to one recipe file, got {base!r}")
-    target = (path.parent / Path(base).expanduser()).resolve()
+    target = (folder / Path(base).expanduser()).resolve()
     if not target.is_file():
         what = "is a folder, not a recipe file" if target.is_dir() else "does not exist"
         raise RecipeError(f"{path}: base: {target} {what}")
     return target
 
 
+def _anchor_folder(path: Path) -> Path:
+    """What a recipe file's relative paths are relative to: its folder; for a pipe (`<(...)`, a FIFO), which is no
+    file of a folder, the working directory, as for the paths on the command line that names it."""
+    return Path.cwd() if is_pipe(path) else path.resolve().parent
+
+
 def _anchor_relative_paths(raw: dict, directory: Path) -> None:
-    """The inputs a recipe file names by a relative path are read from the file's folder, wherever the command runs
-    and whichever recipe extends it: the DeepSpeed JSON, the tokenizer, `init_from`, and the files of the data and
-    eval sources (not a hub dataset's name). Outputs (`train.output_dir`) and resumes of them stay relative to the
-    working directory, as paths on a command line are."""
-    for section, key in (("deepspeed", "config"), ("tokenizer", "path")):
+    """Every path a recipe file names by a relative path is relative to `directory`, the file's folder, wherever
+    the command runs and whichever recipe extends it (docs/recipes.md, "Paths"): what the run reads (the DeepSpeed
+    JSON, the tokenizer, `init_from`, the files of the data and eval sources; not a hub dataset's name) and what it
+    writes and resumes (`train.output_dir`, a `train.resume` folder). `base:` is anchored alike (`_base_path`)."""
+    for section, key in (("deepspeed", "config"), ("tokenizer", "path"), ("train", "output_dir")):
         if isinstance(raw.get(section), dict):
             _anchor(raw[section], key, directory)
+    if isinstance(raw.get("train"), dict) and raw["train"].get("resume") != "auto":
+        _anchor(raw["train"], "resume", directory)
     _anchor(raw, "init_from", directory)
     for section, lists in (("data", ("sources", "validation")), ("eval", ("qa_sets", "validation"))):
         for name in lists:
@@ -247,11 +270,37 @@ def _anchor_relative_paths(raw: dict, directory: Path) -> None:
 def _anchor(mapping: dict, key: str, directory: Path) -> None:
     """`mapping[key]`, a relative local path, made absolute against `directory`; `pkg:`, `~`, absolute paths and
     URLs (`s3://`) are left as they are."""
-    value = mapping.get(key)
+    if _is_relative_local(mapping.get(key)):
+        mapping[key] = str((directory / mapping[key]).resolve())
+
+
+def _is_relative_local(value: object) -> bool:
+    """A relative path on this machine (not `pkg:`, `~`, absolute or a URL such as `s3://`)."""
     if not isinstance(value, str) or not value or value.startswith(("pkg:", "~")) or "://" in value:
-        return
-    if not Path(value).is_absolute():
-        mapping[key] = str((directory / value).resolve())
+        return False
+    return not Path(value).is_absolute()
+
+
+def _anchor_default_output_dir(raw: dict, directory: Path) -> None:
+    """A recipe that names no `train.output_dir` writes into the default folder beside its top file."""
+    train = raw.setdefault("train", {})
+    if isinstance(train, dict) and "output_dir" not in train:
+        train["output_dir"] = str(directory / TrainConfig.output_dir)
+
+
+def _check_output_dir_reading(anchored: str, written: str, path: str) -> None:
+    """`train.output_dir: <written>` (relative) in the recipe file `path` was the working directory's until issue
+    59; now it is `anchored`, beside the file. Where the old reading holds a run and the new one does not, the run
+    would silently start afresh elsewhere: refused, naming both folders, so that the writer says which is meant."""
+    mine, before = Path(anchored), (Path.cwd() / written).resolve()
+    if mine != before and _holds_a_run(before) and not _holds_a_run(mine):
+        raise RecipeError(f"{path}: train.output_dir: {written} is {mine} (paths in a recipe are relative to its "
+                          f"folder), not the run in {before}; write {before} to continue that run, or {mine} to "
+                          f"start this one there")  # fmt: skip
+
+
+def _holds_a_run(folder: Path) -> bool:
+    return (folder / "metrics.jsonl").is_file() or (folder / "checkpoints").is_dir()
 
 
 def _deep_merge(into: dict, update: Mapping) -> None:

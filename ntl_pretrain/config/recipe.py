@@ -180,7 +180,8 @@ class ScheduleConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = "runs/default"
-    """Run directory: resolved recipe, metrics.jsonl, checkpoints/."""
+    """Run directory: resolved recipe, metrics.jsonl, checkpoints/. A relative path is relative to the recipe file
+    that sets it (in an override, to the working directory); unset, `runs/default` beside the recipe."""
     max_steps: int = 1000
     """Optimizer steps to train (also the length of the learning-rate schedule)."""
     micro_batch_size: int = 1

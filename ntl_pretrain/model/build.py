@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.integrations import HfDeepSpeedConfig
 
-from ntl_pretrain.config.recipe import Recipe
+from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.heads.architectures import trunk_path
 from ntl_pretrain.heads.router_aux import RouterBalancing, router_balancing
@@ -126,6 +126,21 @@ def _special_token_ids(tokenizer) -> dict[str, int]:
     return {key: value for key, value in ids.items() if value is not None}
 
 
+def number_vocabulary(recipe: Recipe, tokenizer, vocab_size: int | None = None) -> NumberVocab | None:
+    """The number tokens NTL acts on; None with NTL off. A tokenizer without any is refused (`RecipeError`): NTL
+    would have nothing to learn, and every step would log `ntl 0`."""
+    kind = recipe.loss.ntl.kind
+    if kind is None:
+        return None
+    vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size)
+    if not vocab.class_info:
+        source = "tokenizer.path" if recipe.tokenizer.path else "init_from" if recipe.init_from else "checkpoint"
+        raise RecipeError(f"loss.ntl.kind: {kind}, but the tokenizer ({source}'s) has no number token (no token of "
+                          f"ASCII digits), so NTL has nothing to learn; use a tokenizer with number tokens, or "
+                          f"loss.ntl.kind: null for CE alone")  # fmt: skip
+    return vocab
+
+
 def build_model(
     recipe: Recipe,
     tokenizer,
@@ -138,6 +153,7 @@ def build_model(
     config = hf_config(recipe, tokenizer, saved_config)
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size={config.vocab_size} < tokenizer length {len(tokenizer)}")
+    number_vocab = number_vocabulary(recipe, tokenizer, config.vocab_size)  # refused before any weight loads
     dtype = DTYPES[recipe.train.precision]
     attention = attention_backend(recipe.model.attention, config, dtype, recipe.data.per_document_attention)
     kwargs = {"attn_implementation": attention, "dtype": dtype}
@@ -148,10 +164,6 @@ def build_model(
     if recipe.model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
-    number_vocab = None
-    if recipe.loss.ntl.kind is not None:
-        number_vocab = NumberVocab.from_tokenizer(tokenizer, vocab_size=config.vocab_size)
-        number_vocab.require_numbers()
     head = build_head(recipe, lm, number_vocab)
     balancing = router_balancing(lm, recipe.loss.router_aux_weight)
     return BuiltModel(CausalLMWithLoss(lm, head, balancing), number_vocab, hf_ds_config, attention)

@@ -43,7 +43,7 @@ def read_here(source: SourceConfig) -> bool:
 
 def reader_without_document(source: SourceConfig, readers: int) -> int | None:
     """The first reader whose share of one epoch holds no usable document; None when every reader has one."""
-    if _whole_files(source):
+    if whole_files(source):
         written = _written_files(source)
         return None if written >= readers else written
     for reader in range(readers):
@@ -66,13 +66,13 @@ def _why(source: SourceConfig, readers: int, index: int) -> str:
 
 
 def _documents(source: SourceConfig, at_most: int) -> int:
-    if _whole_files(source):
+    if whole_files(source):
         return min(at_most, _written_files(source))
     stream = SourceStream(source, shard=0, num_shards=1, cycle=False, skipped=Counter())
     return sum(1 for _ in zip(range(at_most), iter(stream.next_document, None), strict=False))
 
 
-def _whole_files(source: SourceConfig) -> bool:
+def whole_files(source: SourceConfig) -> bool:
     """A txt source of one document a file: its files' sizes tell what reading them whole would."""
     return source.sample_by == "document" and source_format(source, resolve_files(source)[0]) == "txt"
 

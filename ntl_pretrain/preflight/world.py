@@ -28,8 +28,9 @@ WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")  # WANDB_MODE values that 
 WANDB_CONNECT_TIMEOUT_S = 5.0
 
 
-def check_world(recipe: Recipe, master_port: int | None, stage: Callable[[str], None] = lambda _: None) -> None:
-    """Every check below, in the order a user would fix them; `stage(what)` is told what is checked next."""
+def check_world(recipe: Recipe, master_port: int | None, stage: Callable[[str], None] = lambda _: None):
+    """Every check below, in the order a user would fix them; `stage(what)` is told what is checked next. Returns
+    the tokenizer the ranks will load (None: the checkpoint's, `check_tokenizer`)."""
     stage("the output folder's earlier run")
     starts_fresh = recipe.init_from is None and existing_checkpoint(recipe) is None
     check_no_earlier_run(recipe)
@@ -52,6 +53,7 @@ def check_world(recipe: Recipe, master_port: int | None, stage: Callable[[str], 
     check_output_dir(recipe.train.output_dir)
     run_lock.check_free(recipe.train.output_dir)
     check_master_port(master_port)
+    return tokenizer
 
 
 def existing_checkpoint(recipe: Recipe) -> Path | None:
@@ -63,15 +65,6 @@ def existing_checkpoint(recipe: Recipe) -> Path | None:
         return checkpoint.resolve_resume(resume, recipe.train.output_dir)
     except FileNotFoundError as error:
         raise RecipeError(str(error)) from error
-
-
-def finished_step(recipe: Recipe) -> int | None:
-    """The step of the checkpoint a resume would load, when it has already reached `train.max_steps`."""
-    folder = existing_checkpoint(recipe)
-    if folder is None:
-        return None
-    step = checkpoint.step_of(folder)
-    return step if step >= recipe.train.max_steps else None
 
 
 def check_no_earlier_run(recipe: Recipe) -> None:

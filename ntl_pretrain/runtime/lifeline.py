@@ -94,6 +94,11 @@ def report_outcome(finished: bool) -> None:
         found[1].write_text(FINISHED if finished else STOPPED)
 
 
+def supervised() -> bool:
+    """Whether a supervisor on this host runs this process's launch (and so says what the ranks report)."""
+    return _parse() is not None
+
+
 def report_refusal(line: str) -> None:
     """Tell the supervisor that this rank refused its input, and why (`line`, one line)."""
     found = _parse()

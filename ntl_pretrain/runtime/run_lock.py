@@ -137,7 +137,6 @@ def _who(holder: dict | None) -> str:
 
 def _refusal(path: Path, holder: dict) -> str:
     return (
-        f"train.output_dir: {path.with_suffix('')} is in use by another run ({_who(holder)}; {path}); wait for it "
-        f"to end or stop it, give this run another train.output_dir, or, if that run is over (its node died), "
-        f"delete {path}"
+        f"train.output_dir: {path.with_suffix('')} is in use by another run ({_who(holder)}); wait for it or stop "
+        f"it, or use another train.output_dir; if that run is over (its node died), delete {path}"
     )

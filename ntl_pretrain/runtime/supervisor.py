@@ -45,9 +45,10 @@ from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS
 RANK_MODULE = "ntl_pretrain.train"
 SILENCE_TICK_S = 4.5  # rank 0's console says something every 4 s (logging.console_every_seconds); this is a backstop
 # DeepSpeed's launcher logs (on stdout) `[ERROR] [launch.py:N:sigkill_handler] [cmd] exits with return code = 75`
-# when a run stops as asked: an error line on the graceful path, which `stop_line` says properly. Other codes pass.
+# when a run stops as asked, and `= 2` when a rank refuses its input: a line with the whole rank command, where
+# `stop_line` or the rank's own refusal (said last, `lifeline.report_refusal`) says what happened. Other codes pass.
 LAUNCHER_NOISE = re.compile(rb"(?m)^[^\n]*\[ERROR\] \[launch\.py:\d+:sigkill_handler\] [^\n]* exits with return code = "
-                            + str(EXIT_STOPPED).encode() + rb"\r?\n")  # fmt: skip
+                            + f"({EXIT_STOPPED}|{EXIT_BAD_INPUT})".encode() + rb"\r?\n")  # fmt: skip
 # Past the ranks' own grace (train.stop_grace_seconds), they exit by themselves; this margin only catches a frozen
 # rank, and is shorter than the 30 s after which DeepSpeed's launch.py kills the ranks left beside one that exited,
 # so that the supervisor still finds the frozen rank to name it.

@@ -9,6 +9,7 @@ import argparse
 import datetime
 import os
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.deepspeed import load_run
-from ntl_pretrain.config.recipe import Recipe, TrainConfig
+from ntl_pretrain.config.recipe import Recipe, RecipeError, TrainConfig
 from ntl_pretrain.data.errors import DataError
 from ntl_pretrain.reporting.console import failure_line, first_line, library_lines_to, on_terminal, whole_lines
 from ntl_pretrain.runtime import lifeline, run_lock
@@ -33,6 +34,8 @@ from ntl_pretrain.train.trainer import Trainer
 # DeepSpeed's ZeRO-3 calls collectives that torch deprecated (all_gather_into_tensor and reduce_scatter_tensor in
 # torch 2.13): a warning for DeepSpeed's maintainers, printed by every rank.
 DEPRECATED_COLLECTIVE = r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead"
+PREFIX = "ntl-pretrain: "
+MAX_REFUSAL_CHARS = 300  # a refusal is one line a terminal shows whole
 # gloo's and NCCL's words for a peer process that died: a consequence on this rank, not a cause.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited or there was a network")
 
@@ -89,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     """Train one rank; returns the exit code (0, or `EXIT_STOPPED` for a run stopped by a signal)."""
     whole_lines()  # ranks share the launcher's pipes
     args = parse_args(argv)
-    recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
+    try:  # launched by hand (`deepspeed --module ntl_pretrain.train`), a recipe has had no pre-flight
+        recipe, ds_config = load_run(args.recipe, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
+    except RecipeError as error:
+        refuse(f"recipe error: {error.one_line()}", alike=True)
     if not recipe.logging.verbose:
         quiet_console(int(os.environ.get("RANK", "0")))
     who = f"rank {os.environ.get('RANK', '0')}: "
@@ -106,15 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                 finished = train_reporting_failures(trainer)
         finally:
             run_lock.release(lock)
-    except (resume_guard.RunRefused, run_lock.RunLocked) as error:
-        # Every rank refuses alike; one says so. Exit at once: the launcher stops any rank still starting.
-        if dist.get_rank() == 0:
-            refuse(f"recipe error: {error}")
-        os._exit(2)
-    except DataError as error:
-        # At once: the launcher stops the other ranks, which would wait in a collective.
-        refuse(f"rank {dist.get_rank()}: data error: {error.one_line()}")
-        os._exit(2)
+    except RecipeError as error:  # the recipe, its files or its checkpoint: alike on every rank (resume_guard.py)
+        refuse(f"recipe error: {error.one_line()}", alike=True)
+    except DataError as error:  # this rank's share of the data
+        refuse(f"rank {dist.get_rank()}: data error: {error.one_line()}", alike=False)
     dist.barrier()
     dist.destroy_process_group()
     checkpoint.old_checkpoints_pruned()  # rank 0 exits only when the last save's rotation is done
@@ -122,11 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if finished else EXIT_STOPPED
 
 
-def refuse(line: str) -> None:
-    """The one line that says why this rank refuses its input, on the console and to the supervisor (which repeats it
-    last and exits 2)."""
-    print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
-    lifeline.report_refusal(line)
+def refuse(line: str, alike: bool) -> typing.NoReturn:
+    """Exit 2 with the one line that says why this rank refuses its input (at most `MAX_REFUSAL_CHARS` with its
+    prefix), said once: under `ntl-pretrain train` the supervisor says it, last, after the launcher's lines; else
+    rank 0 says a refusal every rank makes `alike`, and each rank its own. At once: the launcher then stops the ranks
+    still starting, or waiting in a collective for this one."""
+    line = line if len(line) <= MAX_REFUSAL_CHARS - len(PREFIX) else line[: MAX_REFUSAL_CHARS - len(PREFIX) - 1] + "…"
+    if lifeline.supervised():
+        lifeline.report_refusal(line)
+    elif not alike or int(os.environ.get("RANK", "0")) == 0:
+        print(PREFIX + line, file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def train_reporting_failures(trainer: Trainer) -> bool:

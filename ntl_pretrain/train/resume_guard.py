@@ -11,7 +11,9 @@
 - **Learning rate on resume** (`apply_recipe_learning_rate`): the checkpoint's scheduler state carries the old peak
   rate; the recipe's is applied from the resumed step on, and the change is logged.
 
-A refusal is a `RunRefused` (a `RecipeError`: exit code 2), the same on every rank.
+A refusal is a `RunRefused` (a `RecipeError`: exit code 2), the same on every rank, in one line of at most
+`MAX_LINE_CHARS`. `ntl-pretrain train` runs the same comparisons before launch (`preflight/start.py`), so that a
+refusal costs no start-up and `--dry-run` sees it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ EDGE_BYTES = 1 << 20  # a source file's identity: its size and a digest of its f
 # HF config keys that say how a model runs or was saved, not what it is.
 RUNTIME_CONFIG_KEYS = {"use_cache", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "architectures",
                        "_attn_implementation", "_attn_implementation_autoset", "attn_implementation"}  # fmt: skip
-WAYS_OUT = (
-    "ways out: keep the recipe the checkpoint was trained with; or start a new run in another train.output_dir; "
-    "or export the checkpoint (ntl-pretrain export) and use the folder as init_from"
-)
+WAYS_OUT = "keep that recipe or use another train.output_dir"
+# A refusal is one line a terminal shows whole, 300 characters with what `ntl-pretrain train` prints before it.
+MAX_LINE_CHARS = 300 - len("ntl-pretrain train: recipe error: ")
+MAX_FOLDER_CHARS = 60
 logger = logging.getLogger(__name__)
 
 
@@ -79,11 +81,10 @@ def check_same_recipe(recipe: Recipe) -> None:
     dist.all_gather_object(recipes, flatten(dataclasses.asdict(recipe)))
     nodes = sorted({start for _, start in gathered})
     node_of = [nodes.index(start) for _, start in gathered]
-    lines = [_holders(key, recipes, node_of) for key in _differing_keys(recipes)]
-    raise RunRefused(
-        "the ranks were started with different recipes (every node must run the same recipe and overrides): "
-        + "; ".join(lines)
-    )
+    keys = _differing_keys(recipes)
+    lines = [_holders(key, recipes, node_of) for key in keys]
+    head = "the ranks were started with different recipes (every node must run the same recipe and overrides): "
+    raise RunRefused(fitted_line(head, lines, keys, ""))
 
 
 def _node_start() -> int:
@@ -130,28 +131,67 @@ def check_resume(folder: Path | None, recipe: Recipe, tokenizer, global_batch: i
     files of the checkpoint."""
     if folder is None:
         return
+    found = resume_differences(folder, recipe, tokenizer, global_batch)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [(str(difference), difference.key) for difference in found])
+    refuse_differences(folder, sorted({pair for rank_pairs in gathered for pair in rank_pairs}))
+    check_head_layout(folder, recipe, dist.get_world_size())
+
+
+def resume_differences(folder: Path, recipe: Recipe, tokenizer, global_batch: int) -> list[Difference]:
+    """What `check_resume` compares, on this process alone (the pre-flight check of `ntl-pretrain train`)."""
     saved_recipe = read_yaml_file(folder / "recipe.yaml") if (folder / "recipe.yaml").is_file() else {}
     saved_recipe = saved_recipe or {}
-    found = [
+    return [
         *model_differences(folder, recipe, tokenizer),
         *tokenizer_differences(folder, tokenizer, recipe.tokenizer.trust_remote_code),
         *layout_differences(saved_recipe, recipe),
         *data_differences(folder, saved_recipe, recipe),
         *stream_differences(folder, saved_recipe, recipe, global_batch),
     ]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [str(difference) for difference in found])
-    lines = sorted({line for rank_lines in gathered for line in rank_lines})
-    if lines:
-        raise RunRefused(
-            f"train.resume: {folder} was trained with another recipe (checkpoint value → recipe value): "
-            + "; ".join(lines)
-            + f"; nothing was loaded; {WAYS_OUT}"
-        )
-    try:  # output-layer slices also need the world size that wrote them
-        heads.check_resume(folder, recipe, dist.get_world_size())
+
+
+def refuse_differences(folder: Path, found: list[tuple[str, str]]) -> None:
+    """`RunRefused` naming the (difference, key) pairs `found`, as many as one line holds; nothing when empty. A
+    long folder path is shortened to its last three parts: the differences are what the line is for."""
+    if found:
+        where = str(folder) if len(str(folder)) <= MAX_FOLDER_CHARS else "…/" + "/".join(folder.parts[-3:])
+        head = f"train.resume: {where} holds a run of another recipe (saved → now): "
+        raise RunRefused(fitted_line(head, [line for line, _ in found], [key for _, key in found], f"; {WAYS_OUT}"))
+
+
+def check_head_layout(folder: Path, recipe: Recipe, world_size: int) -> None:
+    """Output-layer slices also need the world size that wrote them."""
+    try:
+        heads.check_resume(folder, recipe, world_size)
     except ValueError as error:
         raise RunRefused(str(error)) from None
+
+
+def fitted_line(head: str, items: list[str], keys: list[str], tail: str, limit: int = MAX_LINE_CHARS) -> str:
+    """`head`, the `items` joined by "; ", `tail`, in at most `limit` characters where the rest allows: the items
+    that fit whole, then the keys of the others, then how many more."""
+    room = limit - len(head) - len(tail)
+    shown = []
+    for index, item in enumerate(items):
+        rest = len(items) - index - 1
+        more = f" (+{rest} more)" if rest else ""
+        if len("; ".join([*shown, item]) + more) > room and shown:
+            return head + "; ".join(shown) + _more(keys[index:], room - len("; ".join(shown))) + tail
+        shown.append(item)
+    return head + "; ".join(shown) + tail
+
+
+def _more(keys: list[str], room: int) -> str:
+    """` (+N more: key, key, ...)`, with the keys that fit in `room` characters."""
+    named: list[str] = []
+    for index, key in enumerate(keys):
+        unnamed = ", ..." if index < len(keys) - 1 else ""
+        if len(f" (+{len(keys)} more: {', '.join([*named, key])}{unnamed})") > room:
+            break
+        named.append(key)
+    listed = ", ".join(named) + (", ..." if len(named) < len(keys) else "")
+    return f" (+{len(keys)} more: {listed})" if named else f" (+{len(keys)} more)"
 
 
 def model_differences(folder: Path, recipe: Recipe, tokenizer) -> list[Difference]:

@@ -153,6 +153,7 @@ class Trainer:
                 profiler.after(self.step)
                 if self.step == resumed_at + 1:
                     self._take_output_dir(resumed_at)
+                    self._say_if_ntl_has_nothing(record)
                 self.logger.log(record)
                 self.console.step(record)
                 self._stop_if_nonfinite()
@@ -517,6 +518,14 @@ class Trainer:
         self.tokenizer.save_pretrained(folder / checkpoint.TOKENIZER)
         (folder / "recipe.yaml").write_text(dump_recipe(self.recipe))
         resume_guard.write_data_fingerprint(folder, self.recipe)
+
+    def _say_if_ntl_has_nothing(self, record: dict) -> None:
+        """NTL on, and the run's first step held no label NTL acts on: `ntl 0` would be all the console says."""
+        ntl = self.recipe.loss.ntl
+        if ntl.kind is not None and record["number_token_fraction"] == 0:
+            self.console.say(f"note: step {self.step} held no label NTL acts on (a number token), so NTL (weight "
+                             f"{ntl.weight:g}) learned nothing in it; if the data holds no numbers it never will "
+                             f"(`ntl-pretrain data preview` shows them)")  # fmt: skip
 
     def _take_output_dir(self, resumed_at: int) -> None:
         """The first step has run: only now does the run change its output folder, so that a launch that dies
