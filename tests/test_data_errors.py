@@ -181,7 +181,8 @@ def test_a_rank_without_usable_records_ends_the_whole_job_naming_the_source(tmp_
     source, the launcher ends the job (no rank left waiting in a collective), and `ntl-pretrain train` exits 2, as for
     any refused input, with that line last (not gloo's or DeepSpeed's), and no lock left beside the folder. The job
     died before its first step: the output folder is as it was (an earlier recipe.yaml kept, no empty metrics.jsonl),
-    so the same command can run again."""
+    but for rank 0's log of the libraries' lines while it started (train/main.py, `library_log`), so the same command
+    can run again."""
     source = tmp_path / "one.parquet"
     pq.write_table(pa.table({"text": ["the only record holds the number 7."]}), source)
     (tmp_path / "run").mkdir()
@@ -197,5 +198,6 @@ def test_a_rank_without_usable_records_ends_the_whole_job_naming_the_source(tmp_
     assert last.startswith("ntl-pretrain: rank 1: data error: source 'one'") and "no usable document" in last, last
     assert done.stderr.count("data error") == 1 and len(last) <= 300, done.stderr[-3000:]  # the supervisor says it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.parquet", "run"]  # no run.lock beside the folder
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["recipe.yaml"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["logs", "recipe.yaml"]
+    assert [p.name for p in (tmp_path / "run" / "logs").iterdir()] == ["libraries-rank0.log"]
     assert (tmp_path / "run" / "recipe.yaml").read_text() == "# an earlier recipe\n"
