@@ -60,7 +60,6 @@ from ntl_pretrain.loss.fused import (
     reweighed_ntl,
     row_chunks,
     softmax_weights,
-    triton_number_rows,
     write_logits_grad,
 )
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
@@ -285,13 +284,21 @@ class LinearCeNtl(torch.autograd.Function):
                                     plan.backend, want_hidden or want_weight)  # fmt: skip
         softmax_weight_N, target_grad_N = softmax_weights(t, g_ce_N)
         target_N = owned_columns(t) if plan.backend == "triton" else t.column
+        # Without a group or reweighing a chunk's gradient needs none of its own statistics: one kernel forms both
+        fused = plan.backend == "triton" and group is None and not reweigh and (want_hidden or want_weight)
         ce_parts, ntl_parts = [], []
         for chunk in row_chunks(hidden_NH.shape[0], plan.rows):
             z_RV = hidden_NH[chunk] @ weight_VH.T
             if plan.backend == "torch":
                 z_RV = transform.apply_(z_RV.to(dtype))
-            lse_R, z_target_R = _chunk_ce_partials(z_RV, target_N[chunk], t.owned[chunk], group, transform,
-                                                   plan.backend)  # fmt: skip
+            if fused:
+                number_grad = None if numbers is None else numbers.chunk_grad(chunk, None, t, plan.backend)
+                lse_R, z_target_R = _fused_chunk(z_RV, softmax_weight_N[chunk], target_N[chunk], target_grad_N[chunk],
+                                                 number_grad, transform)  # fmt: skip
+                grad_RV = z_RV
+            else:
+                lse_R, z_target_R = _chunk_ce_partials(z_RV, target_N[chunk], t.owned[chunk], group, transform,
+                                                       plan.backend)  # fmt: skip
             ce_parts.append(torch.where(t.valid[chunk], lse_R - z_target_R, 0.0))
             softmax_weight_R, mass_R = softmax_weight_N[chunk], None
             if numbers is not None and reweigh:
@@ -299,10 +306,11 @@ class LinearCeNtl(torch.autograd.Function):
                 ntl_parts.append(numbers.reweighed_ntl(chunk, mass_R, t))
                 if numbers.slope is not None:
                     softmax_weight_R = softmax_weight_R - numbers.slope[chunk] * mass_R
-            if want_hidden or want_weight:
+            if (want_hidden or want_weight) and not fused:
                 number_grad = None if numbers is None else numbers.chunk_grad(chunk, mass_R, t, plan.backend)
                 grad_RV = _raw_logits_grad(z_RV, lse_R, softmax_weight_R, target_N[chunk], target_grad_N[chunk],
-                                           number_grad, shard, kind, transform, plan.backend)  # fmt: skip
+                                           number_grad, shard, transform, plan.backend)  # fmt: skip
+            if want_hidden or want_weight:
                 low_grad_RV = grad_RV.to(hidden_NH.dtype)
                 if want_hidden:
                     torch.mm(low_grad_RV, weight_VH, out=grad_hidden_NH[chunk])
@@ -332,7 +340,7 @@ class LinearCeNtl(torch.autograd.Function):
 
 
 def _raw_logits_grad(
-    z_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, shard, kind, transform, backend
+    z_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, shard, transform, backend
 ) -> torch.Tensor:
     """d loss / d (hidden @ weight.T) for a chunk whose logits are z_RV (torch: transformed, in compute dtype;
     triton: raw, in hidden's dtype), given its number-column gradient (`NumberTerm.chunk_grad`). Written over z_RV,
@@ -341,13 +349,18 @@ def _raw_logits_grad(
     if backend == "triton":
         from ntl_pretrain.loss import triton_ops
 
-        tables = None if number_grad is None else triton_ops.number_tables(shard, z_RV.shape[1])
-        triton_ops.logits_grad(z_RV, z_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, tables, kind,
-                               transform)  # fmt: skip
+        triton_ops.logits_grad(z_RV, z_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, transform)
         return z_RV
     grad_RV = z_RV if transform.softcap is None else torch.empty_like(z_RV)
     write_logits_grad(z_RV, grad_RV, lse_R, softmax_weight_R, target_R, target_grad_R, number_grad, shard.local_ids)
     return transform.chain_(grad_RV, z_RV)
+
+
+def _fused_chunk(z_RV, softmax_weight_R, target_R, target_grad_R, number_grad, transform):
+    """The chunk's log-sum-exps and target logits, its gradient written over z_RV, by one Triton kernel."""
+    from ntl_pretrain.loss import triton_ops
+
+    return triton_ops.chunk_stats_and_grad(z_RV, softmax_weight_R, target_R, target_grad_R, number_grad, transform)
 
 
 def _chunk_ce_partials(z_RV, target_R, owned_R, group, transform, backend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,6 +387,8 @@ class NumberTerm:
     """torch backend: the gradient on this shard's number-token columns (before reweighing's factor m)."""
     slope: torch.Tensor | None
     """reweigh: `reweigh_slope` [N]."""
+    class_rows: object | None = None
+    """triton backend: the rows' classes read at the logits' columns (triton_ops.ClassRows)."""
 
     @classmethod
     def of(cls, hidden_NH, weight_VH, t, shard, kind, reweigh, g_ntl_N, group, transform, spans, backend, want_grads):
@@ -381,13 +396,15 @@ class NumberTerm:
         sums (two all-reduces with a group), the per-position NTL and its gradient's coefficients."""
         dtype = compute_dtype(hidden_NH)
         z_NK = transform.apply_((hidden_NH @ weight_VH[shard.local_ids].T).to(dtype))
+        class_rows = None
         if backend == "triton" and z_NK.shape[1]:
             from ntl_pretrain.loss import triton_ops
 
-            tables = triton_ops.number_tables(shard, weight_VH.shape[0])
+            tables = triton_ops.number_tables(shard)
             members = triton_ops.ClassRows.of(t.number_class, t.value, t.digits, tables, kind, tables.member_numbers)
             _, _, class_lse, feature_mean = triton_ops.row_partials(z_NK, None, members)
             class_parts = class_sums_from_mean(class_lse, feature_mean, t, kind)
+            class_rows = members.reading(tables.member_columns)
         else:
             class_parts = class_partials(z_NK, t, shard, kind)
         _, class_parts = combine(None, class_parts, group)
@@ -403,7 +420,7 @@ class NumberTerm:
         number_grad_NK = None
         if backend == "torch":
             number_grad_NK = number_columns_grad(z_NK, classes.class_lse, coefficients, t, shard, kind)
-        return cls(classes, coefficients, number_grad_NK, slope)
+        return cls(classes, coefficients, number_grad_NK, slope, class_rows)
 
     def reweighed_ntl(self, chunk: slice, mass_R: torch.Tensor, t: Targets) -> torch.Tensor:
         """A chunk's NTL under reweighing, L m + c (1 - m), once its log-sum-exps give the class mass m."""
@@ -418,8 +435,10 @@ class NumberTerm:
         if backend == "torch":
             grad_RK = self.number_grad_NK[chunk]
             return grad_RK if mass_R is None else grad_RK * mass_R[:, None]
+        from ntl_pretrain.loss import triton_ops
+
         alpha, beta = (c[chunk] if mass_R is None else c[chunk] * mass_R for c in self.coefficients)
-        return triton_number_rows(t, self.classes, (alpha, beta), chunk)
+        return triton_ops.NumberGradRows(self.class_rows.rows(chunk), self.classes.class_lse[chunk], alpha, beta)
 
 
 class WeightGradient:

@@ -354,17 +354,18 @@ def _torch_forward(logits_NV, t: Targets, shard: NumberShard, kind):
 
 
 def _triton_forward(logits_NV, t: Targets, shard: NumberShard, kind):
-    """The same from one Triton kernel, reading each row's class members after its log-sum-exp."""
+    """The same from one Triton kernel, reading each row's class members after its log-sum-exp; and the rows' classes
+    as the gradient kernel reads them (None for CE only)."""
     from ntl_pretrain.loss import triton_ops
 
     classes = None
     if kind is not None and shard.local_ids.numel():
-        tables = triton_ops.number_tables(shard, logits_NV.shape[1])
+        tables = triton_ops.number_tables(shard)
         classes = triton_ops.ClassRows.of(t.number_class, t.value, t.digits, tables, kind, tables.member_columns)
     lse, z_target, class_lse, feature_mean = triton_ops.row_partials(logits_NV, owned_columns(t), classes)
     if classes is None:
-        return lse, z_target, class_partials(lse.new_empty(lse.shape[0], 0), t, shard, kind)
-    return lse, z_target, class_sums_from_mean(class_lse, feature_mean, t, kind)
+        return lse, z_target, class_partials(lse.new_empty(lse.shape[0], 0), t, shard, kind), None
+    return lse, z_target, class_sums_from_mean(class_lse, feature_mean, t, kind), classes
 
 
 def owned_columns(t: Targets) -> torch.Tensor:
@@ -372,33 +373,23 @@ def owned_columns(t: Targets) -> torch.Tensor:
     return torch.where(t.owned, t.column, -1)
 
 
-def triton_number_rows(t: Targets, classes: ClassStats, coefficients, rows: slice = slice(None)):
-    """What the Triton gradient kernel reads of the NTL term, for `rows` (the coefficients already sliced)."""
-    from ntl_pretrain.loss import triton_ops
-
-    return triton_ops.NumberGradRows(t.number_class[rows], classes.class_lse[rows], *coefficients, t.value[rows],
-                                     t.digits[rows])  # fmt: skip
-
-
 class FusedCeNtl(torch.autograd.Function):
     """(logits [N, V], targets) -> (CE [N], NTL [N]); backward recomputes softmax from the saved logits."""
 
     @staticmethod
     def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group, spans=None, backend="torch"):
-        if backend == "triton":
-            lse, z_target, class_parts = _triton_forward(logits_NV, t, shard, kind)
-            z_NK = None
-        else:
-            lse, z_target, class_parts, z_NK = _torch_forward(logits_NV, t, shard, kind)
+        # the torch backend's number-token logits [N, K], or the Triton backend's rows' classes: what backward reads
+        forward = _triton_forward if backend == "triton" else _torch_forward
+        lse, z_target, class_parts, numbers = forward(logits_NV, t, shard, kind)
         ce, ntl, stats = rows_from_partials(lse, z_target, class_parts, t, kind, reweigh, group, spans)
         ctx.save_for_backward(logits_NV)
-        ctx.extras = (t, stats, z_NK, shard, kind, reweigh, spans, backend)
+        ctx.extras = (t, stats, numbers, shard, kind, reweigh, spans, backend)
         return ce, ntl
 
     @staticmethod
     def backward(ctx, grad_ce_N, grad_ntl_N):
         (logits_NV,) = ctx.saved_tensors
-        t, stats, z_NK, shard, kind, reweigh, spans, backend = ctx.extras
+        t, stats, numbers, shard, kind, reweigh, spans, backend = ctx.extras
         dtype = compute_dtype(logits_NV)
         grad_ce_N, grad_ntl_N = grad_ce_N.to(dtype), grad_ntl_N.to(dtype)
         if kind == "number":  # a number's loss sits at its first position and depends on all its positions
@@ -411,18 +402,20 @@ class FusedCeNtl(torch.autograd.Function):
             softmax_weight = softmax_weight - reweigh_slope(t, stats.classes, grad_ntl_N) * stats.class_mass
             if coefficients is not None:
                 coefficients = tuple(c * stats.class_mass for c in coefficients)
-        grad_NV = torch.empty_like(logits_NV)
+        # row-major whatever the logits' strides (the Triton kernel writes rows of contiguous columns)
+        grad_NV = torch.empty(logits_NV.shape, dtype=logits_NV.dtype, device=logits_NV.device)
         if backend == "triton":
             from ntl_pretrain.loss import triton_ops
 
-            numbers = None if coefficients is None else triton_number_rows(t, stats.classes, coefficients)
-            tables = None if coefficients is None else triton_ops.number_tables(shard, logits_NV.shape[1])
+            grad_rows = None
+            if coefficients is not None:
+                grad_rows = triton_ops.NumberGradRows(numbers, stats.classes.class_lse, *coefficients)
             triton_ops.logits_grad(logits_NV, grad_NV, stats.lse, softmax_weight, owned_columns(t), target_grad,
-                                   numbers, tables, kind)  # fmt: skip
+                                   grad_rows)  # fmt: skip
             return grad_NV, None, None, None, None, None, None, None
         number_grad_NK = None
         if coefficients is not None:
-            number_grad_NK = number_columns_grad(z_NK, stats.classes.class_lse, coefficients, t, shard, kind)
+            number_grad_NK = number_columns_grad(numbers, stats.classes.class_lse, coefficients, t, shard, kind)
         for rows in _dense_chunks(logits_NV):
             write_logits_grad(
                 logits_NV[rows].to(dtype),

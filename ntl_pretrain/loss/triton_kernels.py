@@ -73,6 +73,54 @@ def _feature(value, digits_ptr, digits_stride, index, mask, label_value, label_d
 
 
 @triton.jit
+def _chained(grad, y, scale, softcap, SCALED: tl.constexpr, SOFTCAPPED: tl.constexpr):
+    """d loss / d (raw logit) from d loss / d y, y the transformed logit: times scale · (1 - (y / cap)²)."""
+    if SOFTCAPPED:
+        ratio = y / softcap
+        grad = grad * (1.0 - ratio * ratio)
+    if SCALED:
+        grad = grad * scale
+    return grad
+
+
+@triton.jit
+def _finite_shift(running_max):
+    """The shift of an online log-sum-exp: its running max, or 0 where that is infinite, so that a block of -inf
+    logits adds exp(-inf) = 0 and a +inf logit makes the sum +inf (not exp(inf - inf), NaN) as torch.logsumexp."""
+    return tl.where(tl.abs(running_max) == float("inf"), 0.0, running_max)
+
+
+@triton.jit
+def _row_lse(row_ptr, num_columns, scale, softcap, SCALED: tl.constexpr, SOFTCAPPED: tl.constexpr,
+             BLOCK_V: tl.constexpr):  # fmt: skip
+    """Log-sum-exp of the row's (transformed) logits, online over blocks of BLOCK_V columns (Liger-Kernel style)."""
+    offsets = tl.arange(0, BLOCK_V)
+    running_max, running_sum = float("-inf"), 0.0
+    for start in range(0, num_columns, BLOCK_V):
+        columns = start + offsets
+        inside = columns < num_columns
+        z = tl.load(row_ptr + columns, mask=inside, other=0.0).to(tl.float32)
+        if SCALED or SOFTCAPPED:
+            z = _transformed(z, scale, softcap, SCALED, SOFTCAPPED)
+        z = tl.where(inside, z, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(z, 0))
+        shift = _finite_shift(new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), 0)
+        running_max = new_max
+    return running_max + tl.log(running_sum)
+
+
+@triton.jit
+def _target_logit(row_ptr, target, scale, softcap, SCALED: tl.constexpr, SOFTCAPPED: tl.constexpr):
+    """The (transformed) logit at column `target`, 0 where target is -1 (this shard does not hold it)."""
+    owned = target >= 0
+    logit = tl.load(row_ptr + tl.maximum(target, 0), mask=owned, other=0.0).to(tl.float32)
+    if SCALED or SOFTCAPPED:
+        logit = _transformed(logit, scale, softcap, SCALED, SOFTCAPPED)
+    return tl.where(owned, logit, 0.0)
+
+
+@triton.jit
 def row_partials_kernel(
     logits_ptr, logits_stride, num_columns,
     target_ptr, lse_ptr, target_logit_ptr,
@@ -88,26 +136,9 @@ def row_partials_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
     if CE:
-        offsets = tl.arange(0, BLOCK_V)
-        running_max, running_sum = float("-inf"), 0.0
-        for start in range(0, num_columns, BLOCK_V):
-            columns = start + offsets
-            inside = columns < num_columns
-            z = tl.load(row_ptr + columns, mask=inside, other=0.0).to(tl.float32)
-            if SCALED or SOFTCAPPED:
-                z = _transformed(z, scale, softcap, SCALED, SOFTCAPPED)
-            z = tl.where(inside, z, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(z, 0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a block of -inf logits adds 0, not NaN
-            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), 0)
-            running_max = new_max
-        tl.store(lse_ptr + row, running_max + tl.log(running_sum))
+        tl.store(lse_ptr + row, _row_lse(row_ptr, num_columns, scale, softcap, SCALED, SOFTCAPPED, BLOCK_V))
         target = tl.load(target_ptr + row)
-        owned = target >= 0
-        target_logit = tl.load(row_ptr + tl.maximum(target, 0), mask=owned, other=0.0).to(tl.float32)
-        if SCALED or SOFTCAPPED:
-            target_logit = _transformed(target_logit, scale, softcap, SCALED, SOFTCAPPED)
-        tl.store(target_logit_ptr + row, tl.where(owned, target_logit, 0.0))
+        tl.store(target_logit_ptr + row, _target_logit(row_ptr, target, scale, softcap, SCALED, SOFTCAPPED))
     if CLASSES:
         lo, hi = tl.load(class_lo_ptr + row), tl.load(class_hi_ptr + row)
         label_value = tl.load(label_value_ptr + row)
@@ -126,7 +157,7 @@ def row_partials_kernel(
             feature = _feature(value, member_digits_ptr, member_count, members, inside, label_value, label_digits_ptr,
                                FEATURE, DIGITS)  # fmt: skip
             new_max = tl.maximum(class_max, tl.max(z, 0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            shift = _finite_shift(new_max)
             rescale = tl.exp(class_max - shift)
             weights = tl.exp(z - shift)
             class_sum = class_sum * rescale + tl.sum(weights, 0)
@@ -142,31 +173,53 @@ def row_partials_kernel(
 @triton.jit
 def logits_grad_kernel(
     logits_ptr, logits_stride, grad_ptr, grad_stride, num_columns,
-    lse_ptr, softmax_weight_ptr, target_ptr, target_grad_ptr,
-    number_class_ptr, class_lse_ptr, alpha_ptr, beta_ptr, label_value_ptr, label_digits_ptr,
-    column_class_ptr, column_value_ptr, column_digits_ptr,
+    lse_ptr, target_logit_ptr, softmax_weight_ptr, target_ptr, target_grad_ptr,
+    class_lo_ptr, class_hi_ptr, class_lse_ptr, alpha_ptr, beta_ptr, label_value_ptr, label_digits_ptr,
+    member_column_ptr, member_value_ptr, member_digits_ptr, member_count,
     scale, softcap,
-    NUMBERS: tl.constexpr, FEATURE: tl.constexpr, DIGITS: tl.constexpr,
-    SCALED: tl.constexpr, SOFTCAPPED: tl.constexpr, BLOCK_V: tl.constexpr,
+    ROW_LSE: tl.constexpr, NUMBERS: tl.constexpr, FEATURE: tl.constexpr, DIGITS: tl.constexpr,
+    SCALED: tl.constexpr, SOFTCAPPED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """d loss / d (raw logits) of one row into grad (its dtype; grad may be the logits themselves: every element is
-    read before it is written, by the same thread). NUMBERS: add the NTL term on the columns of the label's class
-    (column_class_ptr: each column's class, -1 for other tokens; number_class -1: the row has none)."""
+    """d loss / d (raw logits) of one row into grad (its dtype; grad may be the logits themselves).
+
+    ROW_LSE: first compute the row's log-sum-exp and target logit and store them at lse_ptr and target_logit_ptr
+    (the chunked head's forward, fused), else read the log-sum-exp at lse_ptr. The loop over the row's columns is
+    plain cross-entropy, w·p_j + g_t·[j = t]; NUMBERS then overwrites the columns of the label's class, members
+    [class_lo, class_hi) (one block of BLOCK_M: every class of a real tokenizer holds at most 1,000 tokens), with
+    their whole gradient, the NTL term q_j·(alpha·f_j + beta) included. Those members' logits are read before the
+    loop (which may overwrite them) and their gradients held in registers until after it: so the NTL work is a few
+    loads a row, and rows without a number label (lo == hi) mask it all off. Barriers order the threads of the
+    program: every read of the row before the loop's first write, the loop's writes before the members'."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
     out_ptr = grad_ptr + row * grad_stride
-    lse = tl.load(lse_ptr + row)
-    softmax_weight = tl.load(softmax_weight_ptr + row)
     target = tl.load(target_ptr + row)
+    if ROW_LSE:
+        lse = _row_lse(row_ptr, num_columns, scale, softcap, SCALED, SOFTCAPPED, BLOCK_V)
+        tl.store(lse_ptr + row, lse)
+        tl.store(target_logit_ptr + row, _target_logit(row_ptr, target, scale, softcap, SCALED, SOFTCAPPED))
+    else:
+        lse = tl.load(lse_ptr + row)
+    softmax_weight = tl.load(softmax_weight_ptr + row)
     target_grad = tl.load(target_grad_ptr + row)
-    number_class = -1
-    class_lse, alpha, beta, label_value = 0.0, 0.0, 0.0, 0.0
     if NUMBERS:
-        number_class = tl.load(number_class_ptr + row)
-        class_lse = tl.load(class_lse_ptr + row)
-        alpha, beta = tl.load(alpha_ptr + row), tl.load(beta_ptr + row)
-        label_value = tl.load(label_value_ptr + row)
-        label_digits_ptr += row * DIGITS
+        lo, hi = tl.load(class_lo_ptr + row), tl.load(class_hi_ptr + row)
+        members = lo + tl.arange(0, BLOCK_M)
+        in_class = members < hi
+        member_columns = tl.load(member_column_ptr + members, mask=in_class, other=0)
+        z = tl.load(row_ptr + member_columns, mask=in_class, other=0.0).to(tl.float32)
+        if SCALED or SOFTCAPPED:
+            z = _transformed(z, scale, softcap, SCALED, SOFTCAPPED)
+        value = tl.load(member_value_ptr + members, mask=in_class, other=0.0)
+        feature = _feature(value, member_digits_ptr, member_count, members, in_class, tl.load(label_value_ptr + row),
+                           label_digits_ptr + row * DIGITS, FEATURE, DIGITS)  # fmt: skip
+        ntl_grad = tl.exp(z - tl.load(class_lse_ptr + row)) * (
+            tl.load(alpha_ptr + row) * feature + tl.load(beta_ptr + row)
+        )
+        member_grad = tl.exp(z - lse) * softmax_weight + tl.where(member_columns == target, target_grad, 0.0) + ntl_grad
+        if SCALED or SOFTCAPPED:
+            member_grad = _chained(member_grad, z, scale, softcap, SCALED, SOFTCAPPED)
+    tl.debug_barrier()
     offsets = tl.arange(0, BLOCK_V)
     for start in range(0, num_columns, BLOCK_V):
         columns = start + offsets
@@ -175,16 +228,9 @@ def logits_grad_kernel(
         if SCALED or SOFTCAPPED:
             y = _transformed(y, scale, softcap, SCALED, SOFTCAPPED)
         grad = tl.exp(y - lse) * softmax_weight + tl.where(columns == target, target_grad, 0.0)
-        if NUMBERS:
-            if number_class >= 0:
-                in_class = tl.load(column_class_ptr + columns, mask=inside, other=-1) == number_class
-                value = tl.load(column_value_ptr + columns, mask=in_class, other=0.0)
-                feature = _feature(value, column_digits_ptr, num_columns, columns, in_class, label_value,
-                                   label_digits_ptr, FEATURE, DIGITS)  # fmt: skip
-                grad += tl.where(in_class, tl.exp(y - class_lse) * (alpha * feature + beta), 0.0)
-        if SOFTCAPPED:
-            ratio = y / softcap
-            grad = grad * (1.0 - ratio * ratio)
-        if SCALED:
-            grad = grad * scale
+        if SCALED or SOFTCAPPED:
+            grad = _chained(grad, y, scale, softcap, SCALED, SOFTCAPPED)
         tl.store(out_ptr + columns, grad.to(grad_ptr.dtype.element_ty), mask=inside)
+    if NUMBERS:
+        tl.debug_barrier()
+        tl.store(out_ptr + member_columns, member_grad.to(grad_ptr.dtype.element_ty), mask=in_class)

@@ -8,6 +8,7 @@ Imported only when the backend runs (backend.py), so a CPU install without trito
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ MAX_WARPS = 32
 
 @dataclass(frozen=True)
 class NumberTables:
-    """One shard's number tokens as the kernels read them: sorted by class for the class sums of a row, and per
-    column for the gradient, which walks every column of the row."""
+    """One shard's number tokens as the kernels read them: sorted by class, so that a row's class is one range of
+    members [lo, hi)."""
 
     member_columns: torch.Tensor
     """int32 [M]: the number-token columns, sorted by class (stable)."""
@@ -39,53 +40,75 @@ class NumberTables:
     """float32 [M]: their values."""
     member_digits: torch.Tensor
     """uint8 [D, M]: their digits."""
-    class_bounds: torch.Tensor
-    """int64 [C + 1]: class c's members are [class_bounds[c], class_bounds[c + 1])."""
+    class_starts: torch.Tensor
+    """int64 [C + 1]: class c's members are [class_starts[c], class_ends[c]); the last entry, 0, is what a label of
+    class -1 (not a number) reads, so that its range is empty."""
+    class_ends: torch.Tensor
     largest_class: int
     """Members of the largest class (its block of the class loop)."""
-    column_classes: torch.Tensor
-    """int32 [V]: each column's class, -1 for a token that is not a number."""
-    column_values: torch.Tensor
-    """float32 [V]: each column's value (0 for other tokens)."""
-    column_digits: torch.Tensor
-    """uint8 [D, V]: each column's digits (0 for other tokens)."""
 
 
 _TABLES: dict[tuple[int, int], tuple[weakref.ref, NumberTables]] = {}
 
 
-def number_tables(shard: NumberShard, num_columns: int) -> NumberTables:
-    """The tables of `shard` (a shard of `num_columns` columns), built once per shard and reused while it lives
-    (NumberVocab.shard keeps one per range and device)."""
-    key = (id(shard), num_columns)
+def number_tables(shard: NumberShard) -> NumberTables:
+    """The tables of `shard`, built once per shard and reused while it lives (NumberVocab.shard keeps one per range
+    and device)."""
+    key = id(shard)
     cached = _TABLES.get(key)
     if cached is None or cached[0]() is not shard:
-        cached = (weakref.ref(shard, lambda _, key=key: _TABLES.pop(key, None)), _build_tables(shard, num_columns))
+        cached = (weakref.ref(shard, lambda _, key=key: _TABLES.pop(key, None)), _build_tables(shard))
         _TABLES[key] = cached
     return cached[1]
 
 
-def _build_tables(shard: NumberShard, num_columns: int) -> NumberTables:
+def _build_tables(shard: NumberShard) -> NumberTables:
     order = torch.argsort(shard.classes, stable=True)
     counts = torch.bincount(shard.classes, minlength=len(shard.vocab.class_info))
     digits_KD = shard.digits.to(torch.uint8)
-    column_classes = torch.full((num_columns,), -1, dtype=torch.int32, device=shard.classes.device)
-    column_classes[shard.local_ids] = shard.classes.int()
-    column_values = torch.zeros(num_columns, dtype=torch.float32, device=shard.values.device)
-    column_values[shard.local_ids] = shard.values.float()
-    column_digits = torch.zeros(digits_KD.shape[1], num_columns, dtype=torch.uint8, device=digits_KD.device)
-    column_digits[:, shard.local_ids] = digits_KD.T
     return NumberTables(
         member_columns=shard.local_ids[order].int(),
         member_numbers=order.int(),
         member_values=shard.values[order].float(),
         member_digits=digits_KD[order].T.contiguous(),
-        class_bounds=torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
+        class_starts=torch.cat([counts.cumsum(0) - counts, counts.new_zeros(1)]),
+        class_ends=torch.cat([counts.cumsum(0), counts.new_zeros(1)]),
         largest_class=int(counts.max()) if counts.numel() else 0,
-        column_classes=column_classes,
-        column_values=column_values,
-        column_digits=column_digits,
     )
+
+
+@dataclass(frozen=True)
+class ClassRows:
+    """Per row, the label's class as a range of `tables`' members, and the label's features (what f_j compares
+    with); `members` maps the members to the columns of the logits a kernel reads."""
+
+    lo: torch.Tensor
+    """int64 [N]: first member of the label's class (lo == hi: none, or the label is not a number)."""
+    hi: torch.Tensor
+    label_value: torch.Tensor
+    """float32 [N]."""
+    label_digits: torch.Tensor
+    """float32 [N, D] (kind digits), else [N, 0]."""
+    tables: NumberTables
+    members: torch.Tensor
+    """int32 [M]: tables.member_columns for the logits, tables.member_numbers for [N, K] number-token logits."""
+    feature: int
+    digits: int
+
+    @classmethod
+    def of(cls, number_class_N, value_N, digits_ND, tables: NumberTables, kind: str, members: torch.Tensor):
+        """The rows of labels of class `number_class_N` (-1: not a number) against `tables`, read at `members`."""
+        lo, hi = tables.class_starts[number_class_N], tables.class_ends[number_class_N]  # class -1: the last entry
+        digits = digits_ND.shape[1] if kind == "digits" else 0
+        return cls(lo, hi, _f32(value_N), _f32(digits_ND), tables, members, FEATURES.get(kind, 0), digits)
+
+    def reading(self, members: torch.Tensor) -> ClassRows:
+        """The same rows read at other columns (the logits' instead of the [N, K] number-token logits')."""
+        return dataclasses.replace(self, members=members)
+
+    def rows(self, rows: slice) -> ClassRows:
+        return dataclasses.replace(self, lo=self.lo[rows], hi=self.hi[rows], label_value=self.label_value[rows],
+                                   label_digits=self.label_digits[rows])  # fmt: skip
 
 
 def row_partials(
@@ -94,10 +117,10 @@ def row_partials(
     classes: ClassRows | None,
     transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor | None, ...]:
-    """Per row of `logits_NV` (any float dtype, columns contiguous): with `target_N` (int64 column, -1 where not
-    held) its log-sum-exp and target logit; with `classes`, over the label's class: its log-sum-exp (-inf when this
-    shard holds none of it) and Σ_j q_j f_j. Returns (lse, target_logit, class_lse, feature_mean), None for what
-    was not asked."""
+    """Per row of `logits_NV` (any float dtype and strides): with `target_N` (int64 column, -1 where not held) its
+    log-sum-exp and target logit; with `classes`, over the label's class: its log-sum-exp (-inf when this shard
+    holds none of it) and Σ_j q_j f_j. Returns (lse, target_logit, class_lse, feature_mean), None for what was not
+    asked."""
     logits_NV = _columns_contiguous(logits_NV)
     rows = logits_NV.shape[0]
     ce, with_classes = target_N is not None, classes is not None
@@ -108,57 +131,19 @@ def row_partials(
     if rows == 0:
         return lse, target_logit, class_lse, feature_mean
     unused = _unused(logits_NV.device)
-    c = classes or ClassRows.absent(unused)
+    c = classes or _no_classes(unused)
     block_v = _block(logits_NV.shape[1], MAX_BLOCK_V)
     kernels.row_partials_kernel[(rows,)](
         logits_NV, logits_NV.stride(0), logits_NV.shape[1],
-        unused if target_N is None else target_N, _or(lse, unused), _or(target_logit, unused),
-        c.lo, c.hi, c.members, c.member_values, c.member_digits, c.member_count,
+        _or(target_N, unused), _or(lse, unused), _or(target_logit, unused),
+        c.lo, c.hi, c.members, c.tables.member_values, c.tables.member_digits, c.members.numel(),
         c.label_value, c.label_digits, _or(class_lse, unused), _or(feature_mean, unused),
         transform.scale, transform.softcap or 1.0,
         CE=ce, CLASSES=with_classes, FEATURE=c.feature, DIGITS=c.digits,
         SCALED=transform.scale != 1.0, SOFTCAPPED=transform.softcap is not None,
-        BLOCK_V=block_v, BLOCK_M=_block(c.largest_class, MAX_BLOCK_M), num_warps=_warps(block_v),
+        BLOCK_V=block_v, BLOCK_M=_block(c.tables.largest_class, MAX_BLOCK_M), num_warps=_warps(block_v),
     )  # fmt: skip
     return lse, target_logit, class_lse, feature_mean
-
-
-@dataclass(frozen=True)
-class ClassRows:
-    """Per row, the label's class among a table's members, and the label's features (what f_j compares with)."""
-
-    lo: torch.Tensor
-    """int64 [N]: first member of the label's class (lo == hi: none, or the label is not a number)."""
-    hi: torch.Tensor
-    members: torch.Tensor
-    """int32 [M]: the members' columns in the logits the kernel reads."""
-    member_values: torch.Tensor
-    member_digits: torch.Tensor
-    member_count: int
-    label_value: torch.Tensor
-    """float32 [N]."""
-    label_digits: torch.Tensor
-    """float32 [N, D] (kind digits), else [N, 0]."""
-    largest_class: int
-    feature: int
-    digits: int
-
-    @classmethod
-    def of(cls, number_class_N, value_N, digits_ND, tables: NumberTables, kind: str, members: torch.Tensor):
-        """The rows of labels of class `number_class_N` (-1: not a number) against `tables`, whose members are at
-        the columns `members` (tables.member_columns for the logits, tables.member_numbers for [N, K] ones)."""
-        is_number = number_class_N >= 0
-        number_class = number_class_N.clamp_min(0)
-        bounds = tables.class_bounds
-        lo = torch.where(is_number, bounds[number_class], 0)
-        hi = torch.where(is_number, bounds[number_class + 1], 0)
-        digits = digits_ND.shape[1] if kind == "digits" else 0
-        return cls(lo, hi, members, tables.member_values, tables.member_digits, members.numel(), _f32(value_N),
-                   _f32(digits_ND), tables.largest_class, FEATURES.get(kind, 0), digits)  # fmt: skip
-
-    @classmethod
-    def absent(cls, unused: torch.Tensor) -> ClassRows:
-        return cls(unused, unused, unused, unused, unused, 0, unused, unused, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -166,14 +151,11 @@ class NumberGradRows:
     """Per row, what the NTL term of the gradient needs: d loss / d z_j += q_j (alpha f_j + beta) on the label's
     class (fused.py's number_coefficients)."""
 
-    number_class: torch.Tensor
-    """int64 [N], -1 where the label is not a number."""
+    classes: ClassRows
+    """The label's class, read at the logits' columns."""
     class_lse: torch.Tensor
     alpha: torch.Tensor
     beta: torch.Tensor
-    label_value: torch.Tensor
-    label_digits: torch.Tensor
-    """float32 [N, D] (kind digits), else [N, 0]."""
 
 
 def logits_grad(
@@ -184,13 +166,35 @@ def logits_grad(
     target_N: torch.Tensor,
     target_grad_N: torch.Tensor,
     numbers: NumberGradRows | None,
-    tables: NumberTables | None,
-    kind: str | None,
     transform: LogitTransform = IDENTITY,
 ) -> None:
-    """Write d loss / d (raw logits) into `grad_NV` (may be `logits_NV` itself): softmax_weight·p_j, plus
-    target_grad at column target (-1: none here), plus the NTL term of `numbers` (None: CE only), then the
+    """Write d loss / d (raw logits) into `grad_NV` (row-major; may be `logits_NV` itself): softmax_weight·p_j,
+    plus target_grad at column target (-1: none here), plus the NTL term of `numbers` (None: CE only), then the
     transform's chain rule."""
+    _launch_grad(logits_NV, grad_NV, lse_N, None, softmax_weight_N, target_N, target_grad_N, numbers, transform)
+
+
+def chunk_stats_and_grad(
+    logits_RV: torch.Tensor,
+    softmax_weight_R: torch.Tensor,
+    target_R: torch.Tensor,
+    target_grad_R: torch.Tensor,
+    numbers: NumberGradRows | None,
+    transform: LogitTransform = IDENTITY,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_partials`' log-sum-exps and target logits and `logits_grad` over the logits in place, in one kernel:
+    for a chunk whose per-row weights do not depend on its own log-sum-exps (no group to combine them over, no
+    reweighing). Returns (lse, target_logit)."""
+    rows = logits_RV.shape[0]
+    lse_R, target_logit_R = (logits_RV.new_empty(rows, dtype=torch.float32) for _ in range(2))
+    _launch_grad(logits_RV, logits_RV, lse_R, target_logit_R, softmax_weight_R, target_R, target_grad_R, numbers,
+                 transform)  # fmt: skip
+    return lse_R, target_logit_R
+
+
+def _launch_grad(logits_NV, grad_NV, lse_N, target_logit_N, softmax_weight_N, target_N, target_grad_N, numbers,
+                 transform) -> None:  # fmt: skip
+    """The gradient kernel; with `target_logit_N` (an output) it computes the log-sum-exps into `lse_N` first."""
     logits_NV = _columns_contiguous(logits_NV)
     rows = logits_NV.shape[0]
     if rows == 0:
@@ -198,20 +202,25 @@ def logits_grad(
     if grad_NV.stride(1) != 1:
         raise ValueError("logits_grad writes rows of contiguous columns")
     unused = _unused(logits_NV.device)
-    n = numbers or NumberGradRows(unused, unused, unused, unused, unused, unused)
-    digits = n.label_digits.shape[1] if kind == "digits" and numbers is not None else 0
+    n = numbers or NumberGradRows(_no_classes(unused), unused, unused, unused)
+    c = n.classes
     block_v = _block(logits_NV.shape[1], MAX_BLOCK_V)
     kernels.logits_grad_kernel[(rows,)](
         logits_NV, logits_NV.stride(0), grad_NV, grad_NV.stride(0), logits_NV.shape[1],
-        _f32(lse_N), _f32(softmax_weight_N), target_N, _f32(target_grad_N),
-        n.number_class, _f32(n.class_lse), _f32(n.alpha), _f32(n.beta), _f32(n.label_value), _f32(n.label_digits),
-        unused if tables is None else tables.column_classes, unused if tables is None else tables.column_values,
-        unused if tables is None else tables.column_digits,
+        lse_N, _or(target_logit_N, unused), _f32(softmax_weight_N), target_N, _f32(target_grad_N),
+        c.lo, c.hi, _f32(n.class_lse), _f32(n.alpha), _f32(n.beta), c.label_value, c.label_digits,
+        c.members, c.tables.member_values, c.tables.member_digits, c.members.numel(),
         transform.scale, transform.softcap or 1.0,
-        NUMBERS=numbers is not None, FEATURE=FEATURES.get(kind, 0), DIGITS=digits,
+        ROW_LSE=target_logit_N is not None, NUMBERS=numbers is not None, FEATURE=c.feature, DIGITS=c.digits,
         SCALED=transform.scale != 1.0, SOFTCAPPED=transform.softcap is not None,
-        BLOCK_V=block_v, num_warps=_warps(block_v),
+        BLOCK_V=block_v, BLOCK_M=triton.next_power_of_2(max(c.tables.largest_class, 1)), num_warps=_warps(block_v),
     )  # fmt: skip
+
+
+def _no_classes(unused: torch.Tensor) -> ClassRows:
+    """The ClassRows of a launch without number work (its pointers are never read)."""
+    tables = NumberTables(unused, unused, unused, unused, unused, unused, 0)
+    return ClassRows(unused, unused, unused, unused, tables, unused, 0, 0)
 
 
 def _columns_contiguous(x_NV: torch.Tensor) -> torch.Tensor:
