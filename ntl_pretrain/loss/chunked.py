@@ -170,14 +170,16 @@ def linear_ce_ntl_rows(
     """`linear_ce_ntl_loss` before the per-position terms are summed: the heads' entry (the same arguments, the NTL
     settings as one object, the recipe's `loss.ntl` section)."""
     kind, ntl_weight, reweigh, float_level = ntl.kind, ntl.weight, ntl.reweigh, ntl.float_level
-    labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     _check_linear_arguments(hidden, weight, labels, reduction, chunk_size, weight_grad_rows)
-    logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=hidden.dtype)
+    # the cast is differentiable: hidden's gradient comes back in hidden's dtype, as through autocast's nn.Linear
+    operand_dtype = matmul_dtype(hidden, weight)
+    labels_N, hidden_NH = labels.reshape(-1), hidden.reshape(-1, hidden.shape[-1]).to(operand_dtype)
+    logits_shape = torch.empty(*labels.shape, weight.shape[0], device="meta", dtype=operand_dtype)
     check_loss_arguments(logits_shape, labels, nv, kind, "none", ignore_index, group, vocab_start, reweigh, ntl_labels)
-    backend = resolve_backend(backend, hidden.device, hidden.dtype)
+    backend = resolve_backend(backend, hidden.device, operand_dtype)
     vocab_end = vocab_start + weight.shape[0]
     shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else no_number_shard(hidden.device)
-    dtype = compute_dtype(hidden)
+    dtype = compute_dtype(hidden_NH)
     ntl_labels_N = None if ntl_labels is None else ntl_labels.reshape(-1)
     targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype, ntl_labels_N)
     number_labels = labels if ntl_labels is None else ntl_labels
@@ -187,11 +189,27 @@ def linear_ce_ntl_rows(
     ce_scale, ntl_scale = _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, hidden.device)
     grad_ce_N, grad_ntl_N = ce_scale.expand(labels_N.shape), (ntl_weight * ntl_scale).expand(labels_N.shape)
     rows = _chunk_rows(chunk_size, weight.shape[0], group, hidden.device, backend)
-    plan = ChunkPlan(rows, _weight_group_rows(weight_grad_rows, rows, hidden, weight.shape[0]), backend)
+    plan = ChunkPlan(rows, _weight_group_rows(weight_grad_rows, rows, hidden_NH, weight.shape[0]), backend)
     loss, ce_N, ntl_N = LinearCeNtl.apply(
         hidden_NH, weight, targets, shard, kind, reweigh, grad_ce_N, grad_ntl_N, plan, group, transform, spans
     )
     return LinearLossRows(loss, ce_N, ntl_N, targets.valid, targets.is_number, ntl_terms_N, ce_scale, ntl_scale)
+
+
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head multiplies hidden states and weight in, as `nn.Linear` would: under `torch.autocast` for
+    their device its dtype (fp64 is never autocast), else their common dtype (like `F.linear`, a pair of two dtypes
+    is refused, with both named)."""
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type) and torch.float64 not in (hidden.dtype, weight.dtype)
+    if autocast:
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype outside torch.autocast "
+            "(as F.linear's operands): cast one of them, or call under torch.autocast"
+        )
+    return hidden.dtype
 
 
 def _normalisers(reduction, num_tokens, num_number_tokens, counts, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +250,8 @@ def default_chunk_rows(num_columns: int, backend: str = "torch") -> int:
 def _check_linear_arguments(hidden, weight, labels, reduction, chunk_size, weight_grad_rows) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS} (only the combined loss is differentiable)")
-    if not torch.is_floating_point(hidden) or weight.dtype != hidden.dtype:
-        raise TypeError(f"hidden and weight must share a floating-point dtype, got {hidden.dtype}, {weight.dtype}")
+    if not (torch.is_floating_point(hidden) and torch.is_floating_point(weight)):
+        raise TypeError(f"hidden and weight must be floating-point tensors, got {hidden.dtype} and {weight.dtype}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {weight.shape}")
     if hidden.shape[:-1] != labels.shape:
@@ -258,10 +276,18 @@ class LinearCeNtl(torch.autograd.Function):
     """(hidden [N, H], weight [V, H]) -> (loss, CE [N], NTL [N]); saves the gradients, not the activations."""
 
     @staticmethod
-    def forward(
+    def forward(ctx, hidden_NH, parameter_VH, *rest):
+        """`hidden_NH` in the dtype to multiply in (`matmul_dtype`), `parameter_VH` in its own: the weight is
+        multiplied in hidden's dtype and its gradient comes back in its own. Autocast is off inside: the matmuls'
+        operands are already in its dtype, and the loss math stays in fp32."""
+        with torch.autocast(hidden_NH.device.type, enabled=False):
+            return LinearCeNtl._forward(ctx, hidden_NH, parameter_VH, *rest)
+
+    @staticmethod
+    def _forward(
         ctx,
         hidden_NH,
-        weight_VH,
+        parameter_VH,
         t: Targets,
         shard: NumberShard,
         kind,
@@ -273,6 +299,7 @@ class LinearCeNtl(torch.autograd.Function):
         transform: LogitTransform,
         spans: NumberSpans | None,
     ):
+        weight_VH = parameter_VH.to(hidden_NH.dtype)
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         dtype = compute_dtype(hidden_NH)
         grad_hidden_NH = torch.empty_like(hidden_NH) if want_hidden else None
@@ -326,7 +353,7 @@ class LinearCeNtl(torch.autograd.Function):
         loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
         # Held on ctx rather than saved: backward scales them in place (a second [V, H] copy would double the
         # weight gradient's memory) and hands them on, so the graph can be backpropagated once.
-        ctx.grads = (grad_hidden_NH, None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype))
+        ctx.grads = (grad_hidden_NH, None if grad_weight_VH is None else grad_weight_VH.to(parameter_VH.dtype))
         ctx.mark_non_differentiable(ce_N, ntl_N)
         return loss, ce_N, ntl_N
 

@@ -377,7 +377,13 @@ class FusedCeNtl(torch.autograd.Function):
     """(logits [N, V], targets) -> (CE [N], NTL [N]); backward recomputes softmax from the saved logits."""
 
     @staticmethod
-    def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group, spans=None, backend="torch"):
+    def forward(ctx, logits_NV, *rest):
+        """Autocast is off inside: the loss math runs in fp32 (fp64 for fp64 logits) whatever autocast would pick."""
+        with torch.autocast(logits_NV.device.type, enabled=False):
+            return FusedCeNtl._forward(ctx, logits_NV, *rest)
+
+    @staticmethod
+    def _forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, group, spans=None, backend="torch"):
         # the torch backend's number-token logits [N, K], or the Triton backend's rows' classes: what backward reads
         forward = _triton_forward if backend == "triton" else _torch_forward
         lse, z_target, class_parts, numbers = forward(logits_NV, t, shard, kind)
