@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ntl_pretrain.loss.backend import resolve_backend
-from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype, make_targets
+from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype
 from ntl_pretrain.loss.number_level import find_number_spans
+from ntl_pretrain.loss.targets import make_targets
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 VALUE_KINDS = ("was", "mse", "mae", "huber")
@@ -83,9 +85,8 @@ def ce_ntl_loss(
     logits_NV = logits.reshape(-1, num_columns)
     shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
     ntl_labels_N = None if ntl_labels is None else ntl_labels.reshape(-1)
-    targets = make_targets(
-        labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns, compute_dtype(logits), ntl_labels_N
-    )
+    targets = make_targets(labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns,
+                           compute_dtype(logits), ntl_labels_N, sharded=group is not None)  # fmt: skip
     number_labels = labels if ntl_labels is None else ntl_labels
     spans = find_number_spans(number_labels, nv, ignore_index, float_level) if kind == "number" else None
     ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group, spans, backend)
@@ -117,6 +118,7 @@ def renamed_ntl_weight(ntl_weight: float, deprecated: dict) -> float:
     return deprecated["weight"]
 
 
+@functools.cache
 def no_number_shard(device: torch.device) -> NumberShard:
     """The shard a CE-only loss (kind=None) runs with: no number columns, so the class work is empty."""
     empty = torch.zeros(0, device=device)

@@ -45,25 +45,25 @@ from ntl_pretrain.loss.backend import resolve_backend
 from ntl_pretrain.loss.ce_ntl import LossOutput, check_loss_arguments, no_number_shard
 from ntl_pretrain.loss.fused import (
     ClassStats,
-    Targets,
     ce_partials,
     class_partials,
     class_stats,
+    autocast_dtype,
     class_sums_from_mean,
     combine,
     compute_dtype,
-    make_targets,
     number_coefficients,
     number_columns_grad,
-    owned_columns,
     reweigh_slope,
     reweighed_ntl,
     row_chunks,
     softmax_weights,
+    without_autocast,
     write_logits_grad,
 )
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.loss.number_level import NumberSpans, find_number_spans, gradient_at_first
+from ntl_pretrain.loss.targets import Targets, make_targets
 from ntl_pretrain.numbers import NumberShard, NumberVocab
 
 # A chunk's logits hold about this many elements by default, per backend: enough rows for the matmuls to run at full
@@ -181,7 +181,8 @@ def linear_ce_ntl_rows(
     shard = nv.shard(vocab_start, vocab_end, hidden.device) if kind else no_number_shard(hidden.device)
     dtype = compute_dtype(hidden_NH)
     ntl_labels_N = None if ntl_labels is None else ntl_labels.reshape(-1)
-    targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype, ntl_labels_N)
+    targets = make_targets(labels_N, shard, kind, ignore_index, vocab_start, weight.shape[0], dtype, ntl_labels_N,
+                           sharded=group is not None)  # fmt: skip
     number_labels = labels if ntl_labels is None else ntl_labels
     spans = find_number_spans(number_labels, nv, ignore_index, float_level) if kind == "number" else None
     ntl_terms_N = targets.is_number if spans is None else spans.first
@@ -200,10 +201,9 @@ def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the head multiplies hidden states and weight in, as `nn.Linear` would: under `torch.autocast` for
     their device its dtype (fp64 is never autocast), else their common dtype (like `F.linear`, a pair of two dtypes
     is refused, with both named)."""
-    device_type = hidden.device.type
-    autocast = torch.is_autocast_enabled(device_type) and torch.float64 not in (hidden.dtype, weight.dtype)
-    if autocast:
-        return torch.get_autocast_dtype(device_type)
+    autocast = autocast_dtype(hidden.device)
+    if autocast is not None and torch.float64 not in (hidden.dtype, weight.dtype):
+        return autocast
     if hidden.dtype != weight.dtype:
         raise TypeError(
             f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype outside torch.autocast "
@@ -280,7 +280,7 @@ class LinearCeNtl(torch.autograd.Function):
         """`hidden_NH` in the dtype to multiply in (`matmul_dtype`), `parameter_VH` in its own: the weight is
         multiplied in hidden's dtype and its gradient comes back in its own. Autocast is off inside: the matmuls'
         operands are already in its dtype, and the loss math stays in fp32."""
-        with torch.autocast(hidden_NH.device.type, enabled=False):
+        with without_autocast(hidden_NH.device):
             return LinearCeNtl._forward(ctx, hidden_NH, parameter_VH, *rest)
 
     @staticmethod
@@ -310,7 +310,7 @@ class LinearCeNtl(torch.autograd.Function):
             numbers = NumberTerm.of(hidden_NH, weight_VH, t, shard, kind, reweigh, g_ntl_N, group, transform, spans,
                                     plan.backend, want_hidden or want_weight)  # fmt: skip
         softmax_weight_N, target_grad_N = softmax_weights(t, g_ce_N)
-        target_N = owned_columns(t) if plan.backend == "triton" else t.column
+        target_N = t.target if plan.backend == "triton" else t.column
         # Without a group or reweighing a chunk's gradient needs none of its own statistics: one kernel forms both
         fused = plan.backend == "triton" and group is None and not reweigh and (want_hidden or want_weight)
         ce_parts, ntl_parts = [], []

@@ -26,6 +26,7 @@ gradient) exists besides the logits.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -33,32 +34,16 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.loss.number_level import NumberSpans, gradient_at_first, number_losses
+from ntl_pretrain.loss.targets import Targets, loss_of_error
 from ntl_pretrain.numbers import NumberShard
 
 # Rows per chunk are chosen so a chunk holds about this many fp32 logits: on CPU 16 MiB, which stays in cache and
 # keeps the fp32 temporaries out of the peak; on a GPU 256 MiB, so that a call is a few large kernels rather than
 # hundreds of launches (the temporaries are then one chunk, far below the [N, V] logits).
 CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
-# Reweighing charges mass outside the class slightly more than the worst in-class prediction (as ntloss does).
-REWEIGH_MARGIN = 1.01
 # Kinds whose loss is an expected distance to the label, sum_j q_j dist(j, t) / s: they share the class partial sums
 # and the closed-form backward q_j (dist(j, t) / s - L).
 DISTANCE_KINDS = ("was", "digits")
-
-
-@dataclass(frozen=True)
-class Targets:
-    """Per-position label facts, all [N]."""
-
-    valid: torch.Tensor  # bool: label is not ignore_index
-    is_number: torch.Tensor  # bool: label is a number token (and NTL is on)
-    column: torch.Tensor  # int64: label's column in this shard (0 when not owned)
-    owned: torch.Tensor  # bool: this shard holds the label's column
-    number_class: torch.Tensor  # int64: label's class, -1 when not a number
-    value: torch.Tensor  # compute dtype: label's value y (0 when not a number)
-    scale: torch.Tensor  # compute dtype: label's scale s (kind digits: its digit count k; 1 when not a number)
-    cap: torch.Tensor  # compute dtype: reweigh constant c of the label's class (0 when not a number)
-    digits: torch.Tensor  # compute dtype [N, D]: label's digits for kind digits ([N, 0] for the other kinds)
 
 
 @dataclass(frozen=True)
@@ -82,71 +67,26 @@ class RowStats:
     class_mass: torch.Tensor  # m, full-softmax mass on C(t)
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype `torch.autocast` casts matmuls to on `device`, None where it is off (or does not exist: meta)."""
+    on = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    return torch.get_autocast_dtype(device.type) if on else None
+
+
+def without_autocast(device: torch.device):
+    """A context with autocast off on `device` (nothing to turn off where autocast does not exist)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     """fp32 for fp32/bf16/fp16 logits (bf16 cannot represent most values in 0..999); fp64 stays fp64."""
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def make_targets(
-    labels_N: torch.Tensor,
-    shard: NumberShard,
-    kind: str | None,
-    ignore_index: int,
-    vocab_start: int,
-    num_columns: int,
-    dtype: torch.dtype,
-    ntl_labels_N: torch.Tensor | None = None,
-) -> Targets:
-    """CE where `labels_N` is not `ignore_index`; NTL where `ntl_labels_N` (default: `labels_N`) is a number token.
-    Where both are set they are the same token (packing.make_batch ignores one or the other, never changes it)."""
-    valid = labels_N != ignore_index
-    label = torch.where(valid, labels_N, 0)
-    column = label - vocab_start
-    owned = valid & (column >= 0) & (column < num_columns)
-    zeros = torch.zeros(labels_N.shape, dtype=dtype, device=labels_N.device)
-    digits = zeros.new_zeros((labels_N.numel(), 0))
-    if kind is None:
-        number_class, value, scale, cap = torch.full_like(label, -1), zeros, zeros + 1, zeros
-    else:
-        vocab = shard.vocab
-        if ntl_labels_N is not None:
-            ntl_valid = ntl_labels_N != ignore_index
-            label = torch.where(ntl_valid, ntl_labels_N, 0)
-        else:
-            ntl_valid = valid
-        number_class = torch.where(ntl_valid, vocab.classes[label], -1)
-        is_number = number_class >= 0
-        value = torch.where(is_number, vocab.values[label].to(dtype), zeros)
-        scale = torch.where(is_number, vocab.scales[label].to(dtype), zeros + 1)
-        spread = shard.class_spread.to(dtype)[number_class.clamp_min(0)]
-        cap = torch.where(is_number, REWEIGH_MARGIN * _loss_of_error(spread, kind), zeros)
-        if kind == "digits":  # reweigh is refused with digits, so its cap is never read
-            scale = torch.where(is_number, vocab.class_digits[number_class.clamp_min(0)].to(dtype), zeros + 1)
-            digits = torch.where(is_number[:, None], vocab.digits[label].to(dtype), 0.0)
-    return Targets(
-        valid=valid,
-        is_number=number_class >= 0,
-        column=torch.where(owned, column, 0),
-        owned=owned,
-        number_class=number_class,
-        value=value,
-        scale=scale,
-        cap=cap,
-        digits=digits,
-    )
-
-
-def _loss_of_error(error: torch.Tensor, kind: str) -> torch.Tensor:
-    """NTL of a prediction `error` scale units away from the label (WAS and MAE: |e|)."""
-    if kind == "mse":
-        return error.square()
-    if kind == "huber":
-        return torch.where(error.abs() < 1, 0.5 * error.square(), error.abs() - 0.5)
-    return error.abs()
-
-
 def _error_slope(error: torch.Tensor, kind: str) -> torch.Tensor:
-    """d(_loss_of_error)/d(error)."""
+    """d(loss_of_error)/d(error)."""
     if kind == "mse":
         return 2 * error
     if kind == "huber":
@@ -265,7 +205,7 @@ def class_stats(class_parts, t: Targets, kind: str | None, spans: NumberSpans | 
     elif kind == "number":
         ntl_raw, number_slope = number_losses(value_sum, t.value, spans)
     else:
-        ntl_raw = _loss_of_error((value_sum - t.value) / t.scale, kind) if kind else zeros
+        ntl_raw = loss_of_error((value_sum - t.value) / t.scale, kind) if kind else zeros
     return ClassStats(torch.where(t.is_number, class_lse, 0.0), ntl_raw, value_sum, number_slope)
 
 
@@ -362,15 +302,10 @@ def _triton_forward(logits_NV, t: Targets, shard: NumberShard, kind):
     if kind is not None and shard.local_ids.numel():
         tables = triton_ops.number_tables(shard)
         classes = triton_ops.ClassRows.of(t.number_class, t.value, t.digits, tables, kind, tables.member_columns)
-    lse, z_target, class_lse, feature_mean = triton_ops.row_partials(logits_NV, owned_columns(t), classes)
+    lse, z_target, class_lse, feature_mean = triton_ops.row_partials(logits_NV, t.target, classes)
     if classes is None:
         return lse, z_target, class_partials(lse.new_empty(lse.shape[0], 0), t, shard, kind), None
     return lse, z_target, class_sums_from_mean(class_lse, feature_mean, t, kind), classes
-
-
-def owned_columns(t: Targets) -> torch.Tensor:
-    """The label's column where this shard holds it, else -1: what the Triton kernels take."""
-    return torch.where(t.owned, t.column, -1)
 
 
 class FusedCeNtl(torch.autograd.Function):
@@ -379,7 +314,7 @@ class FusedCeNtl(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, *rest):
         """Autocast is off inside: the loss math runs in fp32 (fp64 for fp64 logits) whatever autocast would pick."""
-        with torch.autocast(logits_NV.device.type, enabled=False):
+        with without_autocast(logits_NV.device):
             return FusedCeNtl._forward(ctx, logits_NV, *rest)
 
     @staticmethod
@@ -416,7 +351,7 @@ class FusedCeNtl(torch.autograd.Function):
             grad_rows = None
             if coefficients is not None:
                 grad_rows = triton_ops.NumberGradRows(numbers, stats.classes.class_lse, *coefficients)
-            triton_ops.logits_grad(logits_NV, grad_NV, stats.lse, softmax_weight, owned_columns(t), target_grad,
+            triton_ops.logits_grad(logits_NV, grad_NV, stats.lse, softmax_weight, t.target, target_grad,
                                    grad_rows)  # fmt: skip
             return grad_NV, None, None, None, None, None, None, None
         number_grad_NK = None

@@ -6,20 +6,25 @@ resource usage read (`cuobjdump --dump-resource-usage`): registers a thread, and
 for these kernels (no local arrays) holds only spilled registers. On a GPU, Triton's `CompiledKernel.n_spills` is
 that frame in 4-byte words.
 
-bench/gpu_heads.py prints them beside its times; tests/test_triton_resources.py asserts that no kernel spills on
-sm_80 and sm_90. Uses Triton internals (docs/compatibility.md): the JIT's argument binder and `_pack_args`.
+The compile runs in a child process (`python -m ntl_pretrain.loss.triton_resources`) with TRITON_INTERPRET unset:
+triton decides when it is imported whether its own library functions (`tl.max`, `tl.sum`) are interpreted, and a
+process that interprets kernels (the test suite) cannot compile them. bench/gpu_heads.py prints the figures;
+tests/test_triton_resources.py asserts that no kernel spills on sm_80 and sm_90. Uses Triton internals
+(docs/compatibility.md): the JIT's argument binder and `_pack_args`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
-import functools
-import importlib.util
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +35,12 @@ from ntl_pretrain.numbers import NumberVocab
 
 ARCHS = {"sm_80": 80, "sm_90": 90}
 """The GPU architectures checked: A100 and H100/H200."""
-KERNELS_FILE = Path(__file__).with_name("triton_kernels.py")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LLAMA3_VOCAB = 128_256
 CAPPED = LogitTransform(scale=0.5, softcap=30.0)
 """A transform with both steps, so that the kernels' transform code is compiled too."""
 ROWS = 4  # rows of the recorded calls: enough for labels of every class, the launches do not depend on it
+COMPILE_TIMEOUT_S = 900
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class Launch:
 class KernelResources:
     kernel: str
     """The kernel and the flags it was specialised with (those that are set)."""
+    kinds: tuple[str, ...]
+    """The NTL kinds whose calls launch it ("None": CE only)."""
+    arch: str
     registers: int
     """Registers a thread."""
     spill_bytes: int
@@ -56,7 +66,7 @@ class KernelResources:
 
 
 def offline_compile_unavailable() -> str | None:
-    """Why kernels cannot be compiled offline here (None: they can): Triton's CUDA tools must be installed."""
+    """Why kernels cannot be compiled offline here (None: they can): triton and its CUDA tools must be installed."""
     try:
         _tool_path("cuobjdump")
     except Exception as error:  # noqa: BLE001 - any failure to find the tools means no offline compile
@@ -65,17 +75,49 @@ def offline_compile_unavailable() -> str | None:
 
 
 def loss_kernel_resources(
-    kind: str | None, arch: str, nv: NumberVocab, dtype: torch.dtype = torch.bfloat16
+    kinds, vocab_size: int = LLAMA3_VOCAB, archs=tuple(ARCHS), dtype: str = "bf16"
 ) -> list[KernelResources]:
-    """Every distinct kernel launch of `ce_ntl_loss` (forward and backward) and `linear_ce_ntl_loss` with NTL `kind`
-    in `dtype` over the vocabulary `nv`, plain and with a scaled, soft-capped transform, compiled for `arch`."""
-    launches = recorded_launches(lambda: _loss_calls(kind, nv, dtype))
-    unique = {_launch_key(launch): launch for launch in launches}
-    return [compile_resources(launch, ARCHS[arch]) for launch in unique.values()]
+    """Every distinct kernel that `ce_ntl_loss` (forward and backward) and `linear_ce_ntl_loss` (plain, and with a
+    scaled, soft-capped transform) launch for each NTL kind of `kinds` (None: CE only), on `dtype` logits over a
+    Llama-3-like vocabulary of `vocab_size` tokens (the kernels' blocks follow it), compiled for each of `archs`, in a
+    child process per architecture (they run side by side); kinds that launch the same kernel share its entry."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    children = [
+        subprocess.Popen([sys.executable, "-m", __name__, "--kinds", *map(str, kinds), "--vocab-size", str(vocab_size),
+                          "--archs", arch, "--dtype", dtype], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)  # fmt: skip
+        for arch in archs
+    ]
+    found = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=COMPILE_TIMEOUT_S)
+        if child.returncode != 0:
+            raise RuntimeError(f"compiling the kernels offline failed: {stderr.strip()[-2000:]}")
+        found += [KernelResources(**{**entry, "kinds": tuple(entry["kinds"])}) for entry in json.loads(stdout)]
+    return found
+
+
+def _resources_here(kinds, nv: NumberVocab, archs, dtype: torch.dtype) -> list[KernelResources]:
+    unique: dict[tuple, tuple[Launch, list[str]]] = {}
+    for kind in kinds:
+        for launch in recorded_launches(lambda kind=kind: _loss_calls(kind, nv, dtype)):
+            unique.setdefault(_launch_key(launch), (launch, []))[1].append(str(kind))
+    return [
+        KernelResources(_described(launch), tuple(dict.fromkeys(used_by)), arch, *compile_resources(launch, ARCHS[arch]))
+        for launch, used_by in unique.values()
+        for arch in archs
+    ]
+
+
+def llama3_like_vocab(vocab_size: int) -> NumberVocab:
+    """Llama-3's number tokens: every chunk of 1-3 digits ("7", "07", "007"), after 1,000 word tokens."""
+    chunks = [str(i) for i in range(10)] + [f"{i:02d}" for i in range(100)] + [f"{i:03d}" for i in range(1000)]
+    return NumberVocab.from_surfaces([None] * 1000 + chunks + [None] * (vocab_size - 1000 - len(chunks)))
 
 
 def _loss_calls(kind: str | None, nv: NumberVocab, dtype: torch.dtype) -> None:
     from ntl_pretrain.loss import ce_ntl_loss
+    from ntl_pretrain.loss.ce_ntl import VALUE_KINDS
     from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
 
     generator = torch.Generator().manual_seed(0)
@@ -84,8 +126,11 @@ def _loss_calls(kind: str | None, nv: NumberVocab, dtype: torch.dtype) -> None:
     ce_ntl_loss(logits, labels, nv, kind=kind, backend="triton").loss.backward()
     hidden = torch.randn(ROWS, 16, generator=generator).to(dtype).requires_grad_()
     weight = torch.randn(nv.vocab_size, 16, generator=generator).to(dtype).requires_grad_()
-    for transform in (IDENTITY, CAPPED):
-        linear_ce_ntl_loss(hidden, weight, labels, nv, kind=kind, transform=transform, backend="triton").loss.backward()
+    # reweighing takes the head's unfused path (a chunk's statistics, then its gradient), as a group does
+    for reweigh in (False, True) if kind in VALUE_KINDS else (False,):
+        for transform in (IDENTITY, CAPPED):
+            linear_ce_ntl_loss(hidden, weight, labels, nv, kind=kind, reweigh=reweigh, transform=transform,
+                               backend="triton").loss.backward()  # fmt: skip
 
 
 def recorded_launches(call: Callable[[], None]) -> list[Launch]:
@@ -94,7 +139,8 @@ def recorded_launches(call: Callable[[], None]) -> list[Launch]:
     from ntl_pretrain.loss import triton_ops
 
     launches: list[Launch] = []
-    with _backend_on_cpu(), _swapped(triton_ops, "kernels", _Recorder(triton_ops.kernels, launches)):
+    with _swapped(backend_module, "interpreter_ready", lambda: True), \
+            _swapped(triton_ops, "kernels", _Recorder(triton_ops.kernels, launches)):  # fmt: skip
         call()
     return launches
 
@@ -117,13 +163,6 @@ class _RecordingKernel:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append(Launch(self.name, args, kwargs))
-
-
-@contextlib.contextmanager
-def _backend_on_cpu() -> Iterator[None]:
-    """Let `backend="triton"` take CPU tensors (as under the interpreter) while launches are recorded."""
-    with _swapped(backend_module, "interpreter_ready", lambda: True):
-        yield
 
 
 @contextlib.contextmanager
@@ -150,14 +189,18 @@ def _argument_kind(arg) -> tuple:
     return "int", -(2**31) <= arg < 2**31, arg % 16 == 0, arg == 1
 
 
-def compile_resources(launch: Launch, capability: int) -> KernelResources:
-    """Compile `launch` for a CUDA GPU of `capability` (80: sm_80) and read its resource usage."""
+def compile_resources(launch: Launch, capability: int) -> tuple[int, int]:
+    """Compile `launch` for a CUDA GPU of `capability` (80: sm_80): (registers, spill bytes) a thread."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    kernel = getattr(_compiled_kernels(), launch.kernel)
+    from ntl_pretrain.loss import triton_kernels
+
+    if triton_kernels.INTERPRETED:
+        raise RuntimeError("the kernels are interpreted in this process (TRITON_INTERPRET=1): compile in another")
+    kernel = getattr(triton_kernels, launch.kernel)
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -166,22 +209,13 @@ def compile_resources(launch: Launch, capability: int) -> KernelResources:
                                                               options)  # fmt: skip
     source = triton.compiler.ASTSource(kernel, signature, constexprs, attrs)
     compiled = triton.compile(source, target=target, options=options.__dict__)
-    registers, stack = _resource_usage(compiled.asm["cubin"])
+    return _resource_usage(compiled.asm["cubin"])
+
+
+def _described(launch: Launch) -> str:
+    """The kernel's name and the flags set in its launch (blocks and warps left out)."""
     flags = ", ".join(f"{k}={v}" for k, v in sorted(launch.kwargs.items()) if v and k.isupper() and "BLOCK" not in k)
-    return KernelResources(f"{launch.kernel}({flags})", registers, stack)
-
-
-@functools.cache
-def _compiled_kernels():
-    """triton_kernels.py decorated for compiling (not interpreting), whatever TRITON_INTERPRET says: a second copy
-    of the module, so that the backend's own (maybe interpreted) kernels stay as they are."""
-    from triton import knobs
-
-    spec = importlib.util.spec_from_file_location("ntl_pretrain_triton_kernels_compiled", KERNELS_FILE)
-    module = importlib.util.module_from_spec(spec)
-    with _swapped(knobs.runtime, "interpret", False):
-        spec.loader.exec_module(module)
-    return module
+    return f"{launch.kernel}({flags})"
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -205,3 +239,20 @@ def _tool_path(name: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing")
     return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Registers and spill bytes of the loss's Triton kernels, as JSON.")
+    parser.add_argument("--kinds", nargs="+", required=True, help="NTL kinds; None for CE only")
+    parser.add_argument("--vocab-size", type=int, default=LLAMA3_VOCAB)
+    parser.add_argument("--archs", nargs="+", choices=sorted(ARCHS), default=sorted(ARCHS))
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    args = parser.parse_args(argv)
+    kinds = [None if kind == "None" else kind for kind in args.kinds]
+    found = _resources_here(kinds, llama3_like_vocab(args.vocab_size), args.archs, DTYPES[args.dtype])
+    print(json.dumps([asdict(entry) for entry in found]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
