@@ -5,7 +5,8 @@ Stages, in order of what a short-lived GPU should give first:
   install     the carried wheels (launch/gpu-wheels.txt's pins) into a folder put first on PYTHONPATH
   doctor      `ntl-pretrain doctor` on the one GPU (1 rank), its JSON report
   heads       bench/gpu_heads.py: the loss and the output layer in bf16, ours (torch and Triton backends) vs torch
-              CE and Liger-Kernel, the Triton backend's agreement with the torch one, and issue 48's targets
+              CE and Liger-Kernel, with host ops per call, the Triton backend's agreement with the torch one, issue
+              57's targets, and our Triton kernels' registers and spills (compiled offline for sm_80 and sm_90)
   head_step   bench/head_step.py: the 135M model's plain step with our head (torch and Triton backends) over the
               same step with transformers' head + CE (issue 48: ours no slower)
   train_125m  100 bf16 steps of a SmolLM2-135M-shaped Llama (30x576, vocabulary 49,152) at sequence 2,048:
@@ -248,8 +249,10 @@ def doctor_rows(report: Path) -> dict:
 
 def heads(run: Run) -> dict:
     out = run.out / "heads.json"
-    # the dry run's Triton rows run in Triton's interpreter (`environment`): a few rows of the smallest vocabulary
-    sizes = ["--positions", "16", "--vocab", "2200", "--hidden", "16", "--device", "cpu"] if run.dry_run else []
+    # the dry run's Triton rows run in Triton's interpreter (`environment`): a few rows of the smallest vocabulary,
+    # and only CE's kernels compiled offline for one architecture (each kernel costs seconds on CPU)
+    sizes = ["--positions", "16", "--vocab", "2200", "--hidden", "16", "--device", "cpu", "--kernel-kinds", "None",
+             "--kernel-archs", "sm_90"] if run.dry_run else []  # fmt: skip
     run.command("heads", [sys.executable, "bench/gpu_heads.py", "--out", str(out), *sizes], min(150.0, run.remaining()))
     report = json.loads(out.read_text())
     ratios = {f"{part}: {name}": ratio_text(m) for part in ("loss", "head") for name, m in report[part].items()}
@@ -257,7 +260,17 @@ def heads(run: Run) -> dict:
     targets = {f"target {name}": f"{target['ratio']:.2f}x (at most {target['at_most']}x)"
                for name, target in report["targets"].items()}  # fmt: skip
     return {"shape": report["shape"], "liger": report["liger"], "triton": report["triton"], **agreement, **ratios,
-            **targets}  # fmt: skip
+            **targets, "kernels": kernels_text(report["kernels"])}  # fmt: skip
+
+
+def kernels_text(kernels: dict) -> str:
+    """Our Triton kernels' registers and spills in a line (the full table is in heads.json)."""
+    if "left_out" in kernels:
+        return f"left out: {kernels['left_out']}"
+    entries = kernels["kernels"]
+    archs = sorted({entry["arch"] for entry in entries})
+    most = max(entry["registers"] for entry in entries)
+    return f"{len(entries)} compiled ({', '.join(archs)}), {kernels['spilling']} spilling, at most {most} registers"
 
 
 def head_step(run: Run) -> dict:
@@ -276,7 +289,8 @@ def head_step(run: Run) -> dict:
 
 def ratio_text(measured: dict) -> str:
     memory = "" if measured["memory_ratio"] is None else f", memory {measured['memory_ratio']:.2f}x"
-    return f"{measured['seconds'] * 1e3:.2f} ms, time {measured['time_ratio']:.2f}x{memory}"
+    ops = f", {measured['host_ops']} host ops, {measured['triton_launches']} Triton launches"
+    return f"{measured['seconds'] * 1e3:.2f} ms, time {measured['time_ratio']:.2f}x{memory}{ops}"
 
 
 def train_overrides(run: Run, output_dir: Path) -> list[str]:

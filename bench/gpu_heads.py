@@ -4,49 +4,63 @@ Forward+backward, round-robin, fastest of 3 after a warm-up (CUDA events), and e
 above its inputs (the doctor's `speed` helpers).
 
     python bench/gpu_heads.py --out heads.json [--positions 8192 --vocab 128256 --hidden 4096] [--dtype bf16]
+        [--kernel-kinds None was digits number] [--kernel-archs sm_80 sm_90]
 
 Loss on logits [N, V]: `F.cross_entropy` on the logits upcast to fp32 (the baseline: what transformers' loss
-does), `ce_ntl_loss` CE-only (kind None), CE+0.3·NTL-WAS and CE+0.3·NTL-digits with each backend, and Liger's
-`LigerCrossEntropyLoss`. Output layer (hidden [N, H], weight [V, H]): the dense head (`hidden @ W.T`, then
+does), `ce_ntl_loss` CE-only (kind None) and CE+0.3·NTL of the kinds was, mse, digits and number with each backend,
+and Liger's `LigerCrossEntropyLoss`. Output layer (hidden [N, H], weight [V, H]): the dense head (`hidden @ W.T`, then
 `F.cross_entropy`; the baseline), our chunked head (`linear_ce_ntl_loss`) CE-only and with NTL-WAS with each backend,
 and Liger's `LigerFusedLinearCrossEntropyLoss` (CE only: Liger has no NTL). The vocabulary is Llama-3-like (1-3
 digit chunks; at least 2,110 tokens). Before timing, the Triton backend's loss and logit gradient are compared with
 the torch backend's on the same inputs, per kind (`agreement`: the largest difference relative to the largest
-value). Then issue 48's targets, as ratios of rows of this run (`targets`). Liger runs on CUDA only, Triton on CUDA or
-under TRITON_INTERPRET=1; elsewhere their rows are left out and the report says why. Prints one line per method and
-writes every figure to `--out` as JSON. bench/gpu_first_run.sh runs it on the first GPU (docs/doctor.md, "The first
-GPU").
+value). Then issue 57's targets, as ratios of rows of this run (`targets`). Beside each time: the host ops of one
+call (aten ops dispatched, forward and backward; a Triton kernel's own work left out) and our Triton kernel launches.
+Then the registers and spill bytes a thread of our Triton kernels for `--kernel-kinds`, compiled offline for each of
+`--kernel-archs` at this run's vocabulary and dtype (loss/triton_resources.py; `kernels`). Liger runs on CUDA only,
+Triton on CUDA or under TRITON_INTERPRET=1; elsewhere their rows are left out and the report says why. Prints one
+line per method and writes every figure to `--out` as JSON. bench/gpu_first_run.sh runs it on the first GPU
+(docs/doctor.md, "The first GPU").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ntl_pretrain.doctor.loss_checks import draw_labels, multi_digit_vocab
 from ntl_pretrain.doctor.speed import backward_of, fastest, peak_mib
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.loss.backend import interpreter_ready, why_triton_cannot_run
 from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
+from ntl_pretrain.loss.triton_resources import ARCHS, loss_kernel_resources, offline_compile_unavailable
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 Steps = dict[str, Callable[[], None]]
 TRITON = " [triton]"  # the suffix of a row's name with backend="triton" (the others: backend="torch")
-# Issue 48's targets: (block, row, against row, at most): row's time over the other's.
+LOSS_ROWS = {"CE only": None, "CE+NTL-WAS": "was", "CE+NTL-mse": "mse", "CE+NTL-digits": "digits",
+             "CE+NTL-number": "number"}  # fmt: skip
+"""The loss rows' kinds: mse's kernels are also mae's and huber's."""
+# Issue 57's targets: (block, row, against row, at most): row's time over the other's.
 TARGETS = {
-    "loss CE+NTL-WAS, Triton over Liger's CE": ("loss", "ce_ntl_loss CE+NTL-WAS" + TRITON, "Liger cross-entropy", 1.5),
+    "loss CE only, Triton over Liger's CE": ("loss", "ce_ntl_loss CE only" + TRITON, "Liger cross-entropy", 1.2),
+    **{f"loss {name}, Triton over Liger's CE": ("loss", f"ce_ntl_loss {name}" + TRITON, "Liger cross-entropy", 1.5)
+       for name in ("CE+NTL-WAS", "CE+NTL-mse", "CE+NTL-number")},
     "loss, digits over WAS (Triton)": ("loss", "ce_ntl_loss CE+NTL-digits" + TRITON, "ce_ntl_loss CE+NTL-WAS" + TRITON,
-                                       1.2),
+                                       1.0),
     "output layer CE+NTL-WAS, Triton over Liger's fused linear CE": (
         "head", "chunked head CE+NTL-WAS" + TRITON, "Liger fused linear CE", 1.0),
 }  # fmt: skip
 AGREEMENT_KINDS = ("was", "digits", "number", "mse", None)
+KERNEL_KINDS = ("None", "was", "digits", "number")
+"""Kinds whose kernels' registers and spills are printed: number's kernels are those of mse, mae and huber too."""
 AGREEMENT_POSITIONS = 1024
 
 
@@ -85,7 +99,7 @@ def backends(triton_reason: str | None) -> dict[str, str]:
 def loss_steps(nv, labels_N, logits_NV, liger, triton_reason) -> Steps:
     steps = {"F.cross_entropy": backward_of(lambda: F.cross_entropy(logits_NV.float(), labels_N), logits_NV)}
     for suffix, backend in backends(triton_reason).items():
-        for name, kind in (("CE only", None), ("CE+NTL-WAS", "was"), ("CE+NTL-digits", "digits")):
+        for name, kind in LOSS_ROWS.items():
             loss = lambda k=kind, b=backend: ce_ntl_loss(logits_NV, labels_N, nv, kind=k, backend=b).loss
             steps[f"ce_ntl_loss {name}{suffix}"] = backward_of(loss, logits_NV)
     if not isinstance(liger, str):
@@ -116,8 +130,85 @@ def measure(steps: Steps, device: torch.device, baseline: str) -> dict[str, dict
     times = fastest(steps, device)
     peaks = {name: peak_mib(step, device) for name, step in steps.items()}
     return {name: {"seconds": times[name], "time_ratio": times[name] / times[baseline], "peak_mib": peaks[name],
-                   "memory_ratio": None if peaks[name] is None else peaks[name] / peaks[baseline]}
-            for name in steps}  # fmt: skip
+                   "memory_ratio": None if peaks[name] is None else peaks[name] / peaks[baseline],
+                   **host_ops(step)}
+            for name, step in steps.items()}  # fmt: skip
+
+
+class HostOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is on (each a host-side call; most launch a kernel on a GPU), except
+    while `paused`, and the launches of our Triton kernels counted into `launches`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.launches = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not self.paused
+        return func(*args, **(kwargs or {}))
+
+
+def host_ops(step: Callable[[], None]) -> dict[str, int]:
+    """The aten ops and our Triton kernel launches of one call of `step` (forward and backward). The kernels'
+    own work is left out: under TRITON_INTERPRET=1 on CPU it is aten ops too, on a GPU it dispatches none."""
+    counter = HostOps()
+    with _launches_counted(counter), counter:
+        step()
+    return {"host_ops": counter.ops, "triton_launches": counter.launches}
+
+
+@contextlib.contextmanager
+def _launches_counted(counter: HostOps) -> Iterator[None]:
+    """Our kernels, each launch counted and its own ops paused, while on (nothing where triton does not import)."""
+    if why_triton_cannot_run("cuda") is not None:
+        yield
+        return
+    from ntl_pretrain.loss import triton_ops
+
+    kernels = triton_ops.kernels
+
+    class Counted:
+        def __getattr__(self, name):
+            kernel = getattr(kernels, name)
+            return _CountedKernel(kernel, counter) if name.endswith("_kernel") else kernel
+
+    triton_ops.kernels = Counted()
+    try:
+        yield
+    finally:
+        triton_ops.kernels = kernels
+
+
+class _CountedKernel:
+    def __init__(self, kernel, counter: HostOps):
+        self.kernel, self.counter = kernel, counter
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counter.launches += 1
+            self.counter.paused = True
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                self.counter.paused = False
+
+        return launch
+
+
+def kernel_resources(args: argparse.Namespace) -> dict:
+    """Registers and spill bytes a thread of our Triton kernels, per kind, compiled offline for each architecture
+    of `args.kernel_archs` at this run's vocabulary and dtype ({"left_out": why} where they cannot be)."""
+    reason = offline_compile_unavailable()
+    if reason is None:
+        try:
+            found = loss_kernel_resources(args.kernel_kinds, args.vocab, args.kernel_archs, args.dtype)
+        except Exception as error:  # noqa: BLE001 - the timings stand without these figures
+            reason = f"{type(error).__name__}: {error}"
+    if reason is not None:
+        return {"left_out": reason}
+    return {"kernels": [vars(entry) | {"kinds": list(entry.kinds)} for entry in found],
+            "spilling": sum(entry.spill_bytes > 0 for entry in found)}  # fmt: skip
 
 
 def agreement(nv, labels_N, logits_NV) -> dict[str, float]:
@@ -153,7 +244,18 @@ def print_table(title: str, measured: dict[str, dict]) -> None:
     for name, figures in measured.items():
         memory = "" if figures["peak_mib"] is None else \
             f"  peak {figures['peak_mib']:9.1f} MiB ({figures['memory_ratio']:.2f}x)"  # fmt: skip
-        print(f"  {name:30} {figures['seconds'] * 1e3:9.3f} ms ({figures['time_ratio']:.2f}x){memory}")
+        ops = f"  {figures['host_ops']:4d} host ops, {figures['triton_launches']} Triton launches"
+        print(f"  {name:30} {figures['seconds'] * 1e3:9.3f} ms ({figures['time_ratio']:.2f}x){memory}{ops}")
+
+
+def print_kernels(resources: dict) -> None:
+    if "left_out" in resources:
+        print(f"kernel registers and spills left out: {resources['left_out']}")
+        return
+    print("our Triton kernels, offline compile: registers / spill bytes a thread")
+    for entry in resources["kernels"]:
+        print(f"  {entry['arch']} {entry['kernel']:80} {entry['registers']:3d} regs {entry['spill_bytes']:5d} B  "
+              f"(kinds {', '.join(entry['kinds'])})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kernel-kinds", nargs="+", default=list(KERNEL_KINDS), help="kinds whose kernels to compile")
+    parser.add_argument("--kernel-archs", nargs="+", choices=sorted(ARCHS), default=sorted(ARCHS))
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     liger, triton_reason = liger_losses(), triton_available(device, dtype)
@@ -175,10 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     head = measure(head_steps(nv, labels_N, hidden_NH, weight_VH, liger, triton_reason), device,
                    "dense head + F.cross_entropy")  # fmt: skip
     targets = target_ratios({"loss": loss, "head": head})
+    resources = kernel_resources(args)
     for kind, difference in agreed.items():
         print(f"Triton vs torch backend, kind {kind}: largest relative difference {difference:.1e}")
     print_table(f"loss on logits, {shape}", loss)
     print_table(f"output layer, {shape}", head)
+    print_kernels(resources)
     for name, target in targets.items():
         print(f"target {name}: {target['ratio']:.2f}x (at most {target['at_most']}x): "
               f"{'met' if target['met'] else 'missed'}")  # fmt: skip
@@ -187,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if reason:
             print(f"{what} rows left out: {reason}")
     report = {"shape": shape, "torch": torch.__version__, "liger": liger_note, "triton": triton_reason or "measured",
-              "agreement": agreed, "loss": loss, "head": head, "targets": targets}  # fmt: skip
+              "agreement": agreed, "loss": loss, "head": head, "targets": targets, "kernels": resources}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

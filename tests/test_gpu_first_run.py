@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -16,6 +17,7 @@ import pytest
 from helpers.launches import REPO, environment
 
 SCRIPT = REPO / "bench" / "gpu_first_run.sh"
+ROW = r"[\d.]+ ms, time [\d.]+x, \d+ host ops, \d+ Triton launches"  # a heads row on CPU (no peak memory)
 
 
 def runner():
@@ -57,10 +59,12 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert (work / "site-packages" / "ntl_toy_wheel.py").is_file()
     assert stages["doctor"]["figures"]["bf16 gradient accumulation"].startswith("ok: ")
     heads = stages["heads"]["figures"]
-    assert heads["head: chunked head CE+NTL-WAS"].endswith("x") and heads["triton"] == "measured"
-    assert heads["head: chunked head CE+NTL-WAS [triton]"].endswith("x")  # interpreted: the rows run before a GPU
+    assert re.fullmatch(ROW, heads["head: chunked head CE+NTL-WAS"]) and heads["triton"] == "measured"
+    assert re.fullmatch(ROW, heads["head: chunked head CE+NTL-WAS [triton]"])  # interpreted: the rows run before a GPU
     assert float(heads["triton vs torch, digits"]) < 2**-6  # bf16 gradients: within a rounding or two
     assert "target loss, digits over WAS (Triton)" in heads
+    assert heads["kernels"].startswith("4 compiled (sm_90), 0 spilling"), heads["kernels"]  # CE's kernels, offline
+    assert heads["loss: ce_ntl_loss CE+NTL-WAS [triton]"].endswith(" host ops, 2 Triton launches")  # forward, backward
     step = stages["head_step"]["figures"]
     assert step["triton"] == "measured" and step["chunked head CE+NTL-WAS [triton]"].endswith("x")
     assert stages["train_125m"]["figures"]["steps"] == 3 and stages["train_125m"]["figures"]["tokens_per_s"] > 0

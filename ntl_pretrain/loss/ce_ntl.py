@@ -92,7 +92,7 @@ def ce_ntl_loss(
     ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group, spans, backend)
     num_tokens = targets.valid.sum()
     num_number_tokens = targets.is_number.sum() if spans is None else spans.count
-    number_ce_N = torch.where(targets.is_number, ce_N.detach(), 0.0)
+    number_ce_N = torch.zeros_like(ce_N) if kind is None else torch.where(targets.is_number, ce_N.detach(), 0.0)
     if reduction == "none":
         ce, ntl, number_ce = ce_N.view(labels.shape), ntl_N.view(labels.shape), number_ce_N.view(labels.shape)
     elif reduction == "sum":

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,10 +46,10 @@ from ntl_pretrain.loss.backend import resolve_backend
 from ntl_pretrain.loss.ce_ntl import LossOutput, check_loss_arguments, no_number_shard
 from ntl_pretrain.loss.fused import (
     ClassStats,
+    autocast_dtype,
     ce_partials,
     class_partials,
     class_stats,
-    autocast_dtype,
     class_sums_from_mean,
     combine,
     compute_dtype,
@@ -65,6 +66,9 @@ from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.loss.number_level import NumberSpans, find_number_spans, gradient_at_first
 from ntl_pretrain.loss.targets import Targets, make_targets
 from ntl_pretrain.numbers import NumberShard, NumberVocab
+
+if TYPE_CHECKING:  # triton is optional: triton_ops is imported only where its backend runs
+    from ntl_pretrain.loss.triton_ops import ClassRows
 
 # A chunk's logits hold about this many elements by default, per backend: enough rows for the matmuls to run at full
 # speed and for few chunks (each costs host work and launches), few enough that the chunk stays far below the
@@ -414,8 +418,8 @@ class NumberTerm:
     """torch backend: the gradient on this shard's number-token columns (before reweighing's factor m)."""
     slope: torch.Tensor | None
     """reweigh: `reweigh_slope` [N]."""
-    class_rows: object | None = None
-    """triton backend: the rows' classes read at the logits' columns (triton_ops.ClassRows)."""
+    class_rows: ClassRows | None = None
+    """triton backend: the rows' classes read at the logits' columns."""
 
     @classmethod
     def of(cls, hidden_NH, weight_VH, t, shard, kind, reweigh, g_ntl_N, group, transform, spans, backend, want_grads):

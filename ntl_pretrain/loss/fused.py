@@ -63,8 +63,8 @@ class RowStats:
     logits."""
 
     lse: torch.Tensor  # logsumexp over the vocabulary
-    classes: ClassStats
-    class_mass: torch.Tensor  # m, full-softmax mass on C(t)
+    classes: ClassStats | None  # None: CE only
+    class_mass: torch.Tensor | None  # m, full-softmax mass on C(t)
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -217,9 +217,11 @@ def reweighed_ntl(classes: ClassStats, class_mass: torch.Tensor | None, t: Targe
 
 def rows_from_partials(lse, z_target, class_parts, t, kind, reweigh, group, spans):
     """Per-position CE [N] and NTL [N] and the stats backward needs, from this shard's partials: log-sum-exps [N],
-    target logits [N] and `class_partials`' three columns."""
+    target logits [N] and `class_partials`' three columns (None: CE only, NTL is 0)."""
     (lse, z_target), class_parts = combine((lse, z_target), class_parts, group)
     ce = torch.where(t.valid, lse - z_target, 0.0)
+    if class_parts is None:
+        return ce, torch.zeros_like(ce), RowStats(lse, None, None)
     classes = class_stats(class_parts, t, kind, spans)
     class_mass = torch.exp(class_parts[0] - lse)
     return ce, reweighed_ntl(classes, class_mass, t, reweigh), RowStats(lse, classes, class_mass)
@@ -287,10 +289,11 @@ def _torch_forward(logits_NV, t: Targets, shard: NumberShard, kind):
     for rows in _dense_chunks(logits_NV):
         z_RV = logits_NV[rows].to(dtype)
         chunks.append(ce_partials(z_RV, t.column[rows], t.owned[rows]))
-        torch.index_select(z_RV, 1, shard.local_ids, out=z_NK[rows])  # while the chunk is in cache
+        if kind is not None:
+            torch.index_select(z_RV, 1, shard.local_ids, out=z_NK[rows])  # while the chunk is in cache
     empty = logits_NV.new_zeros(0, dtype=dtype)
     lse, z_target = (torch.cat(column) for column in zip(*chunks, strict=True)) if chunks else (empty, empty)
-    return lse, z_target, class_partials(z_NK, t, shard, kind), z_NK
+    return lse, z_target, None if kind is None else class_partials(z_NK, t, shard, kind), z_NK
 
 
 def _triton_forward(logits_NV, t: Targets, shard: NumberShard, kind):
@@ -303,7 +306,9 @@ def _triton_forward(logits_NV, t: Targets, shard: NumberShard, kind):
         tables = triton_ops.number_tables(shard)
         classes = triton_ops.ClassRows.of(t.number_class, t.value, t.digits, tables, kind, tables.member_columns)
     lse, z_target, class_lse, feature_mean = triton_ops.row_partials(logits_NV, t.target, classes)
-    if classes is None:
+    if kind is None:
+        return lse, z_target, None, None
+    if classes is None:  # a shard without number tokens: its empty partials, for the group's sums
         return lse, z_target, class_partials(lse.new_empty(lse.shape[0], 0), t, shard, kind), None
     return lse, z_target, class_sums_from_mean(class_lse, feature_mean, t, kind), classes
 
@@ -339,7 +344,7 @@ class FusedCeNtl(torch.autograd.Function):
         coefficients = None
         if kind is not None and shard.local_ids.numel():
             coefficients = number_coefficients(t, stats.classes, grad_ntl_N, kind, reweigh)
-        if reweigh:
+        if reweigh and kind is not None:
             softmax_weight = softmax_weight - reweigh_slope(t, stats.classes, grad_ntl_N) * stats.class_mass
             if coefficients is not None:
                 coefficients = tuple(c * stats.class_mass for c in coefficients)

@@ -5,11 +5,15 @@ class (a class is a contiguous range [lo, hi) of them), D digit columns of the d
 
 `row_partials_kernel` (forward): per row, this shard's log-sum-exp (online, Liger-Kernel style), the target logit,
 and over the label's class: its log-sum-exp and the softmax-weighted mean of the kind's feature f_j.
-`logits_grad_kernel` (backward, or in place over the logits in the chunked head): per column
+`logits_grad_kernel` (backward, or in place over the logits in the chunked head, which may have it compute the
+row's log-sum-exp first): per column
     d loss / d z_j = w·p_j + g_t·[j = t] + [j ∈ C(t)]·q_j·(alpha·f_j + beta),
 p the softmax over the row, q over the label's class, w, g_t, alpha and beta per-row coefficients (fused.py), then
-the logit transform's chain rule. The feature f_j of a number column: its value v_j (mse, mae, huber, number), its
-distance |v_j − y| from the label's value (was), or its summed digit differences Σ_i |d_j[i] − d_t[i]| (digits).
+the logit transform's chain rule. The loop over the row is plain CE; the label's class members get their whole
+gradient after it, so the NTL work is the class's columns of the number rows only, and the loop keeps to what
+Liger-Kernel's cross-entropy holds in registers (no spills: tests/test_triton_resources.py). The feature f_j of a
+number column: its value v_j (mse, mae, huber, number), its distance |v_j − y| from the label's value (was), or its
+summed digit differences Σ_i |d_j[i] − d_t[i]| (digits).
 
 Imported only when the Triton backend runs (backend.py): `@triton.jit` decides at import whether the kernels are
 compiled for the GPU or interpreted on CPU tensors (`TRITON_INTERPRET=1`).

@@ -82,12 +82,9 @@ def loss_kernel_resources(
     Llama-3-like vocabulary of `vocab_size` tokens (the kernels' blocks follow it), compiled for each of `archs`, in a
     child process per architecture (they run side by side); kinds that launch the same kernel share its entry."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    children = [
-        subprocess.Popen([sys.executable, "-m", __name__, "--kinds", *map(str, kinds), "--vocab-size", str(vocab_size),
-                          "--archs", arch, "--dtype", dtype], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)  # fmt: skip
-        for arch in archs
-    ]
+    command = [sys.executable, "-m", __name__, "--kinds", *map(str, kinds), "--vocab-size", str(vocab_size)]
+    pipes = {"env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    children = [subprocess.Popen([*command, "--archs", arch, "--dtype", dtype], **pipes) for arch in archs]
     found = []
     for child in children:
         stdout, stderr = child.communicate(timeout=COMPILE_TIMEOUT_S)
@@ -98,13 +95,13 @@ def loss_kernel_resources(
 
 
 def _resources_here(kinds, nv: NumberVocab, archs, dtype: torch.dtype) -> list[KernelResources]:
-    unique: dict[tuple, tuple[Launch, list[str]]] = {}
+    unique: dict[tuple, tuple[Launch, dict[str, None]]] = {}  # each launch, and the kinds that make it (in order)
     for kind in kinds:
         for launch in recorded_launches(lambda kind=kind: _loss_calls(kind, nv, dtype)):
-            unique.setdefault(_launch_key(launch), (launch, []))[1].append(str(kind))
+            unique.setdefault(_launch_key(launch), (launch, {}))[1][str(kind)] = None
     return [
-        KernelResources(_described(launch), tuple(dict.fromkeys(used_by)), arch, *compile_resources(launch, ARCHS[arch]))
-        for launch, used_by in unique.values()
+        KernelResources(_described(launch), tuple(by), arch, *compile_resources(launch, ARCHS[arch]))
+        for launch, by in unique.values()
         for arch in archs
     ]
 
