@@ -156,17 +156,12 @@ class NtlForward:
         """CE + λ·NTL of `transform(hidden @ weight.T)` against `labels_BT` (already shifted)."""
         objective = self.objective
         weight_VH = self.lm.get_output_embeddings().weight
-        device_type = hidden_BTH.device.type
-        if torch.is_autocast_enabled(device_type):
-            # as autocast runs nn.Linear: the matmuls in its dtype, the weight's gradient back in the weight's dtype
-            low = torch.get_autocast_dtype(device_type)
-            hidden_BTH, weight_VH = hidden_BTH.to(low), weight_VH.to(low)
-        with torch.autocast(device_type, enabled=False):
-            rows = linear_ce_ntl_rows(
-                hidden_BTH, weight_VH, labels_BT, objective.number_vocab, objective.ntl, reduction="mean",
-                chunk_size=objective.chunk_size, num_tokens=num_items, num_number_tokens=num_terms,
-                transform=objective.transform, ignore_index=IGNORE_INDEX, backend=objective.backend,
-            )  # fmt: skip
+        # under torch.autocast the head multiplies as nn.Linear does (its dtype) and keeps the loss math in fp32
+        rows = linear_ce_ntl_rows(
+            hidden_BTH, weight_VH, labels_BT, objective.number_vocab, objective.ntl, reduction="mean",
+            chunk_size=objective.chunk_size, num_tokens=num_items, num_number_tokens=num_terms,
+            transform=objective.transform, ignore_index=IGNORE_INDEX, backend=objective.backend,
+        )  # fmt: skip
         ce, ntl = rows.ce_N.sum() * rows.ce_scale, rows.ntl_N.sum() * rows.ntl_scale
         return LossParts(rows.loss, ce, ntl, rows.valid_N.sum(), rows.ntl_terms_N.sum())
 
