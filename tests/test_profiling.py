@@ -3,6 +3,7 @@ trainer's use of it runs in the unattended run (tests/test_console.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -11,7 +12,10 @@ from helpers.launches import TINY
 
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import RecipeError
-from ntl_pretrain.reporting.profiling import StepProfiler
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList, FunctionEvent
+
+from ntl_pretrain.reporting.profiling import StepProfiler, step_summary
 
 
 def steps_of(profiler: StepProfiler, count: int, work) -> None:
@@ -45,6 +49,24 @@ def test_other_ranks_and_a_run_stopped_inside_the_window_write_nothing(tmp_path)
     stopped.close()
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert stopped.active is None
+
+
+def test_device_time_counts_each_kernel_once():
+    """An op carries its kernel's device time as its own self time, and the kernel event carries it again: a step's
+    device time is the kernels' (what torch's table totals), not the sum over all events."""
+    event = functools.partial(FunctionEvent, thread=1, use_device="cuda", stack=[])
+    op = event(0, "aten::mm", start_us=0, end_us=40)
+    op.append_kernel("gemm_kernel", 0, 250)
+    kernel = event(1, "gemm_kernel", start_us=10, end_us=260, device_type=DeviceType.CUDA)
+    launch = event(2, "cudaLaunchKernel", start_us=5, end_us=9)
+    profile = EventList([op, kernel, launch], use_device="cuda")
+    profile._build_tree()  # what the profiler does when it stops
+    events = profile.key_averages()
+    assert op.self_device_time_total == kernel.self_device_time_total == 250  # the double count being avoided
+    summary = step_summary(events, steps=1)
+    assert summary["device_ms_per_step"] == pytest.approx(0.250)
+    assert "Self CUDA time total: 250.000us" in events.table()  # torch's own total agrees
+    assert summary["aten_ops_per_step"] == 1 and summary["kernel_launches_per_step"] == 1
 
 
 @pytest.mark.parametrize("value", ["[0, 5]", "[3]", "[2, 0]", "[1, 2, 3]"])
