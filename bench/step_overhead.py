@@ -2,32 +2,40 @@
 stack costs on the host, measured side by side in one process.
 
 The toy is issue 47's: a 30-layer Llama of hidden 64 (272 parameters, as many as SmolLM2-135M's), vocabulary 4,096
-tied, sequence 64, micro-batch 2, fp32, one rank. Its arithmetic is negligible, so, like the 135M model on an H100,
-a step costs what is dispatched per parameter and per module; the CPU ratio matched the H100's (4.1 against 4.3).
+tied, sequence 64, micro-batch 2, one rank, in fp32 and then in bf16 (`--precision`). Its arithmetic is small, so,
+like the 135M model on an H100, a step costs what is dispatched per parameter and per module; the CPU ratio matched
+the H100's (4.1 against 4.3). bf16 is what a GPU run trains in, and DeepSpeed's bf16 ZeRO-1/2 step has costs fp32
+has not (issue 56): fp32 alone read 1.15x at ZeRO-2 where the H200 read 1.68x. On a CPU without bf16 matrix units a
+bf16 matmul of the toy costs ~3x an fp32 one, the same in every configuration, so bf16 ratios are closer to 1.
 
-- plain: the model and our chunked CE + λ·NTL head as plain modules (no DeepSpeed), the global-batch normalisers,
-  `loss.backward()`, `clip_grad_norm_` (foreach), torch's AdamW, the recipe's schedule, one `.item()` a step;
+- plain: the model and our chunked CE + λ·NTL head as plain modules (no DeepSpeed), fp32 weights (in bf16 under
+  `torch.autocast`, as bench/plain_step.py on a GPU), the global-batch normalisers, `loss.backward()`,
+  `clip_grad_norm_` (foreach), torch's AdamW, the recipe's schedule, one `.item()` a step;
 - ours: `Trainer.train_step` through the DeepSpeed engine, with the recipe's defaults; each `--variant` adds one
-  more with its overrides (e.g. `--variant "zero2 deepspeed.zero_stage=2"`); the word `deepspeed-norm` among them
-  gives the variant DeepSpeed's own per-parameter gradient norm back (the trainer replaces it: train/engine.py), and
+  more with its overrides (e.g. `--variant "zero2 deepspeed.zero_stage=2"`); words among them give the variant
+  DeepSpeed's own code back where the trainer replaces it: `deepspeed-norm` its per-parameter gradient norm
+  (train/zero_optimizer.py), `deepspeed-step` its bf16 ZeRO-1/2 step (the per-gradient finite scan, the per-parameter
+  copy-back of reduced gradients, the re-pointing of every weight, train/zero_optimizer.py) and its throughput timer,
   `deepspeed-functions` ZeRO-3's autograd Functions as DeepSpeed applies them (the linear layer and each module's
   backward hooks; the trainer applies them classically: train/zero3_functions.py).
 Every step runs plain and each of ours on the same batch, in an order rotated every step. Each of ours is checked
 against a plain twin loaded with its engine's initial weights (the timed plain step is ours' twin): their losses
 must agree step by step (printed: `max |Δ loss|`, the largest difference over the run).
-Printed per configuration: the median ms per step, the median of the per-step ratios to plain, aten ops per step
-(torch.profiler) and Python function calls per step (cProfile), the last two counted over separate steps; then
+Printed per precision and configuration: the median ms per step, the median of the per-step ratios to plain, aten
+ops per step (torch.profiler; in all, and in the forward, the backward and the optimizer step) and Python function
+calls per step (cProfile), the last two counted over separate steps; then
 the median ms per step of each part (forward; backward and the engine's gradient reduce and partition in it; the
 optimizer step and in it the gradient norm, the optimizer's update, and at ZeRO-3 the release of every parameter
 and the re-gathering of the persistent ones), timed during the same interleaved steps.
 
-    python bench/step_overhead.py [--steps 30] [--variant "NAME [deepspeed-norm] [deepspeed-functions] KEY=VALUE ..."]
-                                  [KEY=VALUE ...]
+    python bench/step_overhead.py [--steps 30] [--precision fp32 bf16] [KEY=VALUE ...]
+        [--variant "NAME [deepspeed-norm] [deepspeed-step] [deepspeed-functions] KEY=VALUE ..."]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import functools
@@ -44,7 +52,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.heads import build_head
@@ -64,14 +72,18 @@ TOY = [
     "data.seq_len=64",
     "train.micro_batch_size=2",
     "train.global_batch_size=2",
-    "train.precision=fp32",
     "train.eval_every_steps=null",
     "logging.progress_bar=false",
 ]
 WARMUP_STEPS = 3
 COUNTED_STEPS = 3
 DEEPSPEED_NORM = "deepspeed-norm"
+DEEPSPEED_STEP = "deepspeed-step"
 DEEPSPEED_FUNCTIONS = "deepspeed-functions"
+GIVEN_BACK = (DEEPSPEED_NORM, DEEPSPEED_STEP, DEEPSPEED_FUNCTIONS)
+STEP_REPLACEMENTS = ("check_overflow", "allreduce_and_copy_with_multiple_ranks", "_update_model_bit16_weights")
+PHASES = ("forward", "backward", "optimizer step")
+PHASE_MARK = "phase: "
 PARTS = (
     "forward",
     "backward",
@@ -99,9 +111,12 @@ class PartTimes:
 
     @contextlib.contextmanager
     def timed(self, configuration: str, part: str) -> Iterator[None]:
+        """The block's seconds; a phase (`PHASES`) also named for the profiler, which counts its ops apart."""
+        marked = record_function(PHASE_MARK + part) if part in PHASES else contextlib.nullcontext()
         started = time.perf_counter()
         try:
-            yield
+            with marked:
+                yield
         finally:
             self.seconds.setdefault(configuration, {}).setdefault(part, []).append(time.perf_counter() - started)
 
@@ -162,10 +177,11 @@ class PlainStep:
         schedule = lr_multiplier(recipe.schedule, recipe.train.max_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.timed = functools.partial((parts or PartTimes()).timed, "plain")  # a twin's times are dropped
+        self.bf16 = recipe.train.precision == "bf16"
 
     def __call__(self, batches: list[dict]) -> float:
         """One update; returns the global-batch loss `ΣCE/N + λ·ΣNTL/N_num`."""
-        with torch_linear():
+        with torch_linear(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             return self._step(batches)
 
     def _step(self, batches: list[dict]) -> float:
@@ -247,15 +263,40 @@ def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
 def parse_variant(text: str) -> tuple[str, list[str], frozenset[str]]:
     """The variant's name, its overrides and which of DeepSpeed's own parts it gets back."""
     name, *words = shlex.split(text)
-    given_back = {DEEPSPEED_NORM, DEEPSPEED_FUNCTIONS}
-    return name, [word for word in words if word not in given_back], frozenset(given_back.intersection(words))
+    return name, [word for word in words if word not in GIVEN_BACK], frozenset(set(GIVEN_BACK).intersection(words))
 
 
-def aten_ops_per_step(step: Callable[[], object]) -> float:
+def give_back(trainer: Trainer, given_back: frozenset[str]) -> None:
+    """DeepSpeed's own code again where the variant asks for it (the class's methods, the timer it configures)."""
+    optimizer = trainer.engine.optimizer
+    replaced = [*([] if DEEPSPEED_NORM not in given_back else ["get_grad_norm_direct"]),
+                *([] if DEEPSPEED_STEP not in given_back else STEP_REPLACEMENTS)]  # fmt: skip
+    for name in replaced:
+        vars(optimizer).pop(name, None)
+    if DEEPSPEED_STEP in given_back:
+        trainer.engine.tput_timer.config.enabled = True
+
+
+def aten_ops_per_step(step: Callable[[], object]) -> dict[str, float]:
+    """aten ops per step: in all, and in each of `PHASES` (and "other": outside them)."""
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         for _ in range(COUNTED_STEPS):
             step()
-    return sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::")) / COUNTED_STEPS
+    counts = collections.Counter()
+    for event in profiler.events():
+        if event.name.startswith("aten::"):
+            counts["all"] += 1
+            counts[phase_of(event)] += 1
+    return {key: count / COUNTED_STEPS for key, count in counts.items()}
+
+
+def phase_of(event) -> str:
+    """The phase (`PHASES`) whose marked range the profiled event ran in, else "other"."""
+    while event is not None:
+        if event.name.startswith(PHASE_MARK):
+            return event.name.removeprefix(PHASE_MARK)
+        event = event.cpu_parent
+    return "other"
 
 
 def python_calls_per_step(step: Callable[[], object]) -> float:
@@ -271,20 +312,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every configuration")
     parser.add_argument("--steps", type=int, default=30, help="timed steps (after 3 of warm-up)")
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                        help="one table per precision, each with its own plain step")  # fmt: skip
     parser.add_argument("--variant", action="append", default=[], type=parse_variant,
                         help='"NAME KEY=VALUE ...": one more configuration of ours with these overrides')  # fmt: skip
     args = parser.parse_args()
     single_process_defaults()
     quiet_console(rank=0)
     init_distributed()
-    with tempfile.TemporaryDirectory() as scratch:
-        trainers, given_back = {}, {}
-        for name, extra, given_back[name] in [("ours", [], frozenset()), *args.variant]:
-            with functions_as_deepspeed_applies_them(DEEPSPEED_FUNCTIONS in given_back[name]):
-                trainers[name] = build_trainer([*args.overrides, *extra], f"{scratch}/{name}")
-            if DEEPSPEED_NORM in given_back[name]:  # the class's own method again
-                del trainers[name].engine.optimizer.get_grad_norm_direct
-        run_and_report(trainers, given_back, args.steps)
+    for precision in args.precision:
+        with tempfile.TemporaryDirectory() as scratch:
+            trainers, given_back = {}, {}
+            for name, extra, given_back[name] in [("ours", [], frozenset()), *args.variant]:
+                with functions_as_deepspeed_applies_them(DEEPSPEED_FUNCTIONS in given_back[name]):
+                    overrides = [f"train.precision={precision}", *args.overrides, *extra]
+                    trainers[name] = build_trainer(overrides, f"{scratch}/{name}")
+                give_back(trainers[name], given_back[name])
+            run_and_report(trainers, given_back, args.steps)
     dist.destroy_process_group()
 
 
@@ -327,15 +371,16 @@ def print_report(trainer: Trainer, times: dict, drift: dict, counted: dict, step
           f"vocab={config.vocab_size} tied={config.tie_word_embeddings}; seq_len={trainer.recipe.data.seq_len} "
           f"micro_batch={train.micro_batch_size} grad_accum={trainer.grad_accum} precision={train.precision}; "
           f"{steps} interleaved steps after {WARMUP_STEPS} of warm-up")  # fmt: skip
-    print(f"{'configuration':<16}{'ms/step':>10}{'× plain':>10}{'aten ops/step':>16}{'Python calls/step':>20}"
-          f"{'max |Δ loss|':>15}")  # fmt: skip
+    print(f"{'configuration':<16}{'ms/step':>10}{'× plain':>10}{'aten ops/step':>16}{'forward':>10}{'backward':>10}"
+          f"{'step':>10}{'other':>10}{'Python calls/step':>20}{'max |Δ loss|':>15}")  # fmt: skip
     for name, seconds in times.items():
         timed = seconds[WARMUP_STEPS:]
         ratio = statistics.median(ours / base for ours, base in zip(timed, times["plain"][WARMUP_STEPS:], strict=True))
         ops, calls = counted[name]
+        by_phase = "".join(f"{ops.get(phase, 0):>10,.0f}" for phase in (*PHASES, "other"))
         loss_check = "" if name == "plain" else f"{drift[name]:>15.1e}"
-        print(f"{name:<16}{statistics.median(timed) * 1e3:>10.1f}{ratio:>10.2f}{ops:>16,.0f}{calls:>20,.0f}"
-              f"{loss_check}")  # fmt: skip
+        print(f"{name:<16}{statistics.median(timed) * 1e3:>10.1f}{ratio:>10.2f}{ops['all']:>16,.0f}{by_phase}"
+              f"{calls:>20,.0f}{loss_check}")  # fmt: skip
 
 
 def print_parts(by_part: dict[str, dict[str, float | None]]) -> None:

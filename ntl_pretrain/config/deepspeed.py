@@ -51,6 +51,7 @@ DEEPSPEED_TOP_LEVEL_KEYS: dict[str, type | None] = {
 }  # fmt: skip
 JSON_TYPE_NAMES = {SECTION: "an object", FLAG: "true or false", COUNT: "a whole number", NAME: "a string"}
 ZERO_STAGES = (1, 2, 3)
+AUTO_SIZES = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
 def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
@@ -179,6 +180,7 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
         if config.get(key, "auto") != "auto":
             raise RecipeError(f'{path}: {key}: set by the recipe; remove it from the DeepSpeed JSON or use "auto"')
     choose_zero_stage(config, recipe)
+    leave_auto_sizes_to_the_trainer(config.get("zero_optimization"))
     check_zero_section(config.get("zero_optimization", {}), path)
     check_vocab_parallel_size(recipe, world_size)
     check_vocab_parallel_stage(recipe, config["zero_optimization"]["stage"])
@@ -198,6 +200,9 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     config.pop("optimizer", None)
     config.pop("scheduler", None)
     config.setdefault("steps_per_print", 2**31 - 1)
+    # DeepSpeed's throughput timer synchronizes the device when each micro-batch's forward starts and its step ends,
+    # for a samples/s line printed every steps_per_print steps (never, above); the trainer times its own steps.
+    config.setdefault("timers", {"throughput": {"enabled": False}})
     check_with_deepspeed(config, path)
     return config
 
@@ -207,6 +212,17 @@ def choose_zero_stage(config: dict, recipe: Recipe) -> None:
     stage = recipe.deepspeed.zero_stage
     if stage is not None and isinstance(config.setdefault("zero_optimization", {}), dict):
         config["zero_optimization"]["stage"] = stage
+
+
+def leave_auto_sizes_to_the_trainer(zero: object) -> None:
+    """A ZeRO-3 size set to "auto" (transformers' convention) is dropped, as if the JSON did not set it:
+    `stage3_prefetch_bucket_size` is then sized from the model (a whole decoder layer, `train/engine.py`),
+    `stage3_param_persistence_threshold` is DeepSpeed's 1e5, which at every size from 135M to 70B keeps the norms and
+    biases whole and partitions every matrix (docs/recipes.md, "ZeRO stage, gathering and compiled layers")."""
+    if isinstance(zero, dict):
+        for key in AUTO_SIZES:
+            if zero.get(key) == "auto":
+                del zero[key]
 
 
 def check_vocab_parallel_stage(recipe: Recipe, stage: int) -> None:

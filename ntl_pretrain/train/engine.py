@@ -5,10 +5,10 @@ not DeepSpeed's bookkeeping on the host (issue 47; docs/benchmarks.md, "Step ove
   entering the layer and released on leaving it (DeepSpeed's `zero_optimization.leaf_module`), instead of a
   forward hook, a backward hook, a fetch and a release for each of its ~10 submodules. It holds one layer's
   gathered weights at a time instead of one matrix's (docs/recipes.md, "ZeRO stage", works it out at 8B).
+- ZeRO-3's prefetch sized to a whole decoder layer, where the JSON leaves it to us (`prefetch_bucket_size`).
 - `train.compile`: each decoder layer compiled in place with torch.compile (stages 1 and 2), its failure one line.
-- The ZeRO optimizers' gradient norm, which DeepSpeed 0.19 takes at every step (clipping or not) one parameter at
-  a time (a copy to fp64 and a norm each), is taken with one `torch._foreach_norm` per parameter group: the same
-  per-tensor fp64 norms, squared, summed and all-reduced as DeepSpeed does, so the same value bit for bit.
+- What the trainer replaces inside DeepSpeed's ZeRO optimizers (the gradient norm, bf16's finite scan, ...) lives in
+  train/zero_optimizer.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import contextlib
 import copy
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 from ntl_pretrain.config.recipe import Recipe
@@ -41,77 +40,47 @@ def qualified_name(cls: type) -> str:
 
 
 def engine_config(ds_config: dict, recipe: Recipe, lm: nn.Module) -> dict:
-    """`ds_config` for `lm`: under ZeRO-3 with `deepspeed.gather: layer`, its decoder layers join the leaf modules
-    (beside those the JSON names, or DeepSpeed's default MoE blocks when it names none)."""
-    zero = ds_config["zero_optimization"]
-    if zero["stage"] != 3 or recipe.deepspeed.gather != "layer":
+    """`ds_config` for `lm` under ZeRO-3: with `deepspeed.gather: layer` its decoder layers join the leaf modules
+    (beside those the JSON names, or DeepSpeed's default MoE blocks when it names none), and where the JSON does not
+    set `stage3_prefetch_bucket_size` (or sets "auto") it is sized to prefetch a whole decoder layer."""
+    if ds_config["zero_optimization"]["stage"] != 3:
         return ds_config
-    from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
-
     config = copy.deepcopy(ds_config)
-    leaf = config["zero_optimization"].setdefault("leaf_module", {})
-    named = leaf.get("classes", DEFAULT_LEAF_MODULE_CLASSES)
-    leaf["classes"] = list(dict.fromkeys([*([named] if isinstance(named, str) else named), *layer_classes(lm)]))
+    zero = config["zero_optimization"]
+    zero.setdefault("stage3_prefetch_bucket_size", prefetch_bucket_size(lm))
+    if recipe.deepspeed.gather == "layer":
+        from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+
+        leaf = zero.setdefault("leaf_module", {})
+        named = leaf.get("classes", DEFAULT_LEAF_MODULE_CLASSES)
+        leaf["classes"] = list(dict.fromkeys([*([named] if isinstance(named, str) else named), *layer_classes(lm)]))
     return config
 
 
-def foreach_gradient_norm(zero_optimizer) -> None:
-    """Give a ZeRO optimizer of DeepSpeed 0.19 (`get_grad_norm_direct`, called once per parameter group at each
-    step) the foreach norm, where its own would sum the same: an L2 norm without model, pipeline or expert
-    parallelism (none of which the trainer sets up). Any other optimizer is left as it is."""
-    kind = type(zero_optimizer).__name__
-    if kind not in ("DeepSpeedZeroOptimizer_Stage3", "DeepSpeedZeroOptimizer"):
-        return
-    if getattr(zero_optimizer, "model_parallel_group", None) is not None or zero_optimizer.model_parallel_rank:
-        return
-    per_parameter = zero_optimizer.get_grad_norm_direct
-    stage3 = kind == "DeepSpeedZeroOptimizer_Stage3"
+def prefetch_bucket_size(lm: nn.Module) -> int:
+    """Elements ZeRO-3 may gather ahead of the module it runs: the largest decoder layer's, so that the next layer's
+    weights arrive while this one computes (DeepSpeed's default, 5e7, holds 0.23 of a Llama-3-8B layer: its MLP
+    matrices would be fetched with nothing to overlap; docs/recipes.md works it out), and never less than that
+    default (a small model's layers are prefetched several at a time, as before)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    def grad_norm(gradients: list[torch.Tensor], params: list[nn.Parameter], norm_type: float = 2) -> torch.Tensor:
-        if float(norm_type) != 2.0 or any(_parallel_kind(param) for param in params):
-            return per_parameter(gradients, params, norm_type)
-        if stage3:
-            return _stage3_norm(zero_optimizer, gradients, params)
-        return _stage1_and_2_norm(zero_optimizer, gradients)
-
-    zero_optimizer.get_grad_norm_direct = grad_norm
+    default = int(DeepSpeedZeroConfig.model_fields["prefetch_bucket_size"].default)
+    return max(default, max((_numel(layer) for layer in decoder_layers(lm)), default=0))
 
 
-def _parallel_kind(param: nn.Parameter) -> bool:
-    """A parameter DeepSpeed's norm counts specially: expert-parallel (AutoEP) or replicated by pipeline stages."""
-    expert_parallel = getattr(param, "ds_zero_placement_family", "replicated") != "replicated"
-    return expert_parallel or hasattr(param, "ds_pipe_replicated")
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The outermost modules of `layer_classes(lm)`."""
+    classes, found = set(layer_classes(lm)), []
+    for name, module in lm.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+        if not inside and qualified_name(type(module)) in classes:
+            found.append((name, module))
+    return [module for _, module in found]
 
 
-def _stage3_norm(zero_optimizer, gradients: list[torch.Tensor], params: list[nn.Parameter]) -> torch.Tensor:
-    """DeepSpeed 0.19's `DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct`, its L2 case, with foreach norms."""
-    from deepspeed import comm
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-
-    norms = torch._foreach_norm(gradients, 2, dtype=get_norm_dtype())
-    total = torch.sum(torch.pow(torch.stack(norms), 2.0))
-    comm.all_reduce(total, op=comm.ReduceOp.SUM, group=zero_optimizer._get_param_partition_group(params[0]))
-    total = total ** (1.0 / 2.0)
-    invalid = torch.tensor(-1.0, device=zero_optimizer.device, dtype=torch.float)
-    return torch.where(total.isnan().logical_or(total.isinf()), invalid, total)
-
-
-def _stage1_and_2_norm(zero_optimizer, gradients: list[torch.Tensor]) -> torch.Tensor:
-    """DeepSpeed 0.19's `DeepSpeedZeroOptimizer.get_grad_norm_direct` (stages 1 and 2), its L2 case, with foreach
-    norms; padding that DeepSpeed appends to the last partition is left out, as there."""
-    from deepspeed import comm
-    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-
-    gradients = [grad for grad in gradients if not getattr(grad, "_zero_padding", False)]
-    if not gradients:
-        total = torch.tensor(0.0, dtype=torch.float32, device=zero_optimizer.device)
-    else:
-        total = torch.stack(torch._foreach_norm(gradients, 2, dtype=get_norm_dtype())).pow(2.0).sum().float()
-    comm.all_reduce(total, op=comm.ReduceOp.SUM, group=zero_optimizer.dp_process_group)
-    total = total.pow(1.0 / 2.0)
-    mask_nan_or_inf_with_val_inplace(total, device=zero_optimizer.device)
-    return total
+def _numel(module: nn.Module) -> int:
+    """A module's parameter count, of the whole parameters where ZeRO-3 holds a partition (`ds_numel`)."""
+    return sum(getattr(param, "ds_numel", param.numel()) for param in module.parameters())
 
 
 def name_data_parallel_layout(module: nn.Module, stage: int) -> None:
@@ -133,12 +102,8 @@ def compile_layers(lm: nn.Module) -> None:
     """`train.compile`: each decoder layer (the outermost modules of `layer_classes`) compiled in place
     (`nn.Module.compile`: its parameters and state-dict names stay as they are, so checkpoints and export do not
     change)."""
-    classes, compiled = set(layer_classes(lm)), []
-    for name, module in lm.named_modules():
-        inside = any(name.startswith(f"{outer}.") for outer in compiled)
-        if not inside and qualified_name(type(module)) in classes:
-            module.compile()
-            compiled.append(name)
+    for layer in decoder_layers(lm):
+        layer.compile()
 
 
 @contextlib.contextmanager

@@ -46,8 +46,9 @@ from ntl_pretrain.runtime.process_group import (
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
 from ntl_pretrain.train import resume_guard
-from ntl_pretrain.train.engine import compile_layers, engine_config, foreach_gradient_norm, name_data_parallel_layout
+from ntl_pretrain.train.engine import compile_layers, engine_config, name_data_parallel_layout
 from ntl_pretrain.train.zero3_functions import apply_zero3_functions_classically
+from ntl_pretrain.train.zero_optimizer import streamline
 
 IGNORE_INDEX = -100
 
@@ -96,7 +97,7 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        foreach_gradient_norm(self.engine.optimizer)
+        streamline(self.engine.optimizer)
         apply_zero3_functions_classically(self.engine.module)
         if recipe.train.compile:
             compile_layers(self.built.module.lm)
