@@ -9,8 +9,8 @@ Stages, in order of what a short-lived GPU should give first:
               57's targets, and our Triton kernels' registers and spills (compiled offline for sm_80 and sm_90)
   head_step   bench/head_step.py: the 135M model's plain step with our head (torch and Triton backends) over the
               same step with transformers' head + CE (issue 48: ours no slower)
-  train_125m  100 bf16 steps of a SmolLM2-135M-shaped Llama (30x576, vocabulary 49,152) at sequence 2,048:
-              tokens/s, MFU, peak memory, the step apart from the wait for data, and steps 50-52 profiled
+  train_125m  30 bf16 steps of a SmolLM2-135M-shaped Llama (30x576, vocabulary 49,152) at sequence 2,048:
+              tokens/s, MFU, peak memory, the step apart from the wait for data, and steps 20-22 profiled
               (CPU op time, kernel time, ops and kernel launches per step; the table in logs.tgz)
   plain_step  bench/plain_step.py: the same model and batch in plain torch (no DeepSpeed), and our step over it
   plain_compiled  the plain step under torch.compile: the fastest plain step (first GPU run: 84 ms, 89 s compiling)
@@ -22,6 +22,15 @@ Stages, in order of what a short-lived GPU should give first:
               linear layers): how much of the step is ZeRO-3's per-module gather and release
   study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
               --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
+  plain_1b, plain_1b_compiled  the plain step (eager, compiled) of a Llama-3.2-1B-shaped model (16x2048, 32/8
+              heads, MLP 8,192, vocabulary 128,256 tied) at sequence 2,048, micro-batch `BATCH_1B`, with this GPU's
+              measured bf16 matmul rate: MFU against it
+  train_1b_zero2, train_1b, train_1b_compiled  ours on that model at ZeRO-2, ZeRO-3 and ZeRO-2 + `train.compile`:
+              MFU against the measured matmul rate, peak memory, over the plain steps (issue 56's targets: ZeRO-2
+              at most 1.05x the plain step; compiled at least 35% of the matmul rate)
+
+`--group issue56` runs issue 56's stages in the order of what they answer first, within one 570 s call of the
+device tool (docs/doctor.md, "The first GPU").
 
 A stage that fails or runs out of time is recorded and the next one runs; `summary.json` and `summary.md` in the
 output folder are rewritten before the first stage and after each, so a kill at the device's limit still leaves
@@ -58,6 +67,15 @@ MODEL_125M = ["model.config.hidden_size=576", "model.config.intermediate_size=15
               "model.config.num_hidden_layers=30", "model.config.num_attention_heads=9",
               "model.config.num_key_value_heads=3", "model.config.vocab_size=49152",
               "model.config.tie_word_embeddings=true", "model.config.max_position_embeddings=2048"]  # fmt: skip
+# Llama-3.2-1B's shape (its rope scaling aside, which costs nothing). Micro-batch 8: the plain eager step, the
+# largest of the stages in memory, is estimated at 20 GB of fp32 weights, gradients and Adam states plus ~7 GB per
+# sequence of 2,048 (activations ~2 GB, the logits and their fp32 copies in transformers' loss ~5 GB; scaled from
+# the 135M plain step's 25.5 GB at micro-batch 8): ~75 GB at 8, ~130 GB at 16, too close to an H200's 150 GB.
+MODEL_1B = ["model.config.hidden_size=2048", "model.config.intermediate_size=8192",
+            "model.config.num_hidden_layers=16", "model.config.num_attention_heads=32",
+            "model.config.num_key_value_heads=8", "model.config.vocab_size=128256",
+            "model.config.tie_word_embeddings=true", "model.config.max_position_embeddings=2048"]  # fmt: skip
+BATCH_1B = 8
 MODEL_TOY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "data.seq_len=64",
              "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=3", "train.device=cpu",
@@ -293,14 +311,14 @@ def ratio_text(measured: dict) -> str:
     return f"{measured['seconds'] * 1e3:.2f} ms, time {measured['time_ratio']:.2f}x{memory}{ops}"
 
 
-def train_overrides(run: Run, output_dir: Path) -> list[str]:
+def train_overrides(run: Run, output_dir: Path, model: list[str] = MODEL_125M, micro_batch: int = 8) -> list[str]:
     """The GPU run's overrides; the dry run's are the same with toy sizes, CPU and fp32 after them (the last one
     wins), so that a key the GPU run sets is validated here too."""
     gpu = [f"train.output_dir={output_dir}", "train.resume=null", "train.eval_every_steps=null",
            "eval.every_steps=null", "checkpoint.every_steps=null", "logging.progress_bar=false", "logging.wandb=false",
-           "schedule.warmup_steps=10", *MODEL_125M, "data.seq_len=2048", "data.num_workers=2",
-           "train.micro_batch_size=8", "train.global_batch_size=8", "train.max_steps=100", "train.device=cuda",
-           "train.precision=bf16", "logging.profile_steps=[50,3]"]  # fmt: skip
+           "schedule.warmup_steps=10", *model, "data.seq_len=2048", "data.num_workers=2",
+           f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}", "train.max_steps=30",
+           "train.device=cuda", "train.precision=bf16", "logging.profile_steps=[20,3]"]  # fmt: skip
     return [*gpu, *MODEL_TOY] if run.dry_run else gpu
 
 
@@ -310,7 +328,8 @@ def train_125m(run: Run) -> dict:
             *train_overrides(run, output_dir)]  # fmt: skip
     run.command("train_125m", args, min(180.0, run.remaining()))
     (run.out / "train-125m-metrics.jsonl").write_bytes((output_dir / "metrics.jsonl").read_bytes())
-    return trained_figures(run, output_dir, "train-125m")
+    figures = trained_figures(run, output_dir, "train-125m")
+    return {**figures, **over_plain(run, figures, ("plain_step", "plain_compiled"))}  # where they ran first
 
 
 def train_125m_persistent(run: Run) -> dict:
@@ -323,7 +342,6 @@ def train_125m_persistent(run: Run) -> dict:
     tuned["zero_optimization"].update(stage3_param_persistence_threshold=10**8, memory_efficient_linear=False)
     config.write_text(json.dumps(tuned, indent=1))
     overrides = [*train_overrides(run, output_dir), f"deepspeed.config={config}"]
-    overrides += [] if run.dry_run else ["train.max_steps=30", "logging.profile_steps=[20,3]"]
     args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *overrides]
     run.command("train_125m_persistent", args, min(120.0, run.remaining()))
     figures = trained_figures(run, output_dir, "train-125m-persistent")
@@ -373,14 +391,17 @@ def plain_compiled(run: Run) -> dict:
                          ["--compile"])  # fmt: skip
 
 
-def plain_figures(run: Run, name: str, out: Path, timeout: float, extra: tuple[str, ...] = ()) -> dict:
+def plain_figures(run: Run, name: str, out: Path, timeout: float, extra: tuple[str, ...] = (),
+                  model: list[str] = MODEL_125M, micro_batch: int = 8) -> dict:  # fmt: skip
     toy = [key for key in MODEL_TOY if key.startswith("model.config.")]
-    keys = [key.removeprefix("model.config.") for key in (toy if run.dry_run else MODEL_125M)]
-    keys += ["seq_len=64", "micro_batch_size=2"] if run.dry_run else ["seq_len=2048", "micro_batch_size=8"]
+    keys = [key.removeprefix("model.config.") for key in (toy if run.dry_run else model)]
+    keys += ["seq_len=64", "micro_batch_size=2"] if run.dry_run else ["seq_len=2048", f"micro_batch_size={micro_batch}"]
     device = ["--device", "cpu", "--steps", "3", "--warmup", "1"] if run.dry_run else []
     run.command(name, [sys.executable, "bench/plain_step.py", "--out", str(out), *device, *extra, *keys], timeout)
     report = json.loads(out.read_text())
-    return {key: report[key] for key in ("step_seconds", "tokens_per_s", "mfu", "peak_mem_mib", "first_step_seconds")}
+    measured = ("step_seconds", "tokens_per_s", "mfu", "peak_mem_mib", "first_step_seconds", "matmul_flops",
+                "mfu_of_matmul")  # fmt: skip
+    return {key: report[key] for key in measured if key in report}
 
 
 def train_125m_zero2(run: Run) -> dict:
@@ -398,16 +419,70 @@ def train_125m_variant(run: Run, name: str, overrides: list[str], steps: int) ->
     over the compiled plain step's (issue 47's targets: 1.3x and 1.2x)."""
     output_dir = run.work / name.replace("_", "-")
     settings = [*train_overrides(run, output_dir), *overrides]
-    settings += [] if run.dry_run else [f"train.max_steps={steps}", "logging.profile_steps=[20,3]"]
+    settings += [] if run.dry_run else [f"train.max_steps={steps}"]
     args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *settings]
     run.command(name, args, min(240.0, run.remaining()))
     figures = trained_figures(run, output_dir, name.replace("_", "-"))
+    return {**figures, **over_plain(run, figures, ("plain_step", "plain_compiled"))}
+
+
+def plain_1b(run: Run) -> dict:
+    """The plain step of the 1B model, and this GPU's bf16 matmul rate, which the 1B stages' MFU is held against
+    (its report into logs.tgz)."""
+    return plain_figures(run, "plain_1b", run.logs / "plain-1b.json", min(120.0, run.remaining()), ["--matmul-rate"],
+                         MODEL_1B, BATCH_1B)  # fmt: skip
+
+
+def plain_1b_compiled(run: Run) -> dict:
+    """The plain step of the 1B model under torch.compile, and the step of each of ours that ran before it over
+    this one (issue56 runs it last: it compiles longest and answers no target)."""
+    out = run.logs / "plain-1b-compiled.json"
+    figures = plain_figures(run, "plain_1b_compiled", out, min(200.0, run.remaining()), ["--compile", "--matmul-rate"],
+                            MODEL_1B, BATCH_1B)  # fmt: skip
     over = {}
-    for plain in ("plain_step", "plain_compiled"):
+    for ours in ("train_1b_zero2", "train_1b", "train_1b_compiled"):
+        seconds = stage_figure(run, ours, "step_seconds")
+        over[f"{ours}_over_this"] = seconds / figures["step_seconds"] if seconds else None
+    return {**figures, **over}
+
+
+def train_1b_zero2(run: Run) -> dict:
+    return train_1b_variant(run, "train_1b_zero2", ["deepspeed.zero_stage=2"], steps=12)
+
+
+def train_1b(run: Run) -> dict:
+    """The 1B model at ZeRO-3, the recipes' default stage (gathering a layer at a time)."""
+    return train_1b_variant(run, "train_1b", [], steps=12)
+
+
+def train_1b_compiled(run: Run) -> dict:
+    return train_1b_variant(run, "train_1b_compiled", ["deepspeed.zero_stage=2", "train.compile=true"], steps=16)
+
+
+def train_1b_variant(run: Run, name: str, overrides: list[str], steps: int) -> dict:
+    """`steps` steps of ours on the 1B model (unprofiled: its start-up is most of the stage already); MFU of the
+    matmul rate plain_1b measured (the datasheet's where it did not run), and the step over the plain steps'."""
+    output_dir = run.work / name.replace("_", "-")
+    matmul = stage_figure(run, "plain_1b", "matmul_flops")
+    settings = [*train_overrides(run, output_dir, MODEL_1B, BATCH_1B), *overrides, "logging.profile_steps=null"]
+    # the dry run's toy gets a toy vocabulary too: 128,256 columns take minutes on 2 CPU cores
+    settings += ["model.config.vocab_size=4096"] if run.dry_run else [f"train.max_steps={steps}"]
+    settings += [] if matmul is None else [f"logging.peak_flops_per_device={matmul:.6e}"]
+    args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *settings]
+    run.command(name, args, min(200.0, run.remaining()))
+    figures = trained_figures(run, output_dir, name.replace("_", "-"))
+    figures["mfu_of"] = "datasheet peak" if matmul is None else f"measured matmul rate {matmul / 1e12:.4g} TFLOP/s"
+    return {**figures, **over_plain(run, figures, ("plain_1b", "plain_1b_compiled"))}
+
+
+def over_plain(run: Run, figures: dict, plains: tuple[str, ...]) -> dict:
+    """`ours_over_<plain>`: this stage's step over each plain stage's (None where either is missing)."""
+    over = {}
+    for plain in plains:
         seconds = stage_figure(run, plain, "step_seconds")
         measured = seconds and figures["step_seconds"]
         over[f"ours_over_{plain}"] = figures["step_seconds"] / seconds if measured else None
-    return {**figures, **over}
+    return over
 
 
 def study_plan(run: Run) -> list[str]:
@@ -452,7 +527,14 @@ STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor
                                             "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
                                             "train_125m_compiled": train_125m_compiled,
                                             "train_125m_persistent": train_125m_persistent,
-                                            "study_probe": study_probe}  # fmt: skip
+                                            "study_probe": study_probe, "plain_1b": plain_1b,
+                                            "train_1b_zero2": train_1b_zero2, "train_1b": train_1b,
+                                            "train_1b_compiled": train_1b_compiled,
+                                            "plain_1b_compiled": plain_1b_compiled}  # fmt: skip
+# Issue 56's stages in the order of what they answer first (docs/doctor.md, "The first GPU": about 550 s in all).
+# The 135M compiled plain step is left out (82 s; our code does not change it): its 77 ms of 2026-11-28 (H200) stands.
+GROUPS = {"issue56": ["install", "plain_step", "train_125m_zero2", "plain_1b", "train_1b_zero2", "train_125m_compiled",
+                      "train_1b_compiled", "train_1b", "train_125m", "plain_1b_compiled"]}  # fmt: skip
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -525,8 +607,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", type=Path, default=REPO / "wheels-gpu")
     parser.add_argument("--pins", type=Path, default=REPO / "launch" / "gpu-wheels.txt")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (default 8 minutes)")
-    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    chosen.add_argument("--group", choices=list(GROUPS), help="a named list of stages (issue56: issue 56's)")
     args = parser.parse_args(argv)
+    if args.group:
+        args.stages = GROUPS[args.group]
     out = args.out.resolve()
     work = (args.work or Path(tempfile.mkdtemp(prefix="gpu-first-run-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ with its train_125m stage; the ratio says how much of our step is the training s
 
 --compile: the model under `torch.compile` (the plain step at its fastest; its first step compiles, and is
 reported apart as `first_step_seconds`).
+--matmul-rate: also measure the device's dense bf16 matmul rate (the doctor's: 8192³, fastest of 10; on CPU 512³)
+and report MFU against it (`mfu_of_matmul`) beside MFU of the datasheet peak.
 
 KEY=VALUE are the Llama config's keys (hidden_size=576 ...) plus seq_len and micro_batch_size.
 """
@@ -73,10 +75,23 @@ def measure(config: dict, batch: dict, device: torch.device, steps: int, warmup:
     tokens_per_s = shape[0] * shape[1] / seconds
     peak = device_peak_flops(device, "bf16")
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "config": config,
+            "flops_per_token": model_flops_per_token(lm, shape[1]),
             **batch, "parameters": sum(p.numel() for p in lm.parameters()), "step_seconds": seconds,
             "tokens_per_s": tokens_per_s, "mfu": mfu(model_flops_per_token(lm, shape[1]), tokens_per_s, peak, 1),
             "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
             "compiled": compile, "first_step_seconds": all_times[0]}  # fmt: skip
+
+
+def matmul_rate(device: torch.device) -> float:
+    """FLOP/s of a dense bf16 matmul on `device`: the doctor's measurement on a GPU, a 512³ one on CPU (dry runs)."""
+    if device.type == "cuda":
+        from ntl_pretrain.doctor.training import matmul_flops
+
+        return matmul_flops(device)
+    a = torch.randn(512, 512, dtype=torch.bfloat16)
+    started = time.perf_counter()
+    a @ a
+    return 2.0 * 512**3 / (time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,10 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="the model under torch.compile")
+    parser.add_argument("--matmul-rate", action="store_true", help="MFU against the measured bf16 matmul rate too")
     parser.add_argument("settings", nargs="*", help="Llama config keys, seq_len, micro_batch_size (KEY=VALUE)")
     args = parser.parse_args(argv)
     config, batch = parse_settings(args.settings)
     report = measure(config, batch, torch.device(args.device), args.steps, args.warmup, args.compile)
+    if args.matmul_rate:
+        rate = matmul_rate(torch.device(args.device))
+        report.update(matmul_flops=rate, mfu_of_matmul=mfu(report["flops_per_token"], report["tokens_per_s"], rate, 1))
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     seconds, tokens_per_s = report["step_seconds"], report["tokens_per_s"]
     kind = "compiled plain step" if args.compile else "plain step"

@@ -79,6 +79,13 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
         figures = stages[name]["figures"]
         assert figures["steps"] == 3 and figures["ours_over_plain_step"] > 0 and figures["ours_over_plain_compiled"] > 0
     assert stages["study_probe"]["figures"]["runs_planned"] == 4
+    plain_1b = stages["plain_1b"]["figures"]  # the 1B stages' commands, at toy sizes
+    assert plain_1b["step_seconds"] > 0 and plain_1b["matmul_flops"] > 0 and plain_1b["mfu_of_matmul"] > 0
+    for name in ("train_1b_zero2", "train_1b", "train_1b_compiled"):
+        figures = stages[name]["figures"]
+        assert figures["steps"] == 3 and figures["ours_over_plain_1b"] > 0 and figures["mfu"] > 0
+        assert figures["mfu_of"].startswith("measured matmul rate") and figures["peak_mem_mib"] > 0
+        assert stages["plain_1b_compiled"]["figures"][f"{name}_over_this"] > 0
     for name in ("doctor-report.json", "heads.json", "train-125m-metrics.jsonl", "plain-step.json", "summary.md"):
         assert (out / name).is_file(), name
     # The device tool returns at most 8 files from $OUT: the logs travel as one archive.
@@ -89,6 +96,15 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert "logs/train-125m-profile-steps-2-2.txt" in names
     assert "logs/plain-compiled.json" in names
     assert runner().marked_processes(summary["marker"].partition("=")[2]) == []  # the probe's runs were killed
+
+
+def test_issue_56s_group_names_its_stages_in_order_and_leaves_none_out():
+    gpu_first_run = runner()
+    group = gpu_first_run.GROUPS["issue56"]
+    assert group[0] == "install" and set(group) <= set(gpu_first_run.STAGES) and len(set(group)) == len(group)
+    one_b = {"plain_1b", "train_1b_zero2", "train_1b", "train_1b_compiled", "plain_1b_compiled"}
+    assert one_b | {"plain_step", "train_125m", "train_125m_zero2", "train_125m_compiled"} <= set(group)
+    assert group.index("plain_1b") < min(group.index(name) for name in one_b - {"plain_1b"})  # the matmul rate first
 
 
 def test_a_failed_or_overrunning_stage_is_recorded_and_the_next_one_runs(tmp_path):
