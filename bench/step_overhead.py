@@ -5,8 +5,8 @@ The toy is issue 47's: a 30-layer Llama of hidden 64 (272 parameters, as many as
 tied, sequence 64, micro-batch 2, one rank, in fp32 and then in bf16 (`--precision`). Its arithmetic is small, so,
 like the 135M model on an H100, a step costs what is dispatched per parameter and per module; the CPU ratio matched
 the H100's (4.1 against 4.3). bf16 is what a GPU run trains in, and DeepSpeed's bf16 ZeRO-1/2 step has costs fp32
-has not (issue 56): fp32 alone read 1.15x at ZeRO-2 where the H200 read 1.68x. On a CPU without bf16 matrix units a
-bf16 matmul of the toy costs ~3x an fp32 one, the same in every configuration, so bf16 ratios are closer to 1.
+has not (issue 56): fp32 alone read 1.15x at ZeRO-2 where the H200 read 1.68x. On the 2-core CI machine a bf16
+matmul of the toy's size costs ~3x an fp32 one, the same in every configuration, so bf16 ratios are closer to 1.
 
 - plain: the model and our chunked CE + λ·NTL head as plain modules (no DeepSpeed), fp32 weights (in bf16 under
   `torch.autocast`, as bench/plain_step.py on a GPU), the global-batch normalisers, `loss.backward()`,

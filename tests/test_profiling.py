@@ -9,12 +9,11 @@ import json
 import pytest
 import torch
 from helpers.launches import TINY
-
-from ntl_pretrain.config.loading import load_recipe
-from ntl_pretrain.config.recipe import RecipeError
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import EventList, FunctionEvent
 
+from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.reporting.profiling import StepProfiler, step_summary
 
 

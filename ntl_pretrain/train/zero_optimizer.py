@@ -21,12 +21,16 @@ its own code (slower, never wrong), and `tests/test_zero_optimizer.py` fails unt
   of the flat bf16 buffer again, though the step only writes into that buffer in place; the re-pointing runs only
   when a parameter no longer sits where it belongs (a buffer moved by DeepSpeed's `offload_states`, say).
 
+A bf16 run at stage 1 with fp32 gradient accumulation (the trainer's default) runs DeepSpeed's `BF16_Optimizer`
+instead, which has none of the three (it skips a step on its gradient norm alone) and is left as it is.
+
 Shapes: N a gradient slice's element count.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 
 import torch
@@ -71,8 +75,6 @@ def streamline(zero_optimizer) -> list[str]:
 def source_fingerprint(path: str) -> str:
     """The first 16 hex digits of the sha256 of the source of the DeepSpeed function at `path` (module.Class.name);
     a function under DeepSpeed's `instrument_w_nvtx` is read through it."""
-    import importlib
-
     module_name, class_name, function_name = path.rsplit(".", 2)
     function = getattr(getattr(importlib.import_module(module_name), class_name), function_name)
     if function.__name__ == "wrapped_fn":
