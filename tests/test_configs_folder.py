@@ -43,7 +43,8 @@ def test_a_recipe_naming_the_checkout_configs_folder_loads(name, tmp_path, monke
         recipe, config = load_run(recipe, overrides, world_size=2)
         assert Path(recipe.deepspeed.config) == CONFIGS / name
         written = json.loads((CONFIGS / name).read_text())["zero_optimization"]
-        assert config["zero_optimization"].items() >= written.items()
+        sized = {key: value for key, value in written.items() if value != "auto"}  # "auto": the trainer sizes it
+        assert config["zero_optimization"].items() >= sized.items()
 
 
 def copy_for_a_build(into: Path) -> Path:
