@@ -35,6 +35,8 @@ def test_every_replaced_deepspeed_function_is_the_one_read():
     reads = (zero_optimizer.NORM_READS, zero_optimizer.SCAN_READS, zero_optimizer.REDUCE_READS,
              zero_optimizer.WEIGHTS_READS)  # fmt: skip
     assert {path for paths in reads for path in paths} == set(zero_optimizer.READ)
+    gone = f"{zero_optimizer.ZERO_1_AND_2}.renamed_in_a_later_version"  # is not read: the replacement is not set
+    assert zero_optimizer.source_fingerprint(gone) == "unreadable"
 
 
 def deepspeed_config(stage: int, precision: str) -> dict:

@@ -76,10 +76,14 @@ def source_fingerprint(path: str) -> str:
     """The first 16 hex digits of the sha256 of the source of the DeepSpeed function at `path` (module.Class.name);
     a function under DeepSpeed's `instrument_w_nvtx` is read through it."""
     module_name, class_name, function_name = path.rsplit(".", 2)
-    function = getattr(getattr(importlib.import_module(module_name), class_name), function_name)
-    if function.__name__ == "wrapped_fn":
-        function = inspect.getclosurevars(function).nonlocals["func"]
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+    try:
+        function = getattr(getattr(importlib.import_module(module_name), class_name), function_name)
+        if function.__name__ == "wrapped_fn":
+            function = inspect.getclosurevars(function).nonlocals["func"]
+        source = inspect.getsource(function)
+    except (ImportError, AttributeError, KeyError, OSError, TypeError):  # moved, renamed, or installed without source
+        return "unreadable"
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 def as_read(paths: tuple[str, ...]) -> bool:
@@ -91,9 +95,10 @@ def _kind(zero_optimizer) -> str:
     return f"{type(zero_optimizer).__module__}.{type(zero_optimizer).__qualname__}"
 
 
-def _plain_zero_1_or_2(zero_optimizer) -> bool:
-    """A stage-1 or -2 optimizer as the trainer builds it: no optimizer offload, no ZenFlow, no MoE."""
-    if _kind(zero_optimizer) != ZERO_1_AND_2:
+def _plain_zero_1_or_2(zero_optimizer, reads: tuple[str, ...]) -> bool:
+    """A stage-1 or -2 optimizer of the DeepSpeed that was read (at `reads`) as the trainer builds it: no optimizer
+    offload, no ZenFlow, no MoE."""
+    if _kind(zero_optimizer) != ZERO_1_AND_2 or not as_read(reads):
         return False
     return not (zero_optimizer.cpu_offload or zero_optimizer.zenflow or zero_optimizer.has_moe_layers)
 
@@ -168,9 +173,9 @@ def skip_gradient_scan(zero_optimizer) -> bool:
     """bf16 at stage 1 or 2 with DeepSpeed's check on (`bf16.check_grad_overflow`, its default) and a gradient norm
     taken at each step: `step()` sets `overflow` from the norm (`is_invalid_grad_norm`, which a non-finite gradient
     makes -1) whenever the check is on, so the scan before it only repeats that answer."""
-    if not (_plain_zero_1_or_2(zero_optimizer) and zero_optimizer.dtype == torch.bfloat16):
+    if not (_plain_zero_1_or_2(zero_optimizer, SCAN_READS) and zero_optimizer.dtype == torch.bfloat16):
         return False
-    if not (zero_optimizer.check_grad_overflow and zero_optimizer.compute_grad_norm) or not as_read(SCAN_READS):
+    if not (zero_optimizer.check_grad_overflow and zero_optimizer.compute_grad_norm):
         return False
 
     def check_overflow(partition_gradients: bool = True) -> None:
@@ -186,7 +191,7 @@ def skip_gradient_scan(zero_optimizer) -> bool:
 def reduce_into_partition(zero_optimizer) -> bool:
     """Stages 1 and 2 with every group's gradients accumulated in a flat fp32 partition (`grad_accum_dtype: fp32`
     beside bf16 weights): a bucket's reduced slices added into this rank's partition at once."""
-    if not _plain_zero_1_or_2(zero_optimizer) or not as_read(REDUCE_READS):
+    if not _plain_zero_1_or_2(zero_optimizer, REDUCE_READS):
         return False
     groups = range(len(zero_optimizer.bit16_groups))
     if not all(zero_optimizer._use_compact_grad_partition_buffer(group) for group in groups):
@@ -240,7 +245,7 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 def keep_weights_in_place(zero_optimizer) -> bool:
     """Stages 1 and 2: `_update_model_bit16_weights(group)` only where a parameter of the group is not the view of the
     flat buffer it should be (compared by address: one `data_ptr()` a parameter, no tensor op)."""
-    if not _plain_zero_1_or_2(zero_optimizer) or not as_read(WEIGHTS_READS):
+    if not _plain_zero_1_or_2(zero_optimizer, WEIGHTS_READS):
         return False
     repoint = zero_optimizer._update_model_bit16_weights
 
