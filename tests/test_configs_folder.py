@@ -74,7 +74,8 @@ def test_a_wheel_ships_the_configs_and_an_editable_install_reads_them(tmp_path):
         for name in SHIPPED:
             assert archive.read(f"ntl_pretrain/config/{name}") == (CONFIGS / name).read_bytes(), name
     prefix = tmp_path / "editable"
-    pip("install", "--prefix", str(prefix), "--editable", ".", cwd=source)
+    # --ignore-installed: pip would otherwise uninstall the environment's own ntl_pretrain (the one under test)
+    pip("install", "--prefix", str(prefix), "--ignore-installed", "--editable", ".", cwd=source)
     (site_packages,) = prefix.glob("lib/python*/site-packages")
     # -S: only the editable install's finder, not the package this interpreter's environment already holds.
     script = ("import site, sys; site.addsitedir(sys.argv[1]); from ntl_pretrain.package_files import resolve_path; "
