@@ -218,13 +218,16 @@ def test_the_supervisor_leaves_out_the_launchers_line_for_a_refusing_rank():
 
 def test_fitted_line_names_what_fits_then_the_keys_then_how_many_more():
     items, keys = ["a.b: 1 → 2", "c.d: 3 → 4", "e.f: 5555 → 6666"], ["a.b", "c.d", "e.f"]
-    fitted = {limit: resume_guard.fitted_line("H: ", items, keys, "; T", limit) for limit in (46, 45, 40, 10)}
+    fitted = {limit: resume_guard.fitted_line("H: ", items, keys, "; T", limit) for limit in (46, 45, 40, 26)}
     assert fitted == {
         46: "H: a.b: 1 → 2; c.d: 3 → 4; e.f: 5555 → 6666; T",
         45: "H: a.b: 1 → 2; c.d: 3 → 4 (+1 more: e.f); T",
         40: "H: a.b: 1 → 2; c.d: 3 → 4 (+1 more); T",
-        10: "H: a.b: 1 → 2 (+2 more); T",  # the first difference is always named whole
+        26: "H: a.b: 1 → 2 (+2 more); T",
     }
+    # A first difference longer than the line (a list of files, say) is cut, never the line's tail.
+    long = resume_guard.fitted_line("H: ", ["a.b: " + "x" * 50 + " → 2", "c.d: 3 → 4"], ["a.b", "c.d"], "; T", 40)
+    assert long == "H: a.b: " + "x" * 18 + "… (+1 more); T" and len(long) == 40
 
 
 def pipe_writing(text: str, path: Path | None = None) -> str:

@@ -176,10 +176,16 @@ def fitted_line(head: str, items: list[str], keys: list[str], tail: str, limit: 
     for index, item in enumerate(items):
         rest = len(items) - index - 1
         more = f" (+{rest} more)" if rest else ""
-        if len("; ".join([*shown, item]) + more) > room and shown:
-            return head + "; ".join(shown) + _more(keys[index:], room - len("; ".join(shown))) + tail
+        if len("; ".join([*shown, item]) + more) > room:
+            if shown:
+                return head + "; ".join(shown) + _more(keys[index:], room - len("; ".join(shown))) + tail
+            item = _clipped(item, room - len(more))  # the first alone is too long: cut it, never the tail
         shown.append(item)
     return head + "; ".join(shown) + tail
+
+
+def _clipped(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 def _more(keys: list[str], room: int) -> str:
