@@ -25,7 +25,10 @@ class ScriptedTrainer(Trainer):
     """`Trainer.train`'s loop over stubs: every rank agrees to stop from step `stop_from` on."""
 
     def __init__(self, max_steps: int, stop_from: int):
-        self.recipe = types.SimpleNamespace(train=types.SimpleNamespace(max_steps=max_steps))
+        self.recipe = types.SimpleNamespace(
+            train=types.SimpleNamespace(max_steps=max_steps),
+            loss=types.SimpleNamespace(ntl=types.SimpleNamespace(kind=None)),
+        )
         self.step, self.stop_from, self.grad_accum, self.loader, self.ends = 0, stop_from, 1, range(100), []
 
     def resume(self) -> None:
