@@ -34,6 +34,7 @@ from ntl_pretrain.study.report import (
     generation_metrics,
     low_accuracy_notes,
     results_table,
+    setup_lines,
     write_report,
 )
 from ntl_pretrain.study.runs import StudyRun, baseline_of, plan
@@ -604,3 +605,25 @@ def test_on_a_gpu_every_run_is_one_process_on_the_device(tmp_path: Path, capsys,
         "- Device (the `device` field of each run's study.json): cuda (NVIDIA H200) 4 runs."
         in (tmp_path / "study.md").read_text()
     )
+
+
+def test_setup_names_each_variants_tokenizer_steps_and_data_where_they_differ_from_the_first(tmp_path: Path) -> None:
+    """Study v6's arms differ in tokenizer, training answers and length (single-digit runs take 1.616x the steps for
+    the same examples): the setup's variant line says so per variant; its Training and Data lines are the first's."""
+    longer = tmp_path / "recipes" / "regression-exact-1digit"
+    longer.mkdir(parents=True)
+    (longer / "ntl-was-answer.yaml").write_text(
+        f"base: {STUDY_RECIPES / 'regression-exact-1digit' / 'ntl-was-answer.yaml'}\ntrain: {{max_steps: 1616}}\n"
+    )
+    variant = "regression-exact-1digit/ntl-was-answer"
+    runs = [*plan(STUDY_RECIPES, ["regression/ce"], [0], tmp_path / "runs"),
+            *plan(tmp_path / "recipes", [variant], [0], tmp_path / "runs")]  # fmt: skip
+    for run in runs:
+        write_finished_run(run, fake_results(0.5, 1.0, 0), [])
+    lines = setup_lines(runs, [])
+    variants = next(line for line in lines if line.startswith("- Variants"))
+    assert "regression/ce = CE;" in variants
+    assert ("regression-exact-1digit/ntl-was-answer = CE + 0.3 · NTL-WAS with tokenizer "
+            "`pkg:ntl_pretrain/corpus/tiny-tokenizer`, 1,616 steps, data "
+            "`pkg:ntl_pretrain/corpus/regression-exact/train.jsonl`;") in variants  # fmt: skip
+    assert any(line.startswith("- Training: 1000 steps") for line in lines)

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ntl_pretrain.outputs import write_file, write_text
 from ntl_pretrain.plot import plot_runs, read_metrics
@@ -22,6 +23,9 @@ from ntl_pretrain.study.provenance import describe
 from ntl_pretrain.study.runs import BASELINE, StudyRun, baseline_of
 from ntl_pretrain.study.stats import paired_gains, paired_stats
 from ntl_pretrain.study.token_classes import class_title, labels_in
+
+if TYPE_CHECKING:
+    from ntl_pretrain.config.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -348,7 +352,7 @@ def setup_lines(runs: list[StudyRun], overrides: list[str]) -> list[str]:
         f"- Validation (CE, and NTL-WAS for every variant, also the CE-only one): "
         f"{', '.join(f'`{source.path}`' for source in data.validation)}.",
         f"- Variants (`{_recipes_folder(runs)}/<variant>.yaml`): "
-        + "; ".join(sorted({_describe_variant(run, overrides, recipe.tokenizer.path) for run in runs}))
+        + "; ".join(sorted({_describe_variant(run, overrides, recipe) for run in runs}))
         + f"; seeds {sorted({run.seed for run in runs})}.",
         _evaluation_line(runs[0].results(), recipe.eval.qa_sets),
         _code_line(runs),
@@ -393,15 +397,23 @@ def _evaluation_line(results: dict, asked_sets: list) -> str:
     return f"- Evaluation: the final checkpoint (fp32), greedy decoding of the first {' and '.join(asked)}."
 
 
-def _describe_variant(run: StudyRun, overrides: list[str], tokenizer: str | None) -> str:
-    """`variant = loss`, and the tokenizer where it is not the first run's (`tokenizer`)."""
+def _describe_variant(run: StudyRun, overrides: list[str], first: Recipe) -> str:
+    """`variant = loss`, and its tokenizer, steps and training data where they are not the first run's (`first`, whose
+    are the setup's lines)."""
     from ntl_pretrain.config.loading import load_recipe
 
     recipe = load_recipe(run.recipe, overrides)
     ntl = recipe.loss.ntl
     loss = "CE" if ntl.kind is None else f"CE + {ntl.weight:g} · NTL-{ntl.kind.upper()}"
-    other_tokenizer = f" with tokenizer `{recipe.tokenizer.path}`" if recipe.tokenizer.path != tokenizer else ""
-    return f"{run.variant} = {loss}{other_tokenizer}"
+    differences = []
+    if recipe.tokenizer.path != first.tokenizer.path:
+        differences.append(f"tokenizer `{recipe.tokenizer.path}`")
+    if recipe.train.max_steps != first.train.max_steps:
+        differences.append(f"{recipe.train.max_steps:,} steps")
+    sources = [source.path for source in recipe.data.sources]
+    if sources != [source.path for source in first.data.sources]:
+        differences.append("data " + ", ".join(f"`{path}`" for path in sources))
+    return f"{run.variant} = {loss}" + (f" with {', '.join(differences)}" if differences else "")
 
 
 def write_report(
