@@ -368,9 +368,10 @@ def _delegated_to_register(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """The command's exit code; run as the program (`argv` None), a command of ENDS_AT_ONCE ends the process."""
     keep_standard_streams_open()
-    parser = build_parser(_delegated_to_register(sys.argv[1:] if argv is None else argv))
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_delegated_to_register(words))
     # Overrides may follow options (`train R --nproc 2 a.b=1`), which argparse cannot take as positionals.
-    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(words)
     command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
     code = run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False))
     if argv is None and args.command in ENDS_AT_ONCE:
