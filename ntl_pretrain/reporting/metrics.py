@@ -140,8 +140,13 @@ class MetricsLogger:
 
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return str(value)  # JSON has no NaN or infinity; `numeric` reads them back
     return value
+
+
+def numeric(record: dict) -> dict:
+    """`record` with the non-finite floats that `_jsonable` wrote as "nan", "inf" or "-inf" read back as floats."""
+    return {key: float(value) if value in ("nan", "inf", "-inf") else value for key, value in record.items()}
 
 
 def _start_wandb(settings: dict):

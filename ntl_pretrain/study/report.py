@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ntl_pretrain.outputs import write_file, write_text
-from ntl_pretrain.plot import plot_runs, read_metrics
+from ntl_pretrain.plot import plot_runs
 from ntl_pretrain.study.decision import DecisionRule, decide, verdict_lines
 from ntl_pretrain.study.provenance import describe
 from ntl_pretrain.study.runs import BASELINE, StudyRun, baseline_of
 from ntl_pretrain.study.stats import paired_gains, paired_stats
 from ntl_pretrain.study.token_classes import class_title, labels_in
+from ntl_pretrain.study.training_gains import effects_along_training_section, training_evaluations
 
 if TYPE_CHECKING:
     from ntl_pretrain.config.recipe import Recipe
@@ -136,12 +137,6 @@ def results_table(grouped: dict[str, list[dict]], metrics: list[Metric]) -> list
         cells += [_compare(metric, grouped[variant], grouped[baseline_of(variant)]) for variant in others]
         lines.append(f"| {metric.title} | " + " | ".join(cells) + " |")
     return lines
-
-
-def training_evaluations(run: StudyRun) -> dict[int, dict]:
-    """The trainer's periodic generation metrics (`eval.every_steps`) by step; the final `ntl-pretrain eval`
-    record (which names its `model`) is not one of them."""
-    return {r["step"]: r for r in read_metrics(run.folder) if r.get("split") == "eval" and "model" not in r}
 
 
 def learning_curve_table(curves: dict[str, list[dict[int, dict]]], key: str, digits: int = 3) -> list[str]:
@@ -452,6 +447,7 @@ def write_report(
         "of wall-clock time with at least one run in progress.",
         "",
         *(verdict_lines(rule, decide(rule, grouped)) if rule is not None else []),
+        *(effects_along_training_section(rule, runs) if rule is not None else []),
         f"## Results: mean ± std over {seeds} seeds" if seeds > 1 else "## Results: one seed",
         "",
         *results_table(grouped, metrics),
