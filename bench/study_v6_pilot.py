@@ -3,11 +3,11 @@ the seed-to-seed sd of each planned effect there.
 
     python bench/study_v6_pilot.py [--archive docs/study-v6-pilot]
 
-Reads the archived runs of the four pilot commands (`<length>-<tokenizer>/runs/<run>/`: 1x and 2x, 3digit and 1digit)
-and prints Markdown, descriptive only:
+Reads the archived runs of the pilot's commands (`<length>-<tokenizer>/runs/<run>/`: 1x and 2x, 3digit and 1digit,
+then 4x where CE still improved from 1x to 2x) and prints Markdown, descriptive only:
 - per tokenizer × noise × length: the mean log-error (`eval/regression_interpolation/log_mae`, all 1,000 held-out
   questions) of CE and of CE + NTL-WAS on the answers, the per-seed gain (CE minus NTL, + is better), its mean and sd;
-- CE's change when the length doubles, against the plan's 0.025: "plateau" when it improves by less;
+- CE's change at each doubling of the length, against the plan's 0.025: "plateau" when it improves by less;
 - the per-seed effects the main study's hypotheses would measure at each length, with their sd (the tokenizer
   difference is the 1–3-digit gain minus the single-digit gain of the same seed and noise);
 - the gain along training (the trainer's evaluation of the first 200 questions every 100 steps) at matched examples.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import statistics
 from collections import defaultdict
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 METRIC = "eval/regression_interpolation/log_mae"
 PLATEAU_MARGIN = 0.025
-LENGTHS = ("1x", "2x")
+LENGTHS = ("1x", "2x", "4x")
 TOKENIZERS = ("3digit", "1digit")
 NOISES = ("noisy", "exact")
 STEPS_PER_EXAMPLE = {"3digit": 1.0, "1digit": 1.616}  # docs/study-v6-pilot-plan.md, "Lengths"
@@ -40,7 +41,7 @@ def condition(variant: str) -> tuple[str, str, str]:
 
 
 def read_runs(archive: Path) -> tuple[dict, dict, int]:
-    """({(tokenizer, noise, arm, length): {seed: log-error}}, {same key: {seed: {step: log-error}}}, runs missing)."""
+    """({(tokenizer, noise, arm, length): {seed: log-error}}, {same key: {seed: {step: log-error}}}, runs found)."""
     final, curves, found = defaultdict(dict), defaultdict(dict), 0
     for run in sorted(archive.glob("*/runs/*")):
         if not (run / "study.json").is_file():
@@ -51,7 +52,7 @@ def read_runs(archive: Path) -> tuple[dict, dict, int]:
         key = (*condition(timing["variant"]), length)
         final[key][timing["seed"]] = json.loads((run / "eval.json").read_text())[METRIC]
         curves[key][timing["seed"]] = training_curve(run / "metrics.jsonl.gz")
-    return final, curves, 32 - found
+    return final, curves, found
 
 
 def training_curve(path: Path) -> dict[int, float]:
@@ -106,12 +107,14 @@ def plateau_lines(final: dict) -> list[str]:
     lines = []
     for tokenizer in TOKENIZERS:
         for noise in NOISES:
-            short, long = (final.get((tokenizer, noise, "ce", length), {}) for length in LENGTHS)
-            change = [long[seed] - short[seed] for seed in sorted(short) if seed in long]
-            if not change:
-                continue
-            verdict = "plateau at 1x" if statistics.fmean(change) > -PLATEAU_MARGIN else "still improving at 1x"
-            lines.append(f"- {tokenizer}, {noise}: CE 2x minus 1x {describe(change)}: {verdict}.")
+            for shorter, longer in itertools.pairwise(LENGTHS):
+                short, long = (final.get((tokenizer, noise, "ce", length), {}) for length in (shorter, longer))
+                change = [long[seed] - short[seed] for seed in sorted(short) if seed in long]
+                if not change:
+                    continue
+                verdict = "plateau" if statistics.fmean(change) > -PLATEAU_MARGIN else "still improving"
+                lines.append(f"- {tokenizer}, {noise}: CE {longer} minus {shorter} {describe(change)}: {verdict} at "
+                             f"{shorter}.")  # fmt: skip
     return lines
 
 
@@ -130,35 +133,42 @@ def effect_lines(final: dict) -> list[str]:
 
 
 def curve_lines(curves: dict) -> list[str]:
-    """The mean gain along training at matched examples (steps of the 1–3-digit runs; single-digit steps × 1.616,
-    read at the nearest evaluation)."""
+    """The mean gain along training of the longest runs of each tokenizer and noise, at matched examples (steps of
+    the 1–3-digit runs; single-digit steps × 1.616, read at the nearest evaluation, every 100 steps)."""
     lines = []
     for tokenizer in TOKENIZERS:
         for noise in NOISES:
-            ce, ntl = curves.get((tokenizer, noise, "ce", "2x"), {}), curves.get((tokenizer, noise, "ntl", "2x"), {})
-            seeds = [seed for seed in ce if seed in ntl]
-            if not seeds:
-                continue
-            cells = []
-            for step in range(200, 2001, 200):
-                at = round(step * STEPS_PER_EXAMPLE[tokenizer] / 100) * 100
-                pairs = [(ce[s][at], ntl[s][at]) for s in seeds if at in ce[s] and at in ntl[s]]
-                if pairs:
-                    cells.append(f"{step}: {statistics.fmean(c - n for c, n in pairs):+.2f}")
-            lines.append(f"- {tokenizer}, {noise} (2x runs, {len(seeds)} seeds): " + ", ".join(cells))
+            for length in reversed(LENGTHS):
+                ce, ntl = (curves.get((tokenizer, noise, arm, length), {}) for arm in ("ce", "ntl"))
+                seeds = [seed for seed in ce if seed in ntl]
+                if seeds:
+                    lines.append(f"- {tokenizer}, {noise} ({length} runs, {len(seeds)} seeds): "
+                                 + ", ".join(gain_cells(ce, ntl, seeds, tokenizer, length)))  # fmt: skip
+                    break
     return lines
+
+
+def gain_cells(ce: dict, ntl: dict, seeds: list[int], tokenizer: str, length: str) -> list[str]:
+    last = 1000 * int(length.rstrip("x"))  # in 1–3-digit steps
+    cells = []
+    for step in range(last // 10, last + 1, last // 10):
+        at = round(step * STEPS_PER_EXAMPLE[tokenizer] / 100) * 100
+        pairs = [(ce[s][at], ntl[s][at]) for s in seeds if at in ce[s] and at in ntl[s]]
+        if pairs:
+            cells.append(f"{step}: {statistics.fmean(c - n for c, n in pairs):+.2f}")
+    return cells
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archive", type=Path, default=ROOT / "docs" / "study-v6-pilot")
     args = parser.parse_args()
-    final, curves, missing = read_runs(args.archive)
-    print(f"{32 - missing} of 32 pilot runs archived.\n")
+    final, curves, found = read_runs(args.archive)
+    print(f"{found} pilot runs archived (the plan's 32, then the 4x runs).\n")
     print("\n".join(["## Log-error at the end of training", "", *final_table(final), "",
                      f"## Does CE improve when the length doubles (plateau: by less than {PLATEAU_MARGIN})?", "",
                      *plateau_lines(final), "", "## The main study's effects per seed", "", *effect_lines(final), "",
-                     "## NTL's gain along training (2x runs; 1–3-digit steps, matched examples)", "",
+                     "## NTL's gain along training (the longest runs; 1–3-digit steps, matched examples)", "",
                      *curve_lines(curves)]))  # fmt: skip
 
 
