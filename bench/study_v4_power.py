@@ -53,9 +53,9 @@ def v3_results(archive: Path) -> dict[str, list[dict]]:
         return by_variant(runs, [run.measured() for run in runs])
 
 
-def both_alphas(figure, digits: int = 2) -> str:
-    """`figure(alpha)` at α 0.05/3 and at α 0.05."""
-    return " / ".join(f"{figure(alpha):.{digits}f}" for alpha in ALPHAS)
+def both_alphas(figure, digits: int = 2, alphas: tuple[float, float] = ALPHAS) -> str:
+    """`figure(alpha)` at Holm's first α (0.05/3 for three hypotheses) and at α 0.05."""
+    return " / ".join(f"{figure(alpha):.{digits}f}" for alpha in alphas)
 
 
 def rule_margin(sd: float, seeds_measured: int, n: int) -> float:
@@ -64,17 +64,18 @@ def rule_margin(sd: float, seeds_measured: int, n: int) -> float:
     return math.ceil(margin_for(NULL_CHANCE, upper, n) / MARGIN_STEP - 1e-9) * MARGIN_STEP
 
 
-def power_row(h: Hypothesis, sd: float, label: str, n: int, effects: tuple[float, ...] = EFFECTS) -> str:
-    cells = [both_alphas(lambda alpha, e=effect: paired_t_power(e, sd, n, alpha)) for effect in effects]
-    cells.append(both_alphas(lambda alpha: detectable_effect(sd, n, alpha), digits=3))
+def power_row(h: Hypothesis, sd: float, label: str, n: int, effects: tuple[float, ...] = EFFECTS, alphas=ALPHAS) -> str:
+    cells = [both_alphas(lambda alpha, e=effect: paired_t_power(e, sd, n, alpha), alphas=alphas) for effect in effects]
+    cells.append(both_alphas(lambda alpha: detectable_effect(sd, n, alpha), digits=3, alphas=alphas))
     return f"| {h.name} | {sd:.3f} ({label}) | " + " | ".join(cells) + " |"
 
 
-def rule_row(h: Hypothesis, sd: float, label: str, n: int) -> str:
+def rule_row(h: Hypothesis, sd: float, label: str, n: int, alphas=ALPHAS) -> str:
     m = h.no_effect_margin
     cells = [f"{m:g}", f"{within_margin_probability(m, sd, n):.2f}"]
     for effect in (m, 1.5 * m):
-        cells.append(both_alphas(lambda alpha, e=effect: helps_probability(e, h.min_gain, sd, n, alpha)))
+        probability = lambda alpha, e=effect: helps_probability(e, h.min_gain, sd, n, alpha)  # noqa: E731
+        cells.append(both_alphas(probability, alphas=alphas))
     return f"| {h.name} | {sd:.3f} ({label}) | " + " | ".join(cells) + " |"
 
 
