@@ -62,13 +62,17 @@ def write_run(tmp_path: Path, variant: str, seed: int) -> StudyRun:
     return run
 
 
-def reference_gain(folder: str, seed: int, fraction: float) -> float:
-    """CE's log-error minus NTL's at the evaluation nearest the fraction, found by brute force; NaN when CE's is."""
+def reference_value(variant: str, seed: int, fraction: float) -> float:
+    """The run's log-error at the evaluation nearest the fraction, found by brute force; NaN where it was written so."""
+    folder = variant.split("/")[0]
     length = SCHEDULES[folder][0]
     step = min(evaluated_steps(folder), key=lambda s: (abs(s - fraction * length), s))
-    if (folder, seed, step) == ("short", 2, 10):
-        return math.nan
-    return log_error(f"{folder}/ce", seed, step) - log_error(f"{folder}/ntl", seed, step)
+    return math.nan if (variant, seed, step) == ("short/ce", 2, 10) else log_error(variant, seed, step)
+
+
+def reference_gain(folder: str, seed: int, fraction: float) -> float:
+    """CE's log-error minus NTL's at the evaluation nearest the fraction."""
+    return reference_value(f"{folder}/ce", seed, fraction) - reference_value(f"{folder}/ntl", seed, fraction)
 
 
 def expected_cell(effects: list[float]) -> str:
@@ -94,6 +98,17 @@ def test_each_hypothesis_is_read_at_the_same_share_of_every_runs_schedule(tmp_pa
     # "long" read at 16, 32, 48, 64, 80, 96, 112, 128, 144, 162: furthest is 144 for 145.8, 1.1% of 162 steps
     assert "from the trainer's own evaluation of the first 200 questions" in lines[2]
     assert "at most 1.1% of a schedule away" in lines[2]
+
+    metric_header = lines.index("| variant | 10% | 20% | 30% | 40% | 50% | 60% | 70% | 80% | 90% | 100% | last fifth |")
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:] for line in lines[metric_header + 2:]
+            if line}  # fmt: skip
+    assert list(rows) == ["long/ce", "long/ntl", "short/ce", "short/ntl"]
+    for variant, cells in rows.items():
+        values = [[reference_value(variant, seed, f) for seed in SEEDS] for f in fractions]
+        means = [statistics.fmean(v for v in at if math.isfinite(v)) for at in values]
+        assert cells[:-1] == [f"{mean:.3f}" for mean in means], variant
+        late = [earlier - end for earlier, end in zip(values[7], values[9], strict=True)]  # lower is better
+        assert cells[-1] == expected_cell(late), variant
 
 
 def test_the_report_states_the_effects_along_training_after_the_verdicts(tmp_path: Path, monkeypatch) -> None:

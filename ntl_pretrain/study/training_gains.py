@@ -9,13 +9,14 @@ tokenizers) are so compared at equal examples all along. Descriptive only: no te
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import yaml
 
 from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.reporting.metrics import numeric
-from ntl_pretrain.study.decision import DecisionRule, Hypothesis
+from ntl_pretrain.study.decision import DecisionRule, Effect, Hypothesis
 from ntl_pretrain.study.runs import StudyRun
 
 FRACTIONS = tuple(tenth / 10 for tenth in range(1, 11))
@@ -68,9 +69,25 @@ def _row(h: Hypothesis, tables: list[dict[str, list[dict]]]) -> str:
     return f"| {h.name or h.compared()} | " + " | ".join(cells) + " |"
 
 
+def _by_seed(records: list[dict], key: str) -> dict[int, float]:
+    return {r["seed"]: r[key] for r in records if isinstance(r.get(key), float) and math.isfinite(r[key])}
+
+
+def _metric_row(variant: str, effect: Effect, tables: list[dict[str, list[dict]]]) -> str:
+    """The variant's mean of the effect's metric at each tenth, then its change over the last fifth of training
+    (80% to 100%, seed by seed, + is better) with the seeds on which it improved."""
+    at = [_by_seed(grouped.get(variant, []), effect.metric) for grouped in tables]
+    cells = [f"{statistics.fmean(values.values()):.3f}" if values else "–" for values in at]
+    sign = 1.0 if effect.higher_is_better else -1.0
+    end, fifth_before = at[-1], at[FRACTIONS.index(0.8)]
+    late = [sign * (end[seed] - fifth_before[seed]) for seed in end if seed in fifth_before]
+    return f"| {variant} | " + " | ".join(cells) + f" | {_cell(late)} |"
+
+
 def effects_along_training_section(rule: DecisionRule, runs: list[StudyRun]) -> list[str]:
     """The report's section: per hypothesis, the mean per-seed effect and on how many seeds it was positive, at each
-    tenth of training; [] when the runs have no periodic evaluations."""
+    tenth of training; then each variant's primary metric there and how much it still improved over the last fifth;
+    [] when the runs have no periodic evaluations."""
     runs = [run for run in runs if run.variant in rule.variants()]
     curves = [training_evaluations(run) for run in runs]
     if not any(curves):
@@ -97,4 +114,22 @@ def effects_along_training_section(rule: DecisionRule, runs: list[StudyRun]) -> 
         "|---|" + "---:|" * len(FRACTIONS),
         *(_row(h, tables) for h in rule.hypotheses),
         "",
+        *_metric_lines(rule, tables),
     ]
+
+
+def _metric_lines(rule: DecisionRule, tables: list[dict[str, list[dict]]]) -> list[str]:
+    """Per primary metric of the rule, each variant's mean at each tenth: had it stopped improving at the end?"""
+    lines = []
+    for effect in dict.fromkeys(h.effect for h in rule.hypotheses):
+        lines += [
+            f"`{effect.metric}` of each variant at the same tenths (mean over seeds), and its change over the last "
+            "fifth of training (80% to 100%, + is better; (k/n) the seeds on which it improved): a variant that "
+            "still improves there had not reached its end point.",
+            "",
+            "| variant | " + " | ".join(f"{fraction:.0%}" for fraction in FRACTIONS) + " | last fifth |",
+            "|---|" + "---:|" * (len(FRACTIONS) + 1),
+            *(_metric_row(variant, effect, tables) for variant in sorted(rule.variants())),
+            "",
+        ]
+    return lines
