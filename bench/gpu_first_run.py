@@ -20,8 +20,9 @@ Stages, in order of what a short-lived GPU should give first:
               the compiled plain step, issue 47's target 1.2x
   train_125m_persistent  30 steps of train_125m with ZeRO-3 gathering nothing (every matrix persistent, plain
               linear layers): how much of the step is ZeRO-3's per-module gather and release
-  study_probe study v3's GPU-arm throughput probe (docs/study-v3-protocol.md, "GPU arm"): its command with
-              --jobs 8 for 3 minutes, then the runs' progress (`study --status`) gives r, runs per minute
+  study_probe study v6's main command (docs/study-v6-protocol.md) with --device cuda --jobs 8 for 3 minutes, then
+              the runs' progress (`study --status`) gives r, runs per minute: how many of the study's runs a call
+              of the device tool finishes
   plain_1b, plain_1b_compiled  the plain step (eager, compiled) of a Llama-3.2-1B-shaped model (16x2048, 32/8
               heads, MLP 8,192, vocabulary 128,256 tied) at sequence 2,048, micro-batch `BATCH_1B`, with this GPU's
               measured bf16 matmul rate: MFU against it
@@ -62,7 +63,10 @@ MARKER = "NTL_FIRST_RUN"  # in every stage process's environment, so that the sw
 KILL_GRACE_S = 5.0
 MIN_STAGE_S = 20.0  # a stage with less time than this left is skipped, not started to be killed at once
 PROBE_S = {"gpu": 180.0, "dry": 15.0}  # the protocol's 3 minutes
-STUDY_VARIANTS = ["ce", "ntl-was-lambda0.1", "ntl-was-lambda1", "ntl-was-answer"]
+STUDY_RECIPES = REPO / "recipes" / "study" / "v6"
+STUDY_VARIANTS = [f"{folder}/{arm}" for folder in ("regression", "regression-1digit", "regression-exact",
+                  "regression-exact-1digit") for arm in ("ce", "ntl-was-answer")]  # fmt: skip
+STUDY_SEEDS = range(64, 76)  # docs/study-v6-protocol.md
 MODEL_125M = ["model.config.hidden_size=576", "model.config.intermediate_size=1536",
               "model.config.num_hidden_layers=30", "model.config.num_attention_heads=9",
               "model.config.num_key_value_heads=3", "model.config.vocab_size=49152",
@@ -486,12 +490,12 @@ def over_plain(run: Run, figures: dict, plains: tuple[str, ...]) -> dict:
 
 
 def study_plan(run: Run) -> list[str]:
-    """The protocol's GPU-arm command without its report arguments (the probe never reaches the report)."""
-    runs_dir, archive = run.work / "study-v3-gpu", run.logs / "study-v3-gpu-runs"
-    seeds = ["0"] if run.dry_run else [str(seed) for seed in range(64)]
+    """The protocol's command without its report arguments (the probe never reaches the report)."""
+    runs_dir, archive = run.work / "study-v6-gpu", run.logs / "study-v6-gpu-runs"
+    seeds = [str(STUDY_SEEDS[0])] if run.dry_run else [str(seed) for seed in STUDY_SEEDS]
     toy = ["train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"] if run.dry_run else []
-    return ["--variants", *STUDY_VARIANTS, "--seeds", *seeds, "--runs-dir", str(runs_dir), "--archive", str(archive),
-            *toy]  # fmt: skip
+    return ["--recipes", str(STUDY_RECIPES), "--variants", *STUDY_VARIANTS, "--seeds", *seeds, "--runs-dir",
+            str(runs_dir), "--archive", str(archive), *toy]  # fmt: skip
 
 
 def study_probe(run: Run) -> dict:
@@ -510,7 +514,7 @@ STATUS = re.compile(r"all: (\d+) of (\d+) planned runs done.*have trained ([\d.]
 
 def throughput(status_line: str, minutes: float) -> dict:
     """r = (finished runs + the fraction of max_steps every unfinished run reached) / minutes, and the protocol's
-    minutes for all planned runs (256 / r in the GPU arm) and per 8 seeds of the 4 arms (32 / r)."""
+    minutes for all planned runs and per seed of its 8 arms (8 / r: the probe's 8 jobs are the first seed's arms)."""
     found = STATUS.search(status_line)
     if found is None:
         raise StageFailed(f"study_probe: no progress line in `study --status`: {status_line!r}")
@@ -519,7 +523,7 @@ def throughput(status_line: str, minutes: float) -> dict:
     per_run = (1 / r) if r > 0 else None
     return {"minutes": minutes, "runs_done": done, "runs_planned": planned, "unfinished_progress": partial,
             "r_runs_per_minute": r, "minutes_for_all": None if per_run is None else planned * per_run,
-            "minutes_per_8_seeds": None if per_run is None else 32 * per_run}  # fmt: skip
+            "minutes_per_seed": None if per_run is None else 8 * per_run}  # fmt: skip
 
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,

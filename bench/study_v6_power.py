@@ -1,7 +1,7 @@
 """The power tables and thresholds of docs/study-v6-protocol.md, from study v6's exploratory pilot
 (docs/study-v6-pilot/, seeds 40 and 41) at the main study's length.
 
-    python bench/study_v6_power.py --length 2x [--seeds 10] [--archive docs/study-v6-pilot]
+    python bench/study_v6_power.py --length 2x [--seeds 12] [--archive docs/study-v6-pilot]
 
 The primary metric is `eval/regression_interpolation/log_mae`, mean log10(1 + |error|) over the 1,000 held-out
 answers, lower is better. Each hypothesis's per-seed effect is measured on the pilot's runs of `--length` by the code
@@ -33,6 +33,7 @@ from ntl_pretrain.study.decision import LOG_ERROR, RULES, Hypothesis
 from ntl_pretrain.study.power import sd_upper_bound
 from ntl_pretrain.study.report import by_variant
 from ntl_pretrain.study.runs import StudyRun, plan
+from ntl_pretrain.study.training_gains import max_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 PILOT_SEEDS = [40, 41]
@@ -92,18 +93,25 @@ def pooled_gain_sd(gains: list[list[float]]) -> tuple[float, int]:
 
 
 def compute_lines(runs: list[StudyRun], n: int) -> list[str]:
-    """What a seed of all eight arms costs at this length, from the pilot's run times (median per arm; the pilot
-    ran beside other work, so these are upper figures), and the seeds the budget buys."""
-    per_arm: dict[str, list[float]] = {}
+    """What a seed of all eight arms costs at this length, and the seeds the budget buys. The pilot ran beside other
+    work (a CI run, the 4x runs), so per tokenizer the fastest run's seconds a step stand for an idle machine at two
+    jobs (a step's cost depends on the vocabulary, not on the loss), beside the median of all."""
+    fastest: dict[bool, float] = {}
+    steps: dict[str, int] = {}
+    seconds: list[float] = []
     for run in runs:
-        timing = run.timing()
-        per_arm.setdefault(run.variant, []).append(timing["train_s"] + timing["eval_s"])
-    per_seed = sum(statistics.median(times) for times in per_arm.values())
-    return [f"Compute: a seed of all {len(per_arm)} arms is {per_seed / 3600:.2f} h of run time (the pilot's median "
-            f"per arm, at two jobs); {n} seeds are {n * per_seed / 3600:.1f} h of run time, "
-            f"{n * per_seed / 7200:.1f} h of wall-clock time at two jobs; the budget ({BUDGET_S / 7200:.0f} h at two "
-            f"jobs) buys {int(BUDGET_S // per_seed)} seeds. The sign-flip permutation test's smallest p on n seeds "
-            f"is 2/2^n: {2 / 2**n:.4f}, below α 0.05/6 = {0.05 / 6:.4f} only from n = 8."]  # fmt: skip
+        timing, single = run.timing(), "1digit" in run.variant
+        steps[run.variant] = max_steps(run)
+        fastest[single] = min(fastest.get(single, math.inf), timing["train_s"] / steps[run.variant])
+        seconds.append(timing["train_s"] + timing["eval_s"])
+    per_seed = sum(fastest["1digit" in variant] * count for variant, count in steps.items())
+    median_seed = statistics.median(seconds) * len(steps)
+    return [f"Compute: a seed of all {len(steps)} arms is {per_seed / 3600:.2f} h of run time at the fastest pilot "
+            f"run's seconds a step ({fastest[False]:.3f} s under 1–3-digit tokens, {fastest[True]:.3f} s under single "
+            f"digits; at the median run {median_seed / 3600:.2f} h); {n} seeds are {n * per_seed / 3600:.1f} h of run "
+            f"time, {n * per_seed / 7200:.1f} h of wall-clock time at two jobs; the budget ({BUDGET_S / 7200:.0f} h "
+            f"at two jobs) buys {int(BUDGET_S // per_seed)} seeds. The sign-flip permutation test's smallest p on n "
+            f"seeds is 2/2^n: {2 / 2**n:.4f}, below α 0.05/6 = {0.05 / 6:.4f} only from n = 8."]  # fmt: skip
 
 
 def tables(runs: list[StudyRun], n: int) -> list[str]:
@@ -151,7 +159,7 @@ def tables(runs: list[StudyRun], n: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", required=True, choices=["1x", "2x", "4x"], help="the main study's length")
-    parser.add_argument("--seeds", type=int, default=10, help="seeds per arm in the planned study")
+    parser.add_argument("--seeds", type=int, default=12, help="seeds per arm in the planned study")
     parser.add_argument("--archive", type=Path, default=ROOT / "docs" / "study-v6-pilot")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as nowhere:  # every run is archived: no run folder is read or written

@@ -79,7 +79,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     for name in ("train_125m_zero2", "train_125m_compiled"):  # ZeRO-2 and compiled layers over both plain steps
         figures = stages[name]["figures"]
         assert figures["steps"] == 3 and figures["ours_over_plain_step"] > 0 and figures["ours_over_plain_compiled"] > 0
-    assert stages["study_probe"]["figures"]["runs_planned"] == 4
+    assert stages["study_probe"]["figures"]["runs_planned"] == 8  # study v6: one seed of its eight arms
     plain_1b = stages["plain_1b"]["figures"]  # the 1B stages' commands, at toy sizes
     assert plain_1b["step_seconds"] > 0 and plain_1b["matmul_flops"] > 0 and plain_1b["mfu_of_matmul"] > 0
     for name in ("train_1b_zero2", "train_1b", "train_1b_compiled"):

@@ -4,9 +4,11 @@ it acts, and the task differs from the 3-digit addition study only in its data a
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from ntl_pretrain.config.loading import load_recipe
+from ntl_pretrain.data.encoding import DocumentEncoder
 from ntl_pretrain.evaluation.answers import read_qa_file
 from ntl_pretrain.tokenizer import load_tokenizer, resolve_path
 
@@ -103,3 +105,41 @@ def test_study_v6_noise_free_arms_differ_from_the_noisy_ones_only_in_the_trainin
             assert without(exact, *differing) == without(noisy, *differing)
             sources = [dataclasses.asdict(recipe.data.sources[0]) for recipe in (exact, noisy)]
             assert sources[0] | {"path": sources[1]["path"]} == sources[1]  # only the file differs
+
+
+V6 = STUDY / "v6"
+V6_FOLDERS = ("regression", "regression-1digit", "regression-exact", "regression-exact-1digit")
+STEPS_PER_EXAMPLE = 1.616  # docs/study-v6-pilot-plan.md, "Lengths"
+SCHEDULE = ("train.max_steps", "train.eval_every_steps", "eval.every_steps", "train.output_dir")
+
+
+def test_study_v6_arms_are_the_pilots_at_one_length_of_equal_examples() -> None:
+    """docs/study-v6-protocol.md: recipes/study/v6/<folder>/<arm> is recipes/study/<folder>/<arm> with only its length
+    and evaluation interval changed; every arm is evaluated at each twentieth of its length, and a single-digit arm
+    trains for the steps that show it the examples a 1–3-digit arm sees (docs/study-v6-pilot-plan.md, 1.616×)."""
+    lengths = {}
+    for folder in V6_FOLDERS:
+        for arm in ("ce", "ntl-was-answer"):
+            main, pilot = (load_recipe(root / folder / f"{arm}.yaml") for root in (V6, STUDY))
+            assert without(main, *SCHEDULE) == without(pilot, *SCHEDULE), (folder, arm)
+            assert written_output_dir(V6 / folder / f"{arm}.yaml") == f"runs/study-v6/{folder}/{arm}"
+            every = round(main.train.max_steps / 20)
+            assert main.train.eval_every_steps == main.eval.every_steps == every, (folder, arm)
+            lengths.setdefault(folder.endswith("1digit"), set()).add(main.train.max_steps)
+    (chunked,), (single,) = lengths[False], lengths[True]
+    assert single == round(STEPS_PER_EXAMPLE * chunked)
+
+
+def test_a_single_digit_example_is_1_616_times_the_tokens_of_a_1_3_digit_one() -> None:
+    """The ratio the v6 lengths rest on, from the data pipeline's own documents (text and EOS) of the training set
+    under each tokenizer: a step holds the same tokens, so this is the ratio of steps per example."""
+    means = []
+    for folder in ("regression", "regression-1digit"):
+        recipe = load_recipe(STUDY / folder / "ce.yaml")
+        records = [json.loads(line) for line in resolve_path(recipe.data.sources[0].path).read_text().splitlines()]
+        documents = DocumentEncoder(load_tokenizer(recipe.tokenizer.path))(
+            [r["question"] + r["answer"] for r in records]
+        )
+        means.append(sum(len(document) for document in documents) / len(documents))
+    assert means[0] == 9.0  # every operand and answer one token: "f", "(", a, ",", b, ")", "=", answer, EOS
+    assert abs(means[1] / means[0] - STEPS_PER_EXAMPLE) < 0.0005

@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from ntl_pretrain.study.power import (
     sd_upper_bound,
     within_margin_probability,
 )
+from ntl_pretrain.study.runs import plan
 from ntl_pretrain.study.stats import (
     bonferroni,
     holm,
@@ -38,6 +40,8 @@ from ntl_pretrain.study.stats import (
     t_quantile,
     t_two_sided_p,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_t_quantiles_match_printed_tables() -> None:
@@ -348,3 +352,47 @@ def test_v5_helps_only_when_the_answers_without_a_number_do_not_grow() -> None:
         run[UNPARSEABLE] = 0.03 + 0.001 * (run["seed"] % 3)
     h1, h2, _ = decide(V5, grouped)
     assert h1.outcome == INCONCLUSIVE and "guard" in h1.reason and h2.outcome == HELPS
+
+
+V6 = RULES["v6"]
+V6_FOLDERS = ("regression", "regression-1digit", "regression-exact", "regression-exact-1digit")
+
+
+def v6_runs(gains: dict[str, float], n: int) -> dict[str, list[dict]]:
+    """Each folder's CE runs with seed-dependent log-error, and its NTL arm's lower by the folder's gain plus a little
+    noise; no unparseable answers."""
+    rng = random.Random(6)
+    grouped = {}
+    for folder in V6_FOLDERS:
+        ce = [0.6 + 0.4 * rng.random() for _ in range(n)]
+        grouped[f"{folder}/ce"] = [{"seed": 64 + s, LOG_ERROR: e, UNPARSEABLE: 0.0} for s, e in enumerate(ce)]
+        grouped[f"{folder}/ntl-was-answer"] = [
+            {"seed": 64 + s, LOG_ERROR: e - gains[folder] + rng.gauss(0, 0.002), UNPARSEABLE: 0.0}
+            for s, e in enumerate(ce)
+        ]
+    return grouped
+
+
+def test_v6_asks_four_gains_and_two_differences_of_them_over_the_v6_recipes(tmp_path: Path) -> None:
+    """H1–H4: NTL-WAS against CE in each folder of recipes/study/v6, with v5's guard on answers without a number;
+    H5: the noisy 1–3-digit gain minus the noisy single-digit one; H6: the noisy 1–3-digit gain minus the noise-free
+    one; Holm over the six. Gains of 3 m under 1–3-digit tokens (noisy and not) and 0 under single digits: H1 and H3
+    help, H2 and H4 show no useful effect, H5 helps, H6 (3 m − 3 m) shows none."""
+    assert V6.variants() == {f"{folder}/{arm}" for folder in V6_FOLDERS for arm in ("ce", "ntl-was-answer")}
+    plan(REPO / "recipes" / "study" / "v6", sorted(V6.variants()), [64], tmp_path)  # every variant has its recipe
+    gain_m, difference_m = (V6.hypotheses[0].min_gain, V6.hypotheses[4].min_gain)
+    assert [h.min_gain for h in V6.hypotheses] == [h.no_effect_margin for h in V6.hypotheses]
+    assert [h.min_gain for h in V6.hypotheses] == [gain_m] * 4 + [difference_m] * 2
+    assert [h.guard for h in V6.hypotheses] == [Effect(UNPARSEABLE, higher_is_better=False)] * 4 + [None] * 2
+    n = 12
+    gains = {"regression": 3 * gain_m, "regression-exact": 3 * gain_m, "regression-1digit": 0.0,
+             "regression-exact-1digit": 0.0}  # fmt: skip
+    grouped = v6_runs(gains, n)
+    per_seed = {h.name: h.per_seed(grouped) for h in V6.hypotheses}
+    assert per_seed["H5"] == pytest.approx([a - b for a, b in zip(per_seed["H1"], per_seed["H2"], strict=True)])
+    assert per_seed["H6"] == pytest.approx([a - b for a, b in zip(per_seed["H1"], per_seed["H3"], strict=True)])
+    verdicts = decide(V6, grouped)
+    assert [v.outcome for v in verdicts] == [HELPS, NO_EFFECT, HELPS, NO_EFFECT, HELPS, NO_EFFECT]
+    raw = [paired_stats(per_seed[h.name]) for h in V6.hypotheses]
+    assert [v.p_permutation_corrected for v in verdicts] == holm([stats.p_permutation for stats in raw])
+    assert raw[0].n == n and min(v.p_permutation_corrected for v in verdicts) == pytest.approx(6 * 2 / 2**n)

@@ -15,8 +15,10 @@ each corrected over the rule's hypotheses (Holm or Bonferroni) at α. In order:
 
 RULES: `v3` (docs/study-v3-protocol.md: log-error, `3digit/ntl-was` and `3digit/ntl-was-answer` against
 `3digit/ce`, with an exact-match guard), `v3-gpu` (its GPU arm: exact match, Bonferroni), `v4`
-(docs/study-v4-protocol.md: three hypotheses, each on its own exact-match effect) and `v5`
-(docs/study-v5-protocol.md: log-error under two tokenizers, and the difference of the two gains, `against`).
+(docs/study-v4-protocol.md: three hypotheses, each on its own exact-match effect), `v5`
+(docs/study-v5-protocol.md: log-error under two tokenizers, and the difference of the two gains, `against`) and `v6`
+(docs/study-v6-protocol.md: log-error at the end of a longer training under two tokenizers with and without label
+noise, and the differences between the tokenizers and between the noise levels).
 """
 
 from __future__ import annotations
@@ -281,6 +283,39 @@ V5 = DecisionRule(
     ),
 )  # fmt: skip
 
+
+def _v6_gain(name: str, folder: str, m: float, meaning: str) -> Hypothesis:
+    """NTL-WAS on the answers against CE in one of study v6's recipe folders (one tokenizer, one noise level)."""
+    return Hypothesis(f"{folder}/ntl-was-answer", f"{folder}/ce", LOG_ERROR, min_gain=m, no_effect_margin=m,
+                      guard=NO_MORE_UNPARSEABLE, guard_ci_floor=-0.01, name=name, meaning=meaning)  # fmt: skip
+
+
+def _v6_difference(name: str, folder: str, other: str, m: float, meaning: str) -> Hypothesis:
+    """The gain in one folder minus the gain in another, seed by seed."""
+    return Hypothesis(f"{folder}/ntl-was-answer", f"{folder}/ce", LOG_ERROR, min_gain=m, no_effect_margin=m,
+                      against=(f"{other}/ntl-was-answer", f"{other}/ce"), name=name, meaning=meaning)  # fmt: skip
+
+
+# Study v6's thresholds (min_gain = margin), by study v4's rule from the pilot's pooled sd of a gain at its 80% upper
+# bound at the main length (bench/study_v6_power.py, docs/study-v6-protocol.md); variants of recipes/study/v6.
+V6_GAIN_M, V6_DIFFERENCE_M = 0.08, 0.115
+V6 = DecisionRule(
+    hypotheses=(
+        _v6_gain("H1", "regression", V6_GAIN_M,
+                 "at the end of training, CE + NTL-WAS makes smaller errors than CE under 1–3-digit tokens (noisy)"),
+        _v6_gain("H2", "regression-1digit", V6_GAIN_M,
+                 "at the end of training, CE + NTL-WAS makes smaller errors than CE under single digits (noisy)"),
+        _v6_gain("H3", "regression-exact", V6_GAIN_M,
+                 "CE + NTL-WAS makes smaller errors than CE under 1–3-digit tokens without label noise"),
+        _v6_gain("H4", "regression-exact-1digit", V6_GAIN_M,
+                 "CE + NTL-WAS makes smaller errors than CE under single digits without label noise"),
+        _v6_difference("H5", "regression", "regression-1digit", V6_DIFFERENCE_M,
+                       "at equal examples, NTL-WAS cuts the error more under 1–3-digit tokens than under 1-digit ones"),
+        _v6_difference("H6", "regression", "regression-exact", V6_DIFFERENCE_M,
+                       "under 1–3-digit tokens, NTL-WAS cuts the error more with noisy training answers than without"),
+    ),
+)  # fmt: skip
+
 # The protocol's rules by name (`ntl-pretrain study --decide NAME`).
 RULES = {
     "v3": same_effect_rule(
@@ -300,4 +335,5 @@ RULES = {
     ),
     "v4": V4,
     "v5": V5,
+    "v6": V6,
 }
