@@ -2,8 +2,9 @@
 # Study v6's exploratory pilot (docs/study-v6-pilot-plan.md): eight arms at two lengths, seeds 40 and 41, in four
 # study commands (one per tokenizer and length: a single-digit run takes 1.616x the steps for the same examples),
 # then the plan's 4x runs where CE still improved from 1x to 2x (the 1-3-digit noise-free arms).
-# Resumable: a finished run is not repeated. Run it from a clean clone of the plan's commit with the main checkout's
-# docs/ as DOCS, e.g.  PYTHONPATH=$CLONE bash $CLONE/bench/study_v6_pilot.sh /work/main/docs
+# Resumable: a finished run is not repeated. Run it in the folder of a clean clone of the plan's commit (`python -m`
+# imports the working folder's package before PYTHONPATH) with the main checkout's docs/ as DOCS, e.g.
+#   cd $CLONE && PYTHONPATH=$PWD bash bench/study_v6_pilot.sh /work/main/docs
 # STAGE names (1x-3digit ... 4x-3digit) run only those; JOBS (default 2) is the runs at a time.
 set -euo pipefail
 docs=${1:?usage: study_v6_pilot.sh DOCS_FOLDER [RUNS_FOLDER [STAGE...]]}

@@ -26,6 +26,7 @@ from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.study.archive import ARCHIVED, archive_run
 from ntl_pretrain.study.commands import EXIT_UNFINISHED, device_name, execute, placement, resolve_device, run_all
 from ntl_pretrain.study.decision import Effect, decide, same_effect_rule
+from ntl_pretrain.study.provenance import SOURCE, unclean_warning
 from ntl_pretrain.study.report import (
     VALIDATION_METRICS,
     _wall_clock,
@@ -627,3 +628,12 @@ def test_setup_names_each_variants_tokenizer_steps_and_data_where_they_differ_fr
             "`pkg:ntl_pretrain/corpus/tiny-tokenizer`, 1,616 steps, data "
             "`pkg:ntl_pretrain/corpus/regression-exact/train.jsonl`;") in variants  # fmt: skip
     assert any(line.startswith("- Training: 1000 steps") for line in lines)
+
+
+def test_a_study_warns_before_its_runs_when_their_code_is_not_one_clean_commit() -> None:
+    """Started from another checkout's folder, `python -m` imports that checkout, not the clone on PYTHONPATH: the
+    warning names where the code came from, before any run records it."""
+    assert unclean_warning({"commit": "0" * 40, "dirty": False}) is None
+    dirty = unclean_warning({"commit": "0" * 40, "dirty": True})
+    assert dirty is not None and "has uncommitted changes" in dirty and f"({SOURCE})" in dirty
+    assert "is not a git checkout" in (unclean_warning({"version": "0.1.0"}) or "")

@@ -36,7 +36,7 @@ from ntl_pretrain.runtime.run_lock import check_free
 from ntl_pretrain.study.archive import archive_run
 from ntl_pretrain.study.arguments import EXIT_UNFINISHED
 from ntl_pretrain.study.decision import RULES
-from ntl_pretrain.study.provenance import code_version
+from ntl_pretrain.study.provenance import code_version, unclean_warning
 from ntl_pretrain.study.report import write_report
 from ntl_pretrain.study.runs import StudyRun, plan
 
@@ -205,6 +205,8 @@ def run_study(args: argparse.Namespace) -> int:
         print(f"ntl-pretrain study: {error.one_line()}", file=sys.stderr)
         return 2
     device_overrides, env = placement(device, args.jobs, dict(os.environ), os.cpu_count() or 1)
+    if (unclean := unclean_warning(code_version())) is not None:
+        print(f"ntl-pretrain study: {unclean}", file=sys.stderr, flush=True)
     eval_args = ["--max-examples", str(args.max_examples)]
     stop_after_s = None if args.stop_after is None else args.stop_after * 60
     run_all(runs, [*args.overrides, *device_overrides], eval_args, args.jobs, env, args.runs_dir / "logs",

@@ -31,6 +31,19 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def unclean_warning(code: dict[str, str | bool]) -> str | None:
+    """What to say before runs start that will record `code` (`code_version`) as other than one clean commit, naming
+    where the package was imported from; None for a clean commit. Started from another checkout's folder, a
+    study imports that checkout: `python -m` puts the working folder before PYTHONPATH."""
+    if "commit" in code and not code.get("dirty"):
+        return None
+    state = "has uncommitted changes" if code.get("dirty") else "is not a git checkout"
+    return (
+        f"warning: the code these runs import ({SOURCE}) {state}; each run records it (`code` in study.json). A "
+        "protocol's runs come from a clean clone of its commit, started in the clone's own folder."
+    )
+
+
 def describe(code: dict | None) -> str:
     """A run's code in a report cell: the short commit (`+changes` when dirty), the version, or `not recorded`."""
     if not code:
