@@ -33,7 +33,6 @@ from ntl_pretrain.study.decision import LOG_ERROR, RULES, Hypothesis
 from ntl_pretrain.study.power import sd_upper_bound
 from ntl_pretrain.study.report import by_variant
 from ntl_pretrain.study.runs import StudyRun, plan
-from ntl_pretrain.study.training_gains import max_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 PILOT_SEEDS = [40, 41]
@@ -101,7 +100,7 @@ def compute_lines(runs: list[StudyRun], n: int) -> list[str]:
     seconds: list[float] = []
     for run in runs:
         timing, single = run.timing(), "1digit" in run.variant
-        steps[run.variant] = max_steps(run)
+        steps[run.variant] = run.max_steps()
         fastest[single] = min(fastest.get(single, math.inf), timing["train_s"] / steps[run.variant])
         seconds.append(timing["train_s"] + timing["eval_s"])
     per_seed = sum(fastest["1digit" in variant] * count for variant, count in steps.items())

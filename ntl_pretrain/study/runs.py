@@ -68,6 +68,10 @@ class StudyRun:
             by_set.setdefault(record["set"], []).append(record)
         return {qa_set: error_profile(records) for qa_set, records in by_set.items()}
 
+    def max_steps(self) -> int:
+        """The run's schedule length, `train.max_steps` of the recipe the trainer wrote beside its results."""
+        return int(yaml.safe_load((self.folder / "recipe.yaml").read_text())["train"]["max_steps"])
+
     def progress(self) -> float:
         """The share of `train.max_steps` trained: 1 when done, else the last training step in metrics.jsonl over
         the max_steps of the recipe the trainer wrote (0 before either exists). No result, only how far."""
@@ -76,9 +80,8 @@ class StudyRun:
         recipe, metrics = self.run_dir / "recipe.yaml", self.run_dir / "metrics.jsonl"
         if not recipe.is_file() or not metrics.is_file():
             return 0.0
-        max_steps = yaml.safe_load(recipe.read_text())["train"]["max_steps"]
         steps = [record.get("step", 0) for record in written_records(metrics) if "loss" in record]
-        return min(max(steps, default=0) / max_steps, 1.0)
+        return min(max(steps, default=0) / self.max_steps(), 1.0)
 
     def exact_match_by_class(self) -> dict[str, float]:
         """Exact match per class of the answer's token under the run's tokenizer (study/token_classes.py); {}

@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 import statistics
 
-import yaml
-
 from ntl_pretrain.plot import read_metrics
 from ntl_pretrain.reporting.metrics import numeric
 from ntl_pretrain.study.decision import DecisionRule, Effect, Hypothesis
@@ -28,11 +26,6 @@ def training_evaluations(run: StudyRun) -> dict[int, dict]:
     NaN."""
     records = read_metrics(run.folder)
     return {r["step"]: numeric(r) for r in records if r.get("split") == "eval" and "model" not in r}
-
-
-def max_steps(run: StudyRun) -> int:
-    """The run's schedule length, from the recipe the trainer wrote beside its results."""
-    return int(yaml.safe_load((run.folder / "recipe.yaml").read_text())["train"]["max_steps"])
 
 
 def nearest(evaluations: dict[int, dict], step: float) -> int | None:
@@ -92,7 +85,7 @@ def effects_along_training_section(rule: DecisionRule, runs: list[StudyRun]) -> 
     curves = [training_evaluations(run) for run in runs]
     if not any(curves):
         return []
-    lengths = [max_steps(run) for run in runs]
+    lengths = [run.max_steps() for run in runs]
     tables, off = [], 0.0
     for fraction in FRACTIONS:
         grouped, distance = at_fraction(runs, curves, lengths, fraction)
