@@ -31,16 +31,9 @@ import torch.multiprocessing as mp
 
 from ntl_pretrain.checkpoint import manifest
 from ntl_pretrain.checkpoint import store as checkpoint
+from ntl_pretrain.runtime.process_group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ReceivedBytes:

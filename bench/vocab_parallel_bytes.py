@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ntl_pretrain.runtime.process_group import free_port
 
 MODELS = (  # name, vocabulary, hidden size, tied input embeddings
     ("Llama-3-8B", 128256, 4096, False),
@@ -199,12 +200,6 @@ def _measure_rank(rank: int, world: int, port: int, results) -> None:
     if rank == 0:
         results.put((dict(zero3), dict(parallel)))
     dist.barrier()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def print_measured(world: int = 2) -> None:

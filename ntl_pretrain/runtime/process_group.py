@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,11 +60,41 @@ def exit_without_finalising(code: int) -> None:
     os._exit(code)
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_DRAWN_PORT = 20000
+
+
 def free_port() -> int:
-    """A TCP port free on this host now (for a launch's MASTER_PORT)."""
+    """A TCP port free on this host now (for a launch's MASTER_PORT), drawn at random below the kernel's ephemeral
+    range. A port the kernel picked (bind to port 0) is free only until rank 0 binds it, and meanwhile the kernel
+    may hand the same number to any socket it numbers itself: gloo's pair connections, another launch's store
+    client. The store's client then meets a stranger ("Connection reset by peer"). Ports below the range are never
+    handed out that way; the kernel's pick remains where the range is unknown (not Linux) or leaves no room."""
+    below_ephemeral = range(LOWEST_DRAWN_PORT, max(ephemeral_low(), LOWEST_DRAWN_PORT))
+    # SystemRandom: a run or test that seeded `random` must not make concurrent launches draw the same ports.
+    for port in random.SystemRandom().sample(below_ephemeral, min(64, len(below_ephemeral))):
+        if bindable(port):
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel assigns to sockets on its own (0 where this host does not say)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def rendezvous_failure(error: Exception, timeout_s: int) -> str:

@@ -12,7 +12,6 @@ inside one call rather than one call per case.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -22,15 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ntl_pretrain.runtime.process_group import free_port
+
 # Each rank gets one intra-op thread: ranks share the machine's cores, and oversubscription makes gloo tests crawl.
 THREADS_PER_RANK = 1
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_distributed(fn: Callable[..., None], world_size: int, *args, timeout_s: float | None = None) -> None:
