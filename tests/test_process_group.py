@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def test_gpu_jobs_route_cpu_tensors_to_gloo_and_cuda_tensors_to_nccl(monkeypatch
     assert BackendConfig(Backend(GPU_BACKENDS)).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
 
 
-def ranged(tmp_path, low: int, high: int):
+def ranged(tmp_path: Path, low: int, high: int) -> Path:
     """A stand-in for /proc/sys/net/ipv4/ip_local_port_range."""
     path = tmp_path / "ip_local_port_range"
     path.write_text(f"{low}\t{high}\n")
