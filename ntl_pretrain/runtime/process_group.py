@@ -89,9 +89,11 @@ def ephemeral_low() -> int:
 
 
 def bindable(port: int) -> bool:
+    """Whether `port` can be bound on every interface, as rank 0's store binds it (preflight's check_master_port
+    binds the same way)."""
     with socket.socket() as sock:
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind(("", port))
         except OSError:
             return False
     return True
