@@ -111,7 +111,7 @@ class NtlForward:
         self.counts = StepCounts()
         self.active = True
         self.on_loss: typing.Callable[[LossParts, object], None] | None = None
-        """Called with each training call's parts and its num_items_in_batch (trainer_hooks.py logs them)."""
+        """Called with each call's parts and its num_items_in_batch (trainer_hooks.py logs them)."""
 
     def __call__(self, *args, **kwargs):
         if not self.active:
@@ -144,7 +144,7 @@ class NtlForward:
             aux_loss = self.balancing.function(trunk_out.router_logits, *self.balancing.arguments,
                                                arguments.get("attention_mask"))  # fmt: skip
             parts.loss = parts.loss + self.balancing.model_coefficient * aux_loss.to(parts.loss.device)
-        if self.lm.training and self.on_loss is not None:
+        if self.on_loss is not None:
             self.on_loss(parts, num_items)
         out = self._output(parts.loss, trunk_out, aux_loss)
         # attributes, not fields: Trainer.evaluate would collect a field as if it were logits

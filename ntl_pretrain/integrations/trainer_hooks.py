@@ -7,6 +7,8 @@
 2. Logging. Each training log that holds `loss` also holds `ce` and `ntl` of the same steps and processes, taken as
    the Trainer takes `loss` (each process's sum times the factor `compute_loss` applies, averaged over processes,
    divided by the steps since the last log): loss = ce + λ·ntl (plus w·aux for a MoE whose router logits are on).
+3. Evaluation. `evaluation_loop` (under `evaluate` and `predict`) also returns `<prefix>_ce` and `<prefix>_ntl` beside
+   `<prefix>_loss`, over the same rows: a CE+NTL run's `eval_ce` is what compares with a CE run's `eval_loss`.
 
 Refused, each with the argument that causes it: a Trainer that computes the loss from logits itself (label
 smoothing, `compute_loss_func`), that does not pass `num_items_in_batch` to the model, or that runs DataParallel
@@ -20,7 +22,7 @@ import torch
 from ntl_pretrain.integrations.causal_lm import IGNORE_INDEX, LossParts, NtlForward, NtlObjective
 from ntl_pretrain.loss.number_level import find_number_spans
 
-PATCHED = ("_get_num_items_in_batch", "log")
+PATCHED = ("_get_num_items_in_batch", "log", "evaluation_loop")
 
 
 def check_trainer(trainer) -> None:
@@ -61,6 +63,14 @@ def terms_batch(batch: dict, objective: NtlObjective) -> dict:
     return {"labels": torch.cat([torch.full_like(labels[..., :1], IGNORE_INDEX), terms], dim=-1)}
 
 
+def loss_scale(trainer) -> int:
+    """What `Trainer.compute_loss` multiplies a process's loss by when it gave the model a step's count of all
+    processes (`average_tokens_across_devices`), so that a mean over processes is the step's loss."""
+    if not trainer.args.average_tokens_across_devices:
+        return 1
+    return trainer.accelerator.num_processes // trainer.get_tp_size()
+
+
 class LossLog:
     """ce and ntl of the training calls since the last log, as sums of their normalised parts per process."""
 
@@ -79,12 +89,36 @@ class LossLog:
         """The means since the last log, as the Trainer logs `loss` (Trainer._maybe_log_save_evaluate)."""
         if self.sums is None:
             return {}
-        scale = trainer.accelerator.num_processes // trainer.get_tp_size()
-        scale = scale if trainer.args.average_tokens_across_devices else 1  # what compute_loss multiplies by
-        means = trainer.accelerator.gather((self.sums * scale)[None]).mean(0) / self.steps
+        means = trainer.accelerator.gather((self.sums * loss_scale(trainer))[None]).mean(0) / self.steps
         self.sums, self.steps = None, 0
         ce, ntl = means.tolist()
         return {"ce": ce, "ntl": ntl}
+
+
+class EvalLog:
+    """loss, ce and ntl of one evaluation's batches, gathered as `Trainer.evaluation_loop` gathers each batch's loss:
+    scaled as `compute_loss` scales it, repeated `eval_batch_size` times, through the loop's own `gather_function`
+    (which drops the padding of an uneven last batch), non-finite losses left out as `logging_nan_inf_filter` does.
+    So `<prefix>_ce` and `<prefix>_ntl` are means over the rows `<prefix>_loss` is."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, parts: LossParts) -> None:
+        trainer = self.trainer
+        triple = torch.stack([parts.loss, parts.ce, parts.ntl]).detach().float() * loss_scale(trainer)
+        self.rows.append(trainer.gather_function(triple.repeat(trainer.args.eval_batch_size, 1)).cpu())
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        if not self.rows:
+            return {}
+        rows = torch.cat(self.rows)
+        finite = rows[:, 0].isfinite()
+        if self.trainer.args.logging_nan_inf_filter and finite.any():
+            rows = rows[finite]
+        ce, ntl = rows[:, 1:].double().mean(0).tolist()
+        return {f"{prefix}_ce": ce, f"{prefix}_ntl": ntl}
 
 
 class TrainerHooks:
@@ -94,8 +128,9 @@ class TrainerHooks:
         check_trainer(trainer)
         self.trainer, self.forward = trainer, forward
         self.replaced = {name: trainer.__dict__.get(name) for name in PATCHED}
-        count_items, log = trainer._get_num_items_in_batch, trainer.log
+        count_items, log, evaluation_loop = trainer._get_num_items_in_batch, trainer.log, trainer.evaluation_loop
         loss_log = LossLog()
+        eval_log: EvalLog | None = None
 
         def count_with_terms(batch_samples: list, device: torch.device):
             num_items = count_items(batch_samples, device)
@@ -109,8 +144,25 @@ class TrainerHooks:
                 logs.update(loss_log.take(trainer))
             log(logs, *args, **kwargs)
 
+        def evaluation_loop_with_parts(*args, metric_key_prefix: str = "eval", **kwargs):
+            nonlocal eval_log
+            eval_log = EvalLog(trainer)
+            try:
+                output = evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+                output.metrics.update(eval_log.metrics(metric_key_prefix))
+                return output
+            finally:
+                eval_log = None
+
+        def on_loss(parts: LossParts, num_items) -> None:
+            if eval_log is not None:
+                eval_log.add(parts)
+            elif forward.lm.training:
+                loss_log.add(parts, num_items)
+
         trainer._get_num_items_in_batch, trainer.log = count_with_terms, log_with_parts
-        forward.on_loss = loss_log.add
+        trainer.evaluation_loop = evaluation_loop_with_parts
+        forward.on_loss = on_loss
 
     def undo(self) -> None:
         for name, replaced in self.replaced.items():
