@@ -295,6 +295,10 @@ def _verify_folder(folder: Path, mode: str) -> bool:
         print(f"{folder}: damaged: " + "; ".join(str(problem) for problem in problems))
     else:
         print(f"{folder}: intact")
+    universal = folder / manifest.UNIVERSAL
+    if universal.is_dir() and (damage := manifest.universal_damage(universal, mode)) is not None:
+        # derived from the shards: not the checkpoint's damage, but the next resume's conversion
+        print(f"{universal}: {damage}; a resume on another number of ranks converts it again")
     return bool(problems)
 
 

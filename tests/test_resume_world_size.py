@@ -228,3 +228,36 @@ def test_a_rank_reads_only_its_partition_of_a_universal_file(tmp_path):
     with universal_files_mapped(universal):
         assert bytes_read(load_partition_of_rank_5) < full.numel() * 4 / 8
     assert torch.equal(partition[0], full[5 << 20 : 6 << 20]) and torch.equal(partition[1], partition[0])
+
+
+@pytest.mark.slow
+def test_a_damaged_universal_copy_is_converted_again_from_the_shards(tmp_path_factory, tmp_path, capsys):
+    """The universal copy is written with a manifest of its own; a copy damaged since (or without a manifest) is not
+    loaded but converted again, and `verify` names it without calling the checkpoint damaged (it is derived)."""
+    from ntl_pretrain.checkpoint import manifest
+    from ntl_pretrain.checkpoint.reshard import convert_to_universal
+
+    folder = tmp_path / f"step_{SAVE_AT}"
+    shutil.copytree(two_node_run(tmp_path_factory) / "checkpoints" / folder.name, folder)
+    universal = convert_to_universal(folder, workers=1)
+    written = manifest.read(universal)
+    assert set(written) == set(manifest.all_files(universal)) - {manifest.MANIFEST}
+    assert any(name.endswith("/fp32.pt") for name in written) and manifest.universal_damage(universal) is None
+    assert cli.main(["verify", str(folder)]) == 0
+    assert capsys.readouterr().out == f"{folder}: intact\n"
+
+    damaged = universal / next(name for name in sorted(written) if name.endswith("/exp_avg.pt"))
+    original = damaged.read_bytes()
+    damaged.write_bytes(original[:-9] + bytes([original[-9] ^ 1]) + original[-8:])  # one bit, the size unchanged
+    assert manifest.universal_damage(universal, "size") is None
+    assert manifest.universal_damage(universal).startswith(f"{damaged}: checksum xxh3_64 ")
+    assert cli.main(["verify", str(folder)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{folder}: intact" and out[1].startswith(f"{universal}: {damaged}: checksum xxh3_64 ")
+    assert out[1].endswith("; a resume on another number of ranks converts it again")
+
+    assert convert_to_universal(folder, workers=1) == universal
+    assert damaged.read_bytes() == original and manifest.universal_damage(universal) is None
+    assert capsys.readouterr().err.startswith(f"{universal}: {damaged}: checksum")
+    (universal / manifest.MANIFEST).unlink()  # a copy written before copies had a manifest
+    assert manifest.universal_damage(universal) == f"no {manifest.MANIFEST} (written before universal copies had one)"

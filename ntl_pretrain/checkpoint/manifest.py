@@ -248,6 +248,27 @@ def verify(folder: Path, mode: VerifyMode = "checksum", rank: int = 0, world_siz
     return added + check(folder, share(entries, rank, world_size), mode)
 
 
+def all_files(folder: Path) -> list[str]:
+    """Every file under `folder` (posix, relative), as a manifest of a whole folder lists them."""
+    return [path.relative_to(folder).as_posix() for path in sorted(folder.rglob("*")) if path.is_file()]
+
+
+def universal_damage(universal: Path, mode: VerifyMode = "checksum") -> str | None:
+    """Why a step's universal copy (`reshard.py`, written with its own manifest of every file in it) cannot be
+    trusted, or None when it is as written. It is derived from the step's shards, so damage costs a conversion,
+    never the checkpoint: a copy without a manifest (written before copies had one) is distrusted alike."""
+    try:
+        entries = read(universal)
+    except ManifestError as error:
+        return error.what
+    if entries is None:
+        return f"no {MANIFEST} (written before universal copies had one)"
+    problems = [*unlisted(universal, entries), *check(universal, entries, mode)]
+    if not problems:
+        return None
+    return str(problems[0]) + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
 def sign_of_a_manifest(folder: Path) -> str | None:
     """The first of `SAVED_WITH_A_MANIFEST` the folder holds (`rank_state/`), or None."""
     found = next((name for name in SAVED_WITH_A_MANIFEST if (folder / name).exists()), None)

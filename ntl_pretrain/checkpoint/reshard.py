@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.checkpoint import manifest
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.checkpoint.manifest import UNIVERSAL
 from ntl_pretrain.runtime.process_group import slow_work_group
@@ -47,10 +48,15 @@ def saved_world_size(folder: Path) -> int:
 
 
 def convert_to_universal(folder: Path, workers: int = 4) -> Path:
-    """`folder/universal`, written once: into a temporary folder that is renamed when complete."""
+    """`folder/universal`, written once: into a temporary folder, with a manifest of its files, renamed when complete.
+    A copy there already is reused while it is as its manifest says; else it is converted again from the step's
+    shards (verified by the caller), saying why: the copy is derived, so damage to it costs a conversion."""
     target = folder / UNIVERSAL
     if target.is_dir():
-        return target
+        if (damage := manifest.universal_damage(target)) is None:
+            return target
+        print(f"{target}: {damage}; converting it again from {folder.name}'s shards", file=sys.stderr, flush=True)
+        shutil.rmtree(target)
     temp = folder / f"{UNIVERSAL}.tmp"
     shutil.rmtree(temp, ignore_errors=True)
     # A child process: the converter starts worker pools, which a rank holding a process group should not fork.
@@ -60,6 +66,7 @@ def convert_to_universal(folder: Path, workers: int = 4) -> Path:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ds_to_universal failed on {folder}:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+    manifest.write(temp, manifest.describe(temp, manifest.all_files(temp)))
     os.replace(temp, target)
     return target
 
