@@ -19,6 +19,7 @@ import yaml
 from helpers.launches import said_beyond_progress
 
 from ntl_pretrain import cli
+from ntl_pretrain.checkpoint import manifest
 from ntl_pretrain.config.loading import dump_recipe, load_recipe
 from ntl_pretrain.config.recipe import RecipeError
 from ntl_pretrain.runtime import supervisor
@@ -516,6 +517,7 @@ def test_a_finished_run_says_so_and_launches_nothing(workspace, monkeypatch, cap
     (finished / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
     recipe = str(workspace / "common.yaml")
     (finished / "recipe.yaml").write_text(dump_recipe(load_recipe(recipe)))  # what the resume guard compares
+    manifest.write(finished, manifest.describe(finished, manifest.all_files(finished)))  # the last file a save writes
     monkeypatch.setattr(supervisor, "supervise", lambda *args, **kwargs: pytest.fail("launched a finished run"))
     for dry in ([], ["--dry-run"]):
         assert cli.main(["train", recipe, "--nproc", "2", *dry]) == 0

@@ -22,6 +22,7 @@ import yaml
 from helpers.launches import said_beyond_progress
 
 from ntl_pretrain import cli
+from ntl_pretrain.checkpoint import manifest
 from ntl_pretrain.config.deepspeed import load_run
 from ntl_pretrain.config.loading import dump_recipe, load_recipe
 from ntl_pretrain.config.recipe import RecipeError
@@ -94,6 +95,7 @@ def trained_checkpoint(output_dir: Path, step: int, overrides: list[str]) -> Pat
     (folder / "recipe.yaml").write_text(dump_recipe(recipe))
     resume_guard.write_data_fingerprint(folder, recipe)
     (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
+    manifest.write(folder, manifest.describe(folder, manifest.all_files(folder)))  # the last file a save writes
     return folder
 
 
@@ -118,6 +120,38 @@ def test_another_runs_output_folder_is_refused_by_the_dry_run_as_by_the_launch(t
         "another train.output_dir"  # fmt: skip
     assert len(str(folder)) > resume_guard.MAX_FOLDER_CHARS
     assert sorted((path, path.stat().st_mtime_ns) for path in output_dir.rglob("*")) == written
+
+
+def test_the_dry_run_passes_over_a_damaged_checkpoint_as_the_ranks_do_and_refuses_when_none_is_intact(
+    tmp_path, monkeypatch, capsys
+):
+    """`auto` on the ranks passes over a checkpoint that fails verification; the dry run said it resumed that one,
+    and ran the resume guard on it. Now both judge by what can be told without reading the files (sizes)."""
+    output_dir = tmp_path / "run"
+    argv = ["train", str(TINY), "--nproc", "2", f"train.output_dir={output_dir}"]
+    intact = trained_checkpoint(output_dir, 20, [])
+    damaged = trained_checkpoint(output_dir, 30, ["model.config.hidden_size=32"])  # a guard would refuse this one
+    cut = damaged / "recipe.yaml"
+    cut.write_bytes(cut.read_bytes()[:100])  # a copy cut short
+    code, out, err, launches = run_cli([*argv, "--dry-run"], monkeypatch, capsys)
+    assert code == 0 and not launches, err
+    size = f"{cut}: size 100 bytes, manifest says {manifest.read(damaged)['recipe.yaml']['size']}"
+    assert f"# {output_dir}: resumes {intact} (step 20) and trains to step 300; passes over the damaged {damaged}: " \
+        f"{size} (the run moves it to <folder>.damaged)\n# " in out  # fmt: skip
+    code, out, err, launches = run_cli(argv, monkeypatch, capsys)
+    assert code == 0 and len(launches) == 1, err
+
+    (intact / "tokenizer" / "notes.txt").write_text("added after the save")
+    for dry in ([], ["--dry-run"]):
+        code, out, err, launches = run_cli([*argv, *dry], monkeypatch, capsys)
+        assert (code, out, launches) == (1, "", []), err
+        assert said_beyond_progress(err) == [f"ntl-pretrain train: train.resume: auto: no checkpoint in {output_dir}/"
+                                             f"checkpoints verifies ({damaged}: {size}; 1 more damaged); repair or "
+                                             "move them away to start afresh"]  # fmt: skip
+    code, out, err, launches = run_cli([*argv, f"train.resume={intact}", "--dry-run"], monkeypatch, capsys)
+    assert code == 1 and said_beyond_progress(err) == [f"ntl-pretrain train: train.resume: checkpoint {intact} is "
+                                                       f"damaged, nothing was loaded from it: {intact}/tokenizer/"
+                                                       "notes.txt: not in the manifest"]  # fmt: skip
 
 
 def test_the_dry_run_prints_absolute_paths_and_how_the_run_starts(tmp_path, monkeypatch, capsys):

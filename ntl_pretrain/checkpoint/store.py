@@ -414,26 +414,45 @@ class ResumePoint:
 
 
 def resolve_verified_resume(resume: str | None, output_dir: str, mode: manifest.VerifyMode) -> ResumePoint:
-    """`resolve_resume`, verified on all ranks before anything loads. `auto` takes the newest checkpoint that
-    verifies (the one `latest` names first), and raises `manifest.DamagedCheckpointError` when there are checkpoints
-    and none verifies; so does an explicit folder that fails."""
+    """`resolve_resume`, verified on all ranks before anything loads (`choose_resume`, each candidate judged by
+    `agree_on_problems`); rank 0 warns of each damaged checkpoint `auto` passes over."""
+
+    def warn(folder: Path, problems: list[str]) -> None:
+        if dist.get_rank() == 0:
+            logger.warning("train.resume: auto: skipping %s", damage_report(folder, problems))
+
+    return choose_resume(resume, output_dir, lambda folder: agree_on_problems(folder, mode), warn)
+
+
+def choose_resume(
+    resume: str | None,
+    output_dir: str,
+    problems_of: Callable[[Path], list[str]],
+    on_skip: Callable[[Path, list[str]], None] = lambda folder, problems: None,
+) -> ResumePoint:
+    """`resolve_resume`, each candidate judged by `problems_of` ([] when it verifies) before anything loads: the
+    ranks' judgement (`resolve_verified_resume`), and pre-flight's on one process. `auto` takes the newest checkpoint
+    that verifies (the one `latest` names first), telling `on_skip` of each it passes over, and raises
+    `manifest.DamagedCheckpointError` when there are checkpoints and none verifies; so does an explicit folder that
+    fails."""
     if resume != "auto":
         folder = resolve_resume(resume, output_dir)
-        if folder is not None and (problems := agree_on_problems(folder, mode)):
+        if folder is not None and (problems := problems_of(folder)):
             raise manifest.DamagedCheckpointError(f"train.resume: {damage_report(folder, problems)}")
         return ResumePoint(folder)
     skipped = []
     for folder in newest_first(checkpoints_root(output_dir)):
-        problems = agree_on_problems(folder, mode)
+        problems = problems_of(folder)
         if not problems:
             return ResumePoint(folder, skipped)
-        if dist.get_rank() == 0:
-            logger.warning("train.resume: auto: skipping %s", damage_report(folder, problems))
+        on_skip(folder, problems)
         skipped.append({"checkpoint": str(folder), "problems": problems})
     if skipped:  # starting afresh would overwrite the damaged checkpoints with a run that forgot them
+        newest = skipped[0]
+        more = f"; {len(skipped) - 1} more damaged" if len(skipped) > 1 else ""
         raise manifest.DamagedCheckpointError(
-            f"train.resume: auto: no checkpoint in {checkpoints_root(output_dir)} verifies; repair or move them away "
-            "to start afresh"
+            f"train.resume: auto: no checkpoint in {checkpoints_root(output_dir)} verifies ({newest['checkpoint']}: "
+            f"{newest['problems'][0]}{more}); repair or move them away to start afresh"
         )
     return ResumePoint(None)
 

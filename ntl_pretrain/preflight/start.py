@@ -1,8 +1,9 @@
-"""Pre-flight of how the run starts, decided as its ranks will decide it: which checkpoint it resumes and whether
-the recipe may resume it (the ranks' resume guard, `train/resume_guard.py`, run here on one process), or whether it
-starts from `init_from`'s weights or from scratch; and whether NTL has anything to learn: a tokenizer without number
-tokens is refused, and a corpus whose first records hold no number label is said (a note, not a refusal: numbers
-may come later in the stream)."""
+"""Pre-flight of how the run starts, decided as its ranks will decide it: which checkpoint it resumes (passing over
+damaged ones as `auto` does, judged by what can be told without reading them) and whether the recipe may resume it
+(the ranks' resume guard, `train/resume_guard.py`, run here on one process), or whether it starts from `init_from`'s
+weights or from scratch; and whether NTL has anything to learn: a tokenizer without number tokens is refused, and a
+corpus whose first records hold no number label is said (a note, not a refusal: numbers may come later in the
+stream)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ntl_pretrain.checkpoint import manifest
 from ntl_pretrain.checkpoint import store as checkpoint
 from ntl_pretrain.config.recipe import Recipe
 from ntl_pretrain.data.label_bits import NO_NTL, TOKEN_BITS
@@ -36,6 +38,8 @@ class RunStart:
     step: int | None
     init_from: str | None
     numbers_note: str | None = None
+    passed_over: tuple[str, ...] = ()
+    """The damaged checkpoints `auto` passes over, each as `<folder>: <first problem>`."""
 
     @property
     def finished(self) -> bool:
@@ -47,6 +51,8 @@ class RunStart:
             what = f"resumes {self.resume_from} (step {self.step}) and trains to step {self.max_steps}"
             if self.init_from is not None:
                 what += f"; init_from {self.init_from} is not loaded"
+            for damaged in self.passed_over:
+                what += f"; passes over the damaged {damaged} (the run moves it to <folder>.damaged)"
         elif self.init_from is not None:
             what = f"starts from the weights of init_from {self.init_from} and trains {self.max_steps} steps"
         else:
@@ -62,9 +68,12 @@ def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -
     from ntl_pretrain.model.build import number_vocabulary
     from ntl_pretrain.train import resume_guard
 
-    folder = existing_checkpoint(recipe)
+    point = resume_point(recipe)
+    folder = point.folder
+    passed_over = tuple(f"{entry['checkpoint']}: {entry['problems'][0]}" for entry in point.skipped)
     start = RunStart(recipe.train.output_dir, recipe.train.max_steps, folder,
-                     None if folder is None else checkpoint.step_of(folder), recipe.init_from)  # fmt: skip
+                     None if folder is None else checkpoint.step_of(folder), recipe.init_from,
+                     passed_over=passed_over)  # fmt: skip
     if start.finished:  # nothing is launched (`ntl-pretrain train` says so), so nothing would be refused
         return start
     if tokenizer is None and folder is not None:
@@ -77,6 +86,19 @@ def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -
         resume_guard.refuse_differences(folder, [(str(difference), difference.key) for difference in found])
         resume_guard.check_head_layout(folder, recipe, world_size)
     return replace(start, numbers_note=None if numbers is None else no_number_labels_note(recipe, tokenizer, numbers))
+
+
+def resume_point(recipe: Recipe) -> checkpoint.ResumePoint:
+    """The checkpoint the ranks will resume, judged as they judge it (`checkpoint.choose_resume`) on what can be told
+    without reading the files (`checkpoint.verify: size`): files missing, added, cut short or grown, a manifest
+    lost or malformed. Damage only checksums find is the ranks' to find: reading the checkpoint here would double
+    a resume's reading. A damaged explicit resume, or an `auto` with no intact checkpoint, is refused here."""
+    existing_checkpoint(recipe)  # a train.resume that names no checkpoint: refused as the recipe's error
+
+    def sizes_problems(folder: Path) -> list[str]:
+        return [str(problem) for problem in manifest.verify(folder, "size") or []]
+
+    return checkpoint.choose_resume(recipe.train.resume, recipe.train.output_dir, sizes_problems)
 
 
 def _checkpoint_tokenizer(folder: Path, recipe: Recipe):
