@@ -231,6 +231,59 @@ def test_undone_the_trainer_trains_as_one_never_patched():
         assert torch.equal(got, want)
 
 
+def lora(lm, target_modules: list[str]):
+    from peft import LoraConfig, get_peft_model
+
+    # adapters that start non-zero (PEFT's default B = 0 would leave step 1's logits those of the base model)
+    config = LoraConfig(r=4, target_modules=target_modules, lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(lm, config)
+
+
+def saving_the_output_layer(lm):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(lm, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+
+
+def prompt_tuned(lm):
+    from peft import PromptTuningConfig, get_peft_model
+
+    return get_peft_model(lm, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+
+
+def test_a_lora_adapted_model_trains_its_adapters_as_the_float64_loop_and_undoes():
+    lm = lora(tiny_model("llama", vocab_size=len(TOKENIZER)), ["q_proj", "v_proj"])
+    frozen = {name: param.detach().clone() for name, param in lm.named_parameters() if not param.requires_grad}
+    want = reference_steps(lm, dataset(), micro=2, accumulation=2, kind="was")  # PEFT's forward: transformers' logits
+    trainer = trainer_for(lm, micro=2, accumulation=2)
+    patch = apply_ntl(trainer, TOKENIZER, kind="was", ntl_weight=LAMBDA)
+    assert patch.model is lm.get_base_model() and "forward" not in vars(lm)
+    trainer.train()
+    got = zip(logged(trainer, "ce"), logged(trainer, "ntl"), strict=True)
+    for (ce, ntl), (want_ce, want_ntl) in zip(got, want, strict=True):
+        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
+    assert want[2][0] < 0.9 * want[0][0]
+    for name, param in lm.named_parameters():  # the base model and its output layer stay as they were
+        assert param.requires_grad or torch.equal(param, frozen[name]), name
+    patch.undo()
+    assert "forward" not in vars(lm.get_base_model())
+
+
+@pytest.mark.parametrize(
+    ("adapted", "why"),
+    [
+        (lambda lm: lora(lm, ["q_proj", "lm_head"]), r"output layer is adapted by PEFT \(Linear\)"),
+        (lambda lm: saving_the_output_layer(lm), r"output layer is adapted by PEFT \(ModulesToSaveWrapper\)"),
+        (lambda lm: prompt_tuned(lm), r"PEFT PROMPT_TUNING prepends virtual tokens"),
+    ],
+    ids=["lora-on-the-output-layer", "output-layer-in-modules-to-save", "prompt-tuning"],
+)
+def test_what_peft_adapts_outside_the_trunk_is_refused(adapted, why):
+    model = adapted(tiny_model("llama", vocab_size=len(TOKENIZER)))
+    with pytest.raises(ValueError, match=why):
+        apply_ntl(model, TOKENIZER)
+
+
 @pytest.mark.parametrize(
     ("setting", "why"),
     [({"label_smoothing_factor": 0.1}, "label_smoothing_factor"), ({"compute_loss_func": len}, "compute_loss_func")],

@@ -3,6 +3,7 @@ CE + λ·NTL through the chunked head, and `NtlPatch.undo` that gives transforme
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel, Trainer
@@ -55,15 +56,16 @@ def apply_ntl(
     `linear_ce_ntl_loss` a chunk of positions at a time (the logits are never whole; `output.logits` is None,
     `output.ce` and `output.ntl` hold the two terms). Without labels the model is transformers' own.
 
-    Given a `Trainer`, also its counting and logging (trainer_hooks.py): NTL is normalised by the NTL terms of the
-    whole optimizer step, as CE is by `num_items_in_batch`, and the logs gain `ce` and `ntl`. Given a model alone,
+    A PEFT model (LoRA and other in-place adapters) is patched through its base model (`language_model`). Given a
+    `Trainer`, also its counting and logging (trainer_hooks.py): NTL is normalised by the NTL terms of the whole
+    optimizer step, as CE is by `num_items_in_batch`, and the logs gain `ce` and `ntl`. Given a model alone,
     a call with `num_items_in_batch` needs `num_number_tokens=` beside it. `tokenizer`: whose number tokens NTL reads
     (any tokenizer `NumberVocab.from_tokenizer` takes; None with kind None). The model's family must be one the heads
     train (heads/architectures.py: docs/compatibility.md), its output layer without a bias, its weights not
     partitioned by DeepSpeed ZeRO-3. Returns the patch; `patch.undo()` restores the forward and the Trainer.
     """
     trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
-    model = model_or_trainer.model if trainer is not None else model_or_trainer
+    model = language_model(model_or_trainer.model if trainer is not None else model_or_trainer)
     ntl = NtlConfig(kind, ntl_weight, reweigh, float_level)
     _check_arguments(model, ntl, backend)
     rule = checked_rule(model.config)
@@ -76,6 +78,21 @@ def apply_ntl(
     hooks = TrainerHooks(trainer, forward) if trainer is not None else None
     model.forward = forward
     return NtlPatch(model, forward, hooks)
+
+
+def language_model(model):
+    """The transformers causal LM whose forward the patch replaces: `model`, or the base model under a PEFT adapter
+    (LoRA and the other tuners that adapt layers in place; PEFT calls the base model as a module, so its patched
+    forward runs, with the adapters inside the trunk). Prompt learning is refused: it prepends virtual tokens in
+    PEFT's own forward, to inputs and labels alike, which the patched forward never sees."""
+    peft = sys.modules.get("peft")  # a PEFT model exists only where peft was imported
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model
+    config = model.active_peft_config
+    if config.is_prompt_learning:
+        raise ValueError(f"apply_ntl: PEFT {config.peft_type.value} prepends virtual tokens in PEFT's own forward, "
+                         "which this drop-in does not follow; adapters such as LoRA are supported")  # fmt: skip
+    return model.get_base_model()
 
 
 def _check_arguments(model, ntl: NtlConfig, backend: str) -> None:
@@ -96,6 +113,10 @@ def _check_arguments(model, ntl: NtlConfig, backend: str) -> None:
     if model.config.model_type in OUTPUT_BIAS:
         raise ValueError(f"apply_ntl: {type(model).__name__}'s output layer has a bias, which the chunked head does "
                          "not apply")  # fmt: skip
-    if hasattr(model.get_output_embeddings().weight, "ds_id"):
+    output_layer = model.get_output_embeddings()
+    if type(output_layer).__module__.startswith("peft."):
+        raise ValueError(f"apply_ntl: the output layer is adapted by PEFT ({type(output_layer).__name__}), which the "
+                         "chunked head does not apply; leave it out of target_modules and modules_to_save")  # fmt: skip
+    if hasattr(output_layer.weight, "ds_id"):
         raise ValueError("apply_ntl: the output layer is partitioned by DeepSpeed ZeRO-3, which this drop-in does not "
                          "gather; train under ZeRO-3 with ntl-pretrain's own trainer, or use ZeRO-1/2")  # fmt: skip
