@@ -136,8 +136,8 @@ def test_the_dry_run_passes_over_a_damaged_checkpoint_as_the_ranks_do_and_refuse
     code, out, err, launches = run_cli([*argv, "--dry-run"], monkeypatch, capsys)
     assert code == 0 and not launches, err
     size = f"{cut}: size 100 bytes, manifest says {manifest.read(damaged)['recipe.yaml']['size']}"
-    assert f"# {output_dir}: resumes {intact} (step 20) and trains to step 300; passes over the damaged {damaged}: " \
-        f"{size} (the run moves it to <folder>.damaged)\n# " in out  # fmt: skip
+    assert f"# {output_dir}: resumes {intact} (step 20) and trains to step 300; passes over the damaged {damaged} " \
+        f"({size}), which the run moves to {damaged}.damaged\n# " in out  # fmt: skip
     code, out, err, launches = run_cli(argv, monkeypatch, capsys)
     assert code == 0 and len(launches) == 1, err
 

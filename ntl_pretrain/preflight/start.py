@@ -38,8 +38,8 @@ class RunStart:
     step: int | None
     init_from: str | None
     numbers_note: str | None = None
-    passed_over: tuple[str, ...] = ()
-    """The damaged checkpoints `auto` passes over, each as `<folder>: <first problem>`."""
+    passed_over: tuple[tuple[str, str], ...] = ()
+    """(folder, its first problem) of each damaged checkpoint `auto` passes over."""
 
     @property
     def finished(self) -> bool:
@@ -51,8 +51,8 @@ class RunStart:
             what = f"resumes {self.resume_from} (step {self.step}) and trains to step {self.max_steps}"
             if self.init_from is not None:
                 what += f"; init_from {self.init_from} is not loaded"
-            for damaged in self.passed_over:
-                what += f"; passes over the damaged {damaged} (the run moves it to <folder>.damaged)"
+            for damaged, problem in self.passed_over:
+                what += f"; passes over the damaged {damaged} ({problem}), which the run moves to {damaged}.damaged"
         elif self.init_from is not None:
             what = f"starts from the weights of init_from {self.init_from} and trains {self.max_steps} steps"
         else:
@@ -70,7 +70,7 @@ def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -
 
     point = resume_point(recipe)
     folder = point.folder
-    passed_over = tuple(f"{entry['checkpoint']}: {entry['problems'][0]}" for entry in point.skipped)
+    passed_over = tuple((entry["checkpoint"], entry["problems"][0]) for entry in point.skipped)
     start = RunStart(recipe.train.output_dir, recipe.train.max_steps, folder,
                      None if folder is None else checkpoint.step_of(folder), recipe.init_from,
                      passed_over=passed_over)  # fmt: skip
