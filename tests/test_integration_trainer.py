@@ -298,3 +298,22 @@ def test_a_trainer_that_computes_the_loss_from_logits_is_refused(setting, why):
     with pytest.raises(ValueError, match=why):
         apply_ntl(trainer, TOKENIZER)
     assert "forward" not in vars(lm)
+
+
+def test_trls_sft_trainer_which_takes_its_loss_from_its_own_fused_head_is_refused(tmp_path):
+    """TRL 1.16's SFTTrainer reads `outputs.log_probs` of its own fused head: patched, it failed at step 1 with an
+    AttributeError; it is refused at once, the model left as SFTTrainer made it."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    lm = tiny_model("llama", vocab_size=len(TOKENIZER))
+    pairs = [(1, 2), (30, 4)]
+    data = Dataset.from_dict(
+        {"prompt": [f"{a} + {b} = " for a, b in pairs], "completion": [f"{a + b}" for a, b in pairs]}
+    )
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True, save_strategy="no")
+    trainer = SFTTrainer(model=lm, args=args, train_dataset=data, processing_class=copy.deepcopy(TOKENIZER))
+    forward = vars(lm).get("forward")
+    with pytest.raises(ValueError, match=r"SFTTrainer \(TRL\) computes its loss in its own compute_loss"):
+        apply_ntl(trainer, TOKENIZER)
+    assert vars(lm).get("forward") is forward and "_get_num_items_in_batch" not in vars(trainer)

@@ -10,7 +10,7 @@
 3. Evaluation. `evaluation_loop` (under `evaluate` and `predict`) also returns `<prefix>_ce` and `<prefix>_ntl` beside
    `<prefix>_loss`, over the same rows: a CE+NTL run's `eval_ce` is what compares with a CE run's `eval_loss`.
 
-Refused, each with the argument that causes it: a Trainer that computes the loss from logits itself (label
+Refused, each with the argument that causes it: a Trainer that computes the loss itself (TRL's trainers, label
 smoothing, `compute_loss_func`), that does not pass `num_items_in_batch` to the model, or that runs DataParallel
 replicas (`n_gpu` > 1: one process, several GPUs).
 """
@@ -27,6 +27,10 @@ PATCHED = ("_get_num_items_in_batch", "log", "evaluation_loop")
 
 def check_trainer(trainer) -> None:
     """Raise `ValueError` naming the setting when `trainer` would not train through the patched forward's loss."""
+    if type(trainer).__module__.startswith("trl."):
+        raise ValueError(f"{type(trainer).__name__} (TRL) computes its loss in its own compute_loss, from TRL's fused "
+                         "head (outputs.log_probs), never from the model's loss, so NTL would not train; use "
+                         "transformers' Trainer with completion-only labels (docs/loss.md)")  # fmt: skip
     if trainer.label_smoother is not None:
         raise ValueError("label_smoothing_factor: the Trainer then computes the loss from logits, without NTL; set 0")
     if trainer.compute_loss_func is not None:
