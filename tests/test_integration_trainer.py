@@ -2,8 +2,9 @@
 float64 loop that shares nothing with the drop-in but the loss kernel (transformers' own forward for the logits,
 `ce_ntl_loss` on them, the step's counts taken here), in one process and in two (DDP on gloo); accumulation equals
 one big micro-batch; evaluation's loss, ce and ntl are the reference's per batch; ce and ntl are logged with
-loss = ce + λ·ntl; undone, the Trainer trains as one never patched, bit for bit; a Trainer that computes the loss
-from logits itself is refused."""
+loss = ce + λ·ntl; undone, the Trainer trains as one never patched, bit for bit; a LoRA-adapted model trains its
+adapters as the float64 loop does through PEFT's forward; a Trainer that computes the loss itself (from logits, or
+TRL's from its own fused head) and what PEFT adapts outside the trunk are refused."""
 
 from __future__ import annotations
 
@@ -177,7 +178,7 @@ def train_and_evaluate_on_this_rank(lm, kind: str, results: dict) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_equal_the_float64_loop_over_both_processes_batches(tmp_path):
+def test_two_processes_equal_the_float64_loop_over_both_processes_batches():
     lm = tiny_model("llama", vocab_size=len(TOKENIZER))
     want = reference_steps(lm, dataset(STEPS * 8), micro=2, accumulation=4, kind="was")
     results = torch.multiprocessing.Manager().dict()
@@ -262,7 +263,7 @@ def test_a_lora_adapted_model_trains_its_adapters_as_the_float64_loop_and_undoes
     got = zip(logged(trainer, "ce"), logged(trainer, "ntl"), strict=True)
     for (ce, ntl), (want_ce, want_ntl) in zip(got, want, strict=True):
         assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
-    assert want[2][0] < 0.9 * want[0][0]
+    assert want[2][0] < 0.9 * want[0][0]  # the adapters moved the model
     for name, param in lm.named_parameters():  # the base model and its output layer stay as they were
         assert param.requires_grad or torch.equal(param, frozen[name]), name
     patch.undo()
