@@ -45,15 +45,17 @@ def writer(relative: str) -> int | None:
     return None if found is None else int(found.group(1) or found.group(2))
 
 
+def all_files(folder: Path) -> list[str]:
+    """Every file under `folder` (posix, relative), as a manifest of a whole folder lists them."""
+    return [path.relative_to(folder).as_posix() for path in sorted(folder.rglob("*")) if path.is_file()]
+
+
 def files_written_by(folder: Path, rank: int) -> list[str]:
     """Paths inside `folder` (posix, relative) that `rank` wrote: its own shards, and for rank 0 the shared files."""
     found = []
-    for path in sorted(folder.rglob("*")):
-        if not path.is_file() or path.name == MANIFEST:
-            continue
-        relative = path.relative_to(folder).as_posix()
+    for relative in all_files(folder):
         owner = writer(relative)
-        if owner == rank or (owner is None and rank == 0):
+        if Path(relative).name != MANIFEST and (owner == rank or (owner is None and rank == 0)):
             found.append(relative)
     return found
 
@@ -248,11 +250,6 @@ def verify(folder: Path, mode: VerifyMode = "checksum", rank: int = 0, world_siz
     return added + check(folder, share(entries, rank, world_size), mode)
 
 
-def all_files(folder: Path) -> list[str]:
-    """Every file under `folder` (posix, relative), as a manifest of a whole folder lists them."""
-    return [path.relative_to(folder).as_posix() for path in sorted(folder.rglob("*")) if path.is_file()]
-
-
 def universal_damage(universal: Path, mode: VerifyMode = "checksum") -> str | None:
     """Why a step's universal copy (`reshard.py`, written with its own manifest of every file in it) cannot be
     trusted, or None when it is as written. It is derived from the step's shards, so damage costs a conversion,
@@ -278,7 +275,6 @@ def sign_of_a_manifest(folder: Path) -> str | None:
 def unlisted(folder: Path, entries: dict[str, dict]) -> list[Problem]:
     """Files the folder holds that its manifest does not list, but for the manifest itself and what a resume
     derives (`DERIVED`): added after the save, so nothing vouches for them."""
-    derived = [folder / name for name in DERIVED]
-    held = [path for path in sorted(folder.rglob("*")) if path.is_file() and path != folder / MANIFEST
-            and not any(path == parent or path.is_relative_to(parent) for parent in derived)]  # fmt: skip
-    return [Problem(path, "not in the manifest") for path in held if path.relative_to(folder).as_posix() not in entries]
+    vouched = {MANIFEST, *entries}
+    held = [relative for relative in all_files(folder) if relative.split("/")[0] not in DERIVED]
+    return [Problem(folder / relative, "not in the manifest") for relative in held if relative not in vouched]
