@@ -1,7 +1,8 @@
 """`apply_ntl` under transformers' `Trainer` (fp32 and bf16 on CPU): three steps with gradient accumulation equal a
 float64 loop that shares nothing with the drop-in but the loss kernel (transformers' own forward for the logits,
 `ce_ntl_loss` on them, the step's counts taken here), in one process and in two (DDP on gloo); accumulation equals
-one big micro-batch; evaluation's loss, ce and ntl are the reference's per batch; ce and ntl are logged with
+one big micro-batch; so do two processes under DeepSpeed ZeRO-3, the output layer partitioned; evaluation's loss,
+ce and ntl are the reference's per batch; ce and ntl are logged with
 loss = ce + λ·ntl; undone, the Trainer trains as one never patched, bit for bit; a LoRA-adapted model trains its
 adapters as the float64 loop does through PEFT's forward; a Trainer that computes the loss itself (from logits, or
 TRL's from its own fused head) and what PEFT adapts outside the trunk are refused."""
@@ -9,6 +10,7 @@ TRL's from its own fused head) and what PEFT adapts outside the trunk are refuse
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -49,14 +51,18 @@ def dataset(size: int = 12) -> list[dict]:
     return [example(a, b) for a, b in pairs.tolist()]
 
 
-def trainer_for(lm, micro: int, accumulation: int, **settings) -> Trainer:
-    args = TrainingArguments(
+def training_arguments(micro: int, accumulation: int, **settings) -> TrainingArguments:
+    settings = {"use_cpu": True, **settings}
+    return TrainingArguments(
         output_dir="trainer-out", per_device_train_batch_size=micro, per_device_eval_batch_size=micro,
         gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
-        optim="sgd", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        train_sampling_strategy="sequential", disable_tqdm=True, **settings,
+        optim="sgd", logging_steps=1, save_strategy="no", report_to="none", train_sampling_strategy="sequential",
+        disable_tqdm=True, **settings,
     )  # fmt: skip
-    return Trainer(model=lm, args=args, train_dataset=dataset())
+
+
+def trainer_for(lm, micro: int, accumulation: int, **settings) -> Trainer:
+    return Trainer(model=lm, args=training_arguments(micro, accumulation, **settings), train_dataset=dataset())
 
 
 def logged(trainer: Trainer, key: str) -> list[float]:
@@ -75,6 +81,11 @@ def ntl_terms(shifted: torch.Tensor, kind: str) -> torch.Tensor:
 def reference_steps(lm, data: list[dict], micro: int, accumulation: int, kind: str) -> list[tuple[float, float]]:
     """(ce, ntl) of each step of a float64 copy of `lm` trained as the Trainer trains (SGD, gradient norm clipped at
     1, constant learning rate), CE over the step's label tokens and NTL over its NTL terms."""
+    return reference_training(lm, data, micro, accumulation, kind)[0]
+
+
+def reference_training(lm, data: list[dict], micro: int, accumulation: int, kind: str):
+    """`reference_steps`' (ce, ntl) of each step, and the float64 model trained."""
     model = copy.deepcopy(lm).double().train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     steps = []
@@ -94,7 +105,7 @@ def reference_steps(lm, data: list[dict], micro: int, accumulation: int, kind: s
         optimizer.step()
         optimizer.zero_grad()
         steps.append((ce, ntl))
-    return steps
+    return steps, model.eval()
 
 
 @pytest.mark.parametrize("kind", ["was", "number"])
@@ -193,6 +204,58 @@ def test_two_processes_equal_the_float64_loop_over_both_processes_batches():
     assert_evaluation(results["even"], reference_evaluation(trained, dataset(8), batch_size=4))
     uneven = results["uneven"]  # the Trainer's loss over its rows, ce and ntl over ours: padding kept would miss by 2%
     assert uneven["uneven_loss"] == pytest.approx(uneven["uneven_ce"] + LAMBDA * uneven["uneven_ntl"], rel=1e-6)
+
+
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+
+
+def train_under_zero3_on_this_rank(saved: str, results: dict) -> None:
+    """On each of two processes: the model loaded from `saved` partitioned by ZeRO-3 (the TrainingArguments, made
+    first, tell transformers so), the steps of the two-process test, then evaluation on 8 examples and, undone,
+    transformers' own forward under ZeRO-3 (rank 0 keeps what it measured)."""
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+
+    # Without CUDA accelerate gives DeepSpeed no backend and counts one process; a state made beforehand on gloo
+    # (as `use_configured_state` allows) counts both. On GPUs accelerate picks NCCL itself.
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    args = training_arguments(micro=2, accumulation=2, use_cpu=False, deepspeed=ZERO3,
+                              accelerator_config={"use_configured_state": True})  # fmt: skip
+    lm = AutoModelForCausalLM.from_pretrained(saved)
+    partitioned = lm.lm_head.weight.numel() < lm.lm_head.weight.ds_numel
+    trainer = Trainer(model=lm, args=args, train_dataset=dataset(STEPS * 8))
+    patch = apply_ntl(trainer, TOKENIZER, kind="was", ntl_weight=LAMBDA)
+    registered = list(lm._external_params.values()) == [lm.lm_head.weight]
+    trainer.train()
+    evaluated = trainer.evaluate(dataset(8))
+    patch.undo()
+    undone = trainer.evaluate(dataset(8), metric_key_prefix="undone")
+    if dist.get_rank() == 0:
+        results.update(partitioned=partitioned, registered=registered, evaluated=evaluated, undone=undone,
+                       external_parameters=len(lm._external_params),
+                       logged=[logged(trainer, key) for key in ("ce", "ntl", "loss")])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_under_deepspeed_zero3_two_processes_equal_the_float64_loop_and_undo(tmp_path):
+    """The output layer's weight, partitioned over the two processes, is gathered for the patched forward and its
+    backward (each step's ce and ntl, and the eval after the last step, are the float64 loop's); undone, the Trainer
+    evaluates with transformers' own loss (CE) and the weight is no longer the model's external parameter."""
+    lm = tiny_model("llama", vocab_size=len(TOKENIZER))  # untied: only the patched forward uses the output layer
+    lm.save_pretrained(tmp_path)
+    want, trained = reference_training(lm, dataset(STEPS * 8), micro=2, accumulation=4, kind="was")
+    results = torch.multiprocessing.Manager().dict()
+    run_distributed(train_under_zero3_on_this_rank, 2, str(tmp_path), results, timeout_s=600)
+    assert results["partitioned"] and results["registered"]
+    for (ce, ntl, loss), (want_ce, want_ntl) in zip(zip(*results["logged"], strict=True), want, strict=True):
+        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
+        assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
+    want_evaluation = reference_evaluation(trained, dataset(8), batch_size=4)
+    assert_evaluation(results["evaluated"], want_evaluation)
+    assert results["undone"]["undone_loss"] == pytest.approx(want_evaluation["eval_ce"], rel=1e-5)
+    assert "undone_ce" not in results["undone"] and results["external_parameters"] == 0
 
 
 def test_bf16_trains_on_cpu_without_the_output_layer_forming_logits_and_undoes_inside_accelerates_autocast():

@@ -26,6 +26,8 @@ class NtlPatch:
     model: PreTrainedModel
     forward: NtlForward
     trainer_hooks: TrainerHooks | None = None
+    zero3_external: bool = False
+    """Whether the output layer's weight was registered with the model as a ZeRO-3 external parameter."""
 
     def undo(self) -> None:
         if not self.forward.active:
@@ -33,6 +35,10 @@ class NtlPatch:
         self.forward.active = False
         if self.trainer_hooks is not None:
             self.trainer_hooks.undo()
+        if self.zero3_external:
+            from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
+
+            unregister_external_parameter(self.model, self.model.get_output_embeddings().weight)
         if self.model.__dict__.get("forward") is not self.forward:
             return  # wrapped since (accelerate's autocast): it stays in the chain, passing calls to transformers
         if self.forward.replaced is None:
@@ -70,14 +76,30 @@ def apply_ntl(
     _check_arguments(model, ntl, backend)
     rule = checked_rule(model.config)
     weight = model.get_output_embeddings().weight
-    number_vocab = None if kind is None else NumberVocab.from_tokenizer(tokenizer, vocab_size=weight.shape[0])
+    vocab_size = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 leaves an empty shard in weight.shape
+    number_vocab = None if kind is None else NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size)
     if number_vocab is not None:
         number_vocab.require_numbers()
     objective = NtlObjective(ntl, number_vocab, logit_transform(model), chunk_size, backend)
     forward = NtlForward(model, objective, rule, router_balancing(model, None))
     hooks = TrainerHooks(trainer, forward) if trainer is not None else None
     model.forward = forward
-    return NtlPatch(model, forward, hooks)
+    return NtlPatch(model, forward, hooks, gather_output_weight(model))
+
+
+def gather_output_weight(model: PreTrainedModel) -> bool:
+    """Under DeepSpeed ZeRO-3 a parameter is gathered only around the forward and backward of the module that owns
+    it, and the patched forward multiplies by the output layer's weight without calling that layer. Registered as an
+    external parameter of the model (DeepSpeed's documented way, as heads/chunked.py does in our own trainer), it is
+    gathered for the model's forward and backward and released after; its gradient reaches ZeRO-3's reduce-scatter
+    like any other. True where it was registered (a partitioned weight)."""
+    weight = model.get_output_embeddings().weight
+    if not hasattr(weight, "ds_id"):
+        return False
+    import deepspeed
+
+    deepspeed.zero.register_external_parameter(model, weight)
+    return True
 
 
 def language_model(model):
@@ -117,6 +139,3 @@ def _check_arguments(model, ntl: NtlConfig, backend: str) -> None:
     if type(output_layer).__module__.startswith("peft."):
         raise ValueError(f"apply_ntl: the output layer is adapted by PEFT ({type(output_layer).__name__}), which the "
                          "chunked head does not apply; leave it out of target_modules and modules_to_save")  # fmt: skip
-    if hasattr(output_layer.weight, "ds_id"):
-        raise ValueError("apply_ntl: the output layer is partitioned by DeepSpeed ZeRO-3, which this drop-in does not "
-                         "gather; train under ZeRO-3 with ntl-pretrain's own trainer, or use ZeRO-1/2")  # fmt: skip
