@@ -2,13 +2,15 @@
 and untied output layers; Llama's, OPT's and GPT-2's trunks; a MoE with its balancing loss): with λ·NTL off the
 patched forward gives transformers' own loss and gradients; with NTL on its terms equal `ce_ntl_loss` in float64 on
 transformers' own logits; completion-only labels (-100) and padding count nowhere; without labels the logits are
-transformers'; in one's own loop, micro-batches given the step's counts add up to one call over them all; undone,
+transformers'; in one's own loop, micro-batches given the step's counts add up to one call over them all, and so do
+two processes under FSDP2 (`fully_shard`, the output layer sharded between them); undone,
 the model is transformers' again bit for bit; models and arguments it cannot serve are refused, naming why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.distributed import run_distributed
 from helpers.tiny_models import enlarged_settings, tiny_model
 from transformers import AutoTokenizer
 
@@ -127,6 +129,63 @@ def test_in_your_own_loop_micro_batches_given_the_step_counts_equal_one_call():
         torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match="num_number_tokens= beside num_items_in_batch"):
         lm(**inputs, num_items_in_batch=num_tokens)
+
+
+def fully_sharded(lm, output_layer_apart: bool):
+    """`lm` under FSDP2 as accelerate's `fsdp_version: 2` shards it: each decoder layer a unit of its own, the root
+    (embeddings, final norm, output layer) another; `output_layer_apart`: the output layer also a unit of its own (a
+    size-based wrap policy makes it one), whose hooks never run, since the patched forward does not call it."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in lm.modules():
+        if type(module).__name__ in lm._no_split_modules:
+            fully_shard(module)
+    if output_layer_apart:
+        fully_shard(lm.get_output_embeddings())
+    return fully_shard(lm)
+
+
+def rows_under_fsdp2_on_this_rank(models: dict, results: dict) -> None:
+    """Each of two processes: the patched model under FSDP2, its own row of `batch()` given both rows' counts (its
+    loss times 2: FSDP2 averages gradients over processes, as Trainer scales for `average_tokens_across_devices`);
+    rank 0 keeps the loss summed over processes and every parameter's whole gradient."""
+    rank, inputs = torch.distributed.get_rank(), batch()
+    shifted = inputs["labels"][:, 1:]
+    num_tokens = (shifted != -100).sum()
+    num_numbers = ((shifted != -100) & (NV.classes[shifted.clamp_min(0)] >= 0)).sum()
+    for (model_type, apart), lm in models.items():
+        apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=LAMBDA)
+        sharded = fully_sharded(lm, apart)
+        row = {key: value[rank : rank + 1] for key, value in inputs.items()}
+        loss = sharded(**row, num_items_in_batch=num_tokens, num_number_tokens=num_numbers).loss
+        (loss * 2).backward()
+        torch.distributed.all_reduce(summed := loss.detach().clone())
+        grads = {name: param.grad.full_tensor() for name, param in sharded.named_parameters()}
+        if rank == 0:
+            results[model_type, apart] = (summed, grads, type(lm.lm_head.weight).__name__)
+
+
+@pytest.mark.slow
+def test_under_fsdp2_two_processes_rows_equal_one_call_over_both():
+    """The output layer's weight, sharded over two processes (a DTensor between forwards), is whole inside the
+    patched forward and gets its gradient: untied (llama) and tied (gpt2), in the root's unit or in its own."""
+    cases = [("llama", False), ("gpt2", False), ("llama", True)]
+    models = {case: family_model(case[0]) for case in cases}
+    wants = {}
+    for model_type in ("llama", "gpt2"):
+        patched = family_model(model_type)  # the same seed: the same weights
+        apply_ntl(patched, TOKENIZER, kind="was", ntl_weight=LAMBDA)
+        wants[model_type] = loss_and_gradients(patched, batch())
+    results = torch.multiprocessing.Manager().dict()
+    run_distributed(rows_under_fsdp2_on_this_rank, 2, models, results, timeout_s=300)
+    for case in cases:
+        want_loss, want_grads = wants[case[0]]
+        loss, grads, weight_class = results[case]
+        assert weight_class == "DTensor", case  # sharded outside the forward
+        assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6), case
+        assert grads.keys() == want_grads.keys()
+        for name, want in want_grads.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-7, msg=f"{case} {name}")
 
 
 def test_undone_the_model_is_transformers_bit_for_bit():

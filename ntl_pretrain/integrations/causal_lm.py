@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor, Partial
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -155,7 +156,7 @@ class NtlForward:
     def head_loss(self, hidden_BTH: torch.Tensor, labels_BT: torch.Tensor, num_items, num_terms) -> LossParts:
         """CE + λ·NTL of `transform(hidden @ weight.T)` against `labels_BT` (already shifted)."""
         objective = self.objective
-        weight_VH = self.lm.get_output_embeddings().weight
+        weight_VH = whole(self.lm.get_output_embeddings().weight)
         # under torch.autocast the head multiplies as nn.Linear does (its dtype) and keeps the loss math in fp32
         rows = linear_ce_ntl_rows(
             hidden_BTH, weight_VH, labels_BT, objective.number_vocab, objective.ntl, reduction="mean",
@@ -180,6 +181,18 @@ class NtlForward:
         if aux_loss is not None and "aux_loss" in names:
             shared["aux_loss"] = aux_loss
         return output_class(loss=loss, logits=None, **shared)
+
+
+def whole(weight: torch.Tensor) -> torch.Tensor:
+    """The output layer's weight whole. Under FSDP2 it is already, inside the forward of the unit that holds it (the
+    root's, usually). Where the output layer is a unit of its own (a size-based wrap policy makes it one) its hooks
+    never run, since the head does not call it, and the weight is still a sharded DTensor: gathered here. Each
+    process's gradient of it is its own (`Partial`), so autograd reduce-scatters it to the shards, averaged over
+    processes as FSDP2 averages the gradients its hooks reduce (left as a replicated gradient, each shard would keep
+    its own process's slice)."""
+    if isinstance(weight, DTensor):
+        return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+    return weight
 
 
 def returned_class(model_class: type) -> type:
