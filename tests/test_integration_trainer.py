@@ -4,8 +4,9 @@ float64 loop that shares nothing with the drop-in but the loss kernel (transform
 one big micro-batch; so do two processes under DeepSpeed ZeRO-3, the output layer partitioned; evaluation's loss,
 ce and ntl are the reference's per batch; ce and ntl are logged with
 loss = ce + λ·ntl; undone, the Trainer trains as one never patched, bit for bit; a LoRA-adapted model trains its
-adapters as the float64 loop does through PEFT's forward; a Trainer that computes the loss itself (from logits, or
-TRL's from its own fused head) and what PEFT adapts outside the trunk are refused."""
+adapters as the float64 loop does through PEFT's forward; TRL's SFTTrainer trains as the float64 loop over its
+collator's batches; a Trainer that computes the loss itself (from logits, TRL's DFT or TRL's other trainers) and what
+PEFT adapts outside the trunk are refused."""
 
 from __future__ import annotations
 
@@ -86,13 +87,20 @@ def reference_steps(lm, data: list[dict], micro: int, accumulation: int, kind: s
 
 def reference_training(lm, data: list[dict], micro: int, accumulation: int, kind: str):
     """`reference_steps`' (ce, ntl) of each step, and the float64 model trained."""
-    model = copy.deepcopy(lm).double().train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     steps = []
     for step in range(STEPS):
         first = step * micro * accumulation
         batches = [data[i : i + micro] for i in range(first, first + micro * accumulation, micro)]
-        batches = [{key: torch.stack([row[key] for row in batch]) for key in batch[0]} for batch in batches]
+        steps.append([{key: torch.stack([row[key] for row in batch]) for key in batch[0]} for batch in batches])
+    return reference_training_on(lm, steps, kind)
+
+
+def reference_training_on(lm, steps_batches: list[list[dict]], kind: str):
+    """(ce, ntl) of each step of a float64 copy of `lm` trained on each step's micro-batches, and the model."""
+    model = copy.deepcopy(lm).double().train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    steps = []
+    for batches in steps_batches:
         num_tokens = sum((batch["labels"][:, 1:] != -100).sum() for batch in batches)
         num_terms = sum(ntl_terms(batch["labels"][:, 1:], kind) for batch in batches)
         ce = ntl = 0.0
@@ -364,20 +372,64 @@ def test_a_trainer_that_computes_the_loss_from_logits_is_refused(setting, why):
     assert "forward" not in vars(lm)
 
 
-def test_trls_sft_trainer_which_takes_its_loss_from_its_own_fused_head_is_refused(tmp_path):
-    """TRL 1.16's SFTTrainer reads `outputs.log_probs` of its own fused head: patched, it failed at step 1 with an
-    AttributeError; it is refused at once, the model left as SFTTrainer made it."""
+def sft_trainer(lm, output_dir, **settings):
+    """TRL's SFTTrainer on prompt-completion pairs (its completion-only labels), trained as `trainer_for` trains."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    pairs = torch.randint(0, 10, (12, 2), generator=torch.Generator().manual_seed(0)) ** torch.tensor([1, 3])
+    data = Dataset.from_dict({"prompt": [f"{a} + {b} = " for a, b in pairs.tolist()],
+                              "completion": [f"{a + b}" for a, b in pairs.tolist()]})  # fmt: skip
+    args = SFTConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+        learning_rate=LR, lr_scheduler_type="constant", optim="sgd", logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, train_sampling_strategy="sequential", disable_tqdm=True, bf16=False,
+        **settings,
+    )  # fmt: skip  # TRL's default activation checkpointing stays on: the patched forward's trunk recomputes
+    return SFTTrainer(model=lm, args=args, train_dataset=data, processing_class=copy.deepcopy(TOKENIZER))
+
+
+def test_trls_sft_trainer_trains_on_ce_and_ntl_as_the_float64_loop_over_its_batches(tmp_path):
+    """TRL 1.16's SFTTrainer takes its loss from its own fused head (`outputs.log_probs`); patched, it trains on the
+    model's CE + λ·NTL: each step's ce and ntl are the float64 loop's over the micro-batches TRL's collator makes."""
     lm = tiny_model("llama", vocab_size=len(TOKENIZER))
-    pairs = [(1, 2), (30, 4)]
-    data = Dataset.from_dict(
-        {"prompt": [f"{a} + {b} = " for a, b in pairs], "completion": [f"{a + b}" for a, b in pairs]}
-    )
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True, save_strategy="no")
-    trainer = SFTTrainer(model=lm, args=args, train_dataset=data, processing_class=copy.deepcopy(TOKENIZER))
+    trainer = sft_trainer(copy.deepcopy(lm), tmp_path)
+    loader = iter(trainer.get_train_dataloader())
+    steps_batches = [[next(loader) for _ in range(2)] for _ in range(STEPS)]
+    assert all((batch["labels"][:, 0] == -100).all() for batches in steps_batches for batch in batches)  # prompts
+    want = reference_training_on(lm, steps_batches, kind="was")[0]
+    patch = apply_ntl(trainer, TOKENIZER, kind="was", ntl_weight=LAMBDA)
+    trainer.train()
+    got = list(zip(logged(trainer, "ce"), logged(trainer, "ntl"), logged(trainer, "loss"), strict=True))
+    assert len(got) == STEPS
+    for (ce, ntl, loss), (want_ce, want_ntl) in zip(got, want, strict=True):
+        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
+        assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
+    assert want[2][0] < 0.97 * want[0][0]  # the steps moved the model (0.948 measured): gradients are compared too
+    patch.undo()
+    assert {"compute_loss", "_get_num_items_in_batch"}.isdisjoint(vars(trainer))
+
+
+def test_what_trl_computes_from_its_own_head_is_refused(tmp_path):
+    """TRL's DFT loss weighs each token by its probability from TRL's head; TRL's other trainers have objectives of
+    their own; an SFTTrainer subclass's own compute_loss would be replaced. Each refused at once, the model left as
+    TRL made it."""
+    from trl import DPOTrainer, SFTTrainer
+
+    class OwnLoss(SFTTrainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    lm = tiny_model("llama", vocab_size=len(TOKENIZER))
+    trainer = sft_trainer(lm, tmp_path, loss_type="dft")
     forward = vars(lm).get("forward")
-    with pytest.raises(ValueError, match=r"SFTTrainer \(TRL\) computes its loss in its own compute_loss"):
+    with pytest.raises(ValueError, match="loss_type 'dft': TRL weighs each token's CE by its probability"):
         apply_ntl(trainer, TOKENIZER)
-    assert vars(lm).get("forward") is forward and "_get_num_items_in_batch" not in vars(trainer)
+    assert vars(lm).get("forward") is forward and "compute_loss" not in vars(trainer)
+    for trainer_class, why in ((DPOTrainer, r"DPOTrainer \(TRL\) computes its own objective"),
+                               (OwnLoss, "OwnLoss overrides SFTTrainer.compute_loss")):  # fmt: skip
+        trainer = object.__new__(trainer_class)  # the refusal reads the class alone: no data or reference model
+        trainer.model = lm
+        with pytest.raises(ValueError, match=why):
+            apply_ntl(trainer, TOKENIZER)
+    assert vars(lm).get("forward") is forward

@@ -63,14 +63,15 @@ def apply_ntl(
     `output.ce` and `output.ntl` hold the two terms). Without labels the model is transformers' own.
 
     A PEFT model (LoRA and other in-place adapters) is patched through its base model (`language_model`). Given a
-    `Trainer`, also its counting and logging (trainer_hooks.py): NTL is normalised by the NTL terms of the whole
-    optimizer step, as CE is by `num_items_in_batch`, and the logs gain `ce` and `ntl`. Given a model alone,
-    a call with `num_items_in_batch` needs `num_number_tokens=` beside it. `tokenizer`: whose number tokens NTL reads
-    (any tokenizer `NumberVocab.from_tokenizer` takes; None with kind None). The model's family must be one the heads
-    train (heads/architectures.py: docs/compatibility.md), its output layer without a bias. Under DeepSpeed ZeRO-3
-    the output layer's weight is gathered for the model's forward and backward (`gather_output_weight`); under FSDP2
-    by its unit, or by the head where the output layer is a unit of its own (causal_lm.whole). Returns the patch;
-    `patch.undo()` restores the forward (and the Trainer, and ZeRO-3's registration).
+    `Trainer` (TRL's `SFTTrainer` too), also its counting and logging (trainer_hooks.py): NTL is normalised by the
+    NTL terms of the whole optimizer step, as CE is by `num_items_in_batch`, and the logs gain `ce` and `ntl`. Given
+    a model alone, a call with `num_items_in_batch` needs `num_number_tokens=` beside it. `tokenizer`: whose number
+    tokens NTL reads (any tokenizer `NumberVocab.from_tokenizer` takes; None with kind None). The model's family must
+    be one the heads train (heads/architectures.py: docs/compatibility.md), its output layer without a bias. Under
+    DeepSpeed ZeRO-3 the output layer's weight is gathered for the model's forward and backward
+    (`gather_output_weight`); under FSDP2 by its unit, or by the head where the output layer is a unit of its own
+    (causal_lm.whole). Returns the patch; `patch.undo()` restores the forward (and the Trainer, and ZeRO-3's
+    registration).
     """
     trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
     model = language_model(model_or_trainer.model if trainer is not None else model_or_trainer)

@@ -9,28 +9,40 @@
    divided by the steps since the last log): loss = ce + λ·ntl (plus w·aux for a MoE whose router logits are on).
 3. Evaluation. `evaluation_loop` (under `evaluate` and `predict`) also returns `<prefix>_ce` and `<prefix>_ntl` beside
    `<prefix>_loss`, over the same rows: a CE+NTL run's `eval_ce` is what compares with a CE run's `eval_loss`.
+4. TRL's `SFTTrainer` only: `compute_loss`. TRL's takes the loss from its own fused head (`log_probs`), never from
+   the model's loss; the patched one is transformers' `Trainer.compute_loss` (the model's loss, CE + λ·NTL, scaled as
+   for any Trainer), with the cache off as TRL sets it. TRL's `entropy` and `mean_token_accuracy`, which come from
+   its head, are not logged; `ce` and `ntl` are.
 
-Refused, each with the argument that causes it: a Trainer that computes the loss itself (TRL's trainers, label
-smoothing, `compute_loss_func`), that does not pass `num_items_in_batch` to the model, or that runs DataParallel
-replicas (`n_gpu` > 1: one process, several GPUs).
+Refused, each with the argument that causes it: a Trainer that computes the loss itself (TRL's trainers but
+`SFTTrainer`, its `loss_type` dft, label smoothing, `compute_loss_func`), that does not pass `num_items_in_batch` to
+the model, or that runs DataParallel replicas (`n_gpu` > 1: one process, several GPUs).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from ntl_pretrain.integrations.causal_lm import IGNORE_INDEX, LossParts, NtlForward, NtlObjective
 from ntl_pretrain.loss.number_level import find_number_spans
 
-PATCHED = ("_get_num_items_in_batch", "log", "evaluation_loop")
+PATCHED = ("_get_num_items_in_batch", "log", "evaluation_loop", "compute_loss")
+
+
+def is_sft_trainer(trainer) -> bool:
+    trl = sys.modules.get("trl")  # a TRL trainer exists only where trl was imported
+    return trl is not None and isinstance(trainer, trl.SFTTrainer)
 
 
 def check_trainer(trainer) -> None:
     """Raise `ValueError` naming the setting when `trainer` would not train through the patched forward's loss."""
-    if type(trainer).__module__.startswith("trl."):
-        raise ValueError(f"{type(trainer).__name__} (TRL) computes its loss in its own compute_loss, from TRL's fused "
-                         "head (outputs.log_probs), never from the model's loss, so NTL would not train; use "
-                         "transformers' Trainer with completion-only labels (docs/loss.md)")  # fmt: skip
+    if is_sft_trainer(trainer):
+        check_sft_trainer(trainer)
+    elif type(trainer).__module__.startswith("trl."):
+        raise ValueError(f"{type(trainer).__name__} (TRL) computes its own objective from TRL's fused head, not the "
+                         "model's loss; of TRL's trainers apply_ntl takes SFTTrainer")  # fmt: skip
     if trainer.label_smoother is not None:
         raise ValueError("label_smoothing_factor: the Trainer then computes the loss from logits, without NTL; set 0")
     if trainer.compute_loss_func is not None:
@@ -41,6 +53,33 @@ def check_trainer(trainer) -> None:
     if trainer.args.n_gpu > 1:
         raise ValueError(f"n_gpu {trainer.args.n_gpu}: DataParallel replicas are not supported; launch one process "
                          f"per GPU (torchrun, accelerate launch)")  # fmt: skip
+
+
+def check_sft_trainer(trainer) -> None:
+    import trl
+
+    if type(trainer).compute_loss is not trl.SFTTrainer.compute_loss:
+        raise ValueError(f"{type(trainer).__name__} overrides SFTTrainer.compute_loss, which apply_ntl would replace "
+                         "with transformers' (the model's loss); leave compute_loss TRL's")  # fmt: skip
+    if trainer.args.loss_type != "nll":
+        raise ValueError(f"loss_type {trainer.args.loss_type!r}: TRL weighs each token's CE by its probability from "
+                         "its own head, which NTL's head does not form; set loss_type 'nll'")  # fmt: skip
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    if parallelism is not None and (parallelism.sp_enabled or parallelism.cp_enabled):
+        raise ValueError("sequence and context parallelism: TRL reduces the loss of its own head across the ranks of "
+                         "a sequence, which apply_ntl's loss does not follow")  # fmt: skip
+
+
+def sft_compute_loss(trainer):
+    """`compute_loss` for TRL's SFTTrainer: transformers' `Trainer.compute_loss` (the model's own loss, normalised by
+    `num_items_in_batch` and scaled over processes as for any Trainer), the cache off as TRL turns it off."""
+    from transformers import Trainer
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs["use_cache"] = False
+        return Trainer.compute_loss(trainer, model, inputs, return_outputs, num_items_in_batch)
+
+    return compute_loss
 
 
 def ntl_terms(labels_BT: torch.Tensor, objective: NtlObjective) -> torch.Tensor:
@@ -166,12 +205,14 @@ class TrainerHooks:
 
         trainer._get_num_items_in_batch, trainer.log = count_with_terms, log_with_parts
         trainer.evaluation_loop = evaluation_loop_with_parts
+        if is_sft_trainer(trainer):
+            trainer.compute_loss = sft_compute_loss(trainer)
         forward.on_loss = on_loss
 
     def undo(self) -> None:
         for name, replaced in self.replaced.items():
             if replaced is None:
-                del self.trainer.__dict__[name]
+                self.trainer.__dict__.pop(name, None)  # compute_loss is replaced on SFTTrainers only
             else:
                 self.trainer.__dict__[name] = replaced
         self.forward.on_loss = None
