@@ -385,7 +385,7 @@ def sft_trainer(lm, output_dir, **settings):
         learning_rate=LR, lr_scheduler_type="constant", optim="sgd", logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=True, train_sampling_strategy="sequential", disable_tqdm=True, bf16=False,
         **settings,
-    )  # fmt: skip  # TRL's default activation checkpointing stays on: the patched forward's trunk recomputes
+    )  # fmt: skip
     return SFTTrainer(model=lm, args=args, train_dataset=data, processing_class=copy.deepcopy(TOKENIZER))
 
 
@@ -400,6 +400,7 @@ def test_trls_sft_trainer_trains_on_ce_and_ntl_as_the_float64_loop_over_its_batc
     want = reference_training_on(lm, steps_batches, kind="was")[0]
     patch = apply_ntl(trainer, TOKENIZER, kind="was", ntl_weight=LAMBDA)
     trainer.train()
+    assert trainer.model.is_activation_checkpointing  # TRL's default: the patched forward's trunk recomputed
     got = list(zip(logged(trainer, "ce"), logged(trainer, "ntl"), logged(trainer, "loss"), strict=True))
     assert len(got) == STEPS
     for (ce, ntl, loss), (want_ce, want_ntl) in zip(got, want, strict=True):
