@@ -68,6 +68,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert heads["loss: ce_ntl_loss CE+NTL-WAS [triton]"].endswith(" host ops, 2 Triton launches")  # forward, backward
     step = stages["head_step"]["figures"]
     assert step["triton"] == "measured" and step["chunked head CE+NTL-WAS [triton]"].endswith("x")
+    assert step["apply_ntl CE+NTL-WAS"].endswith("x")  # the drop-in's patched forward, timed beside the heads
     assert stages["train_125m"]["figures"]["steps"] == 3 and stages["train_125m"]["figures"]["tokens_per_s"] > 0
     assert stages["train_125m"]["figures"]["profile"]["steps"] == [2, 2]
     persistent = stages["train_125m_persistent"]["figures"]

@@ -38,10 +38,15 @@ POSITIONS, HIDDEN, NTL_WEIGHT = 600, 32, 0.3
 MULTI_DIGIT_VOCAB = 4096
 
 
-def multi_digit_vocab(vocab_size: int) -> NumberVocab:
-    """Llama-3's number tokens: every chunk of 1-3 digits ("7", "07", "007"), here after 1,000 word tokens."""
+def multi_digit_surfaces(vocab_size: int) -> list[str | None]:
+    """Llama-3's number tokens: every chunk of 1-3 digits ("7", "07", "007"), here after 1,000 word tokens (None)."""
     chunks = [str(i) for i in range(10)] + [f"{i:02d}" for i in range(100)] + [f"{i:03d}" for i in range(1000)]
-    return NumberVocab.from_surfaces([None] * 1000 + chunks + [None] * (vocab_size - 1000 - len(chunks)))
+    return [None] * 1000 + chunks + [None] * (vocab_size - 1000 - len(chunks))
+
+
+def multi_digit_vocab(vocab_size: int) -> NumberVocab:
+    """The number vocabulary of `multi_digit_surfaces`."""
+    return NumberVocab.from_surfaces(multi_digit_surfaces(vocab_size))
 
 
 def vocabularies() -> dict[str, NumberVocab]:
