@@ -32,8 +32,8 @@ PATCHED = ("_get_num_items_in_batch", "log", "evaluation_loop", "compute_loss")
 
 
 def is_sft_trainer(trainer) -> bool:
-    trl = sys.modules.get("trl")  # a TRL trainer exists only where trl was imported
-    return trl is not None and isinstance(trainer, trl.SFTTrainer)
+    sft = sys.modules.get("trl.trainer.sft_trainer")  # an SFTTrainer exists only where its module was imported
+    return sft is not None and isinstance(trainer, sft.SFTTrainer)
 
 
 def check_trainer(trainer) -> None:
@@ -56,9 +56,9 @@ def check_trainer(trainer) -> None:
 
 
 def check_sft_trainer(trainer) -> None:
-    import trl
+    from trl import SFTTrainer
 
-    if type(trainer).compute_loss is not trl.SFTTrainer.compute_loss:
+    if type(trainer).compute_loss is not SFTTrainer.compute_loss:
         raise ValueError(f"{type(trainer).__name__} overrides SFTTrainer.compute_loss, which apply_ntl would replace "
                          "with transformers' (the model's loss); leave compute_loss TRL's")  # fmt: skip
     if trainer.args.loss_type != "nll":
