@@ -391,7 +391,8 @@ def sft_trainer(lm, output_dir, **settings):
 
 def test_trls_sft_trainer_trains_on_ce_and_ntl_as_the_float64_loop_over_its_batches(tmp_path):
     """TRL 1.16's SFTTrainer takes its loss from its own fused head (`outputs.log_probs`); patched, it trains on the
-    model's CE + λ·NTL: each step's ce and ntl are the float64 loop's over the micro-batches TRL's collator makes."""
+    model's CE + λ·NTL: each step's ce and ntl are the float64 loop's over the micro-batches TRL's collator makes.
+    Its eval_ce is the eval_loss TRL's own head gives once undone."""
     lm = tiny_model("llama", vocab_size=len(TOKENIZER))
     trainer = sft_trainer(copy.deepcopy(lm), tmp_path)
     loader = iter(trainer.get_train_dataloader())
@@ -407,8 +408,13 @@ def test_trls_sft_trainer_trains_on_ce_and_ntl_as_the_float64_loop_over_its_batc
         assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
         assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
     assert want[2][0] < 0.97 * want[0][0]  # the steps moved the model (0.948 measured): gradients are compared too
+    trainer.eval_dataset = trainer.train_dataset
+    patched = trainer.evaluate()
     patch.undo()
     assert {"compute_loss", "_get_num_items_in_batch"}.isdisjoint(vars(trainer))
+    trls = trainer.evaluate()  # TRL's own compute_loss and fused head again, with its metrics
+    assert patched["eval_ce"] == pytest.approx(trls["eval_loss"], rel=1e-5) and "eval_mean_token_accuracy" in trls
+    assert patched["eval_loss"] == pytest.approx(patched["eval_ce"] + LAMBDA * patched["eval_ntl"], rel=1e-6)
 
 
 def test_what_trl_computes_from_its_own_head_is_refused(tmp_path):
