@@ -99,9 +99,9 @@ def gather_output_weight(model: PreTrainedModel) -> bool:
     weight = model.get_output_embeddings().weight
     if not hasattr(weight, "ds_id"):
         return False
-    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-    deepspeed.zero.register_external_parameter(model, weight)
+    register_external_parameter(model, weight)
     return True
 
 
