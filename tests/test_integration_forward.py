@@ -110,13 +110,17 @@ def test_shift_labels_are_taken_as_they_are_as_transformers_takes_them():
     assert lm(**inputs, shift_labels=shifted.roll(1, dims=1)).loss.item() != pytest.approx(want.item(), rel=1e-3)
 
 
+def label_counts(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The label tokens and the number labels of `inputs` (shifted, as the loss reads them), counted here."""
+    shifted = inputs["labels"][:, 1:]
+    return (shifted != -100).sum(), ((shifted != -100) & (NV.classes[shifted.clamp_min(0)] >= 0)).sum()
+
+
 def test_in_your_own_loop_micro_batches_given_the_step_counts_equal_one_call():
     lm, inputs = family_model("llama"), batch()
     apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=LAMBDA)
     want_loss, want_grads = loss_and_gradients(lm, inputs)
-    shifted = inputs["labels"][:, 1:]
-    num_tokens = (shifted != -100).sum()
-    num_numbers = ((shifted != -100) & (NV.classes[shifted.clamp_min(0)] >= 0)).sum()
+    num_tokens, num_numbers = label_counts(inputs)
     lm.zero_grad()
     total = 0.0
     for row in (slice(0, 1), slice(1, 2)):  # rows with 3 and 2 number labels: their own means would differ
@@ -150,9 +154,7 @@ def rows_under_fsdp2_on_this_rank(models: dict, results: dict) -> None:
     loss times 2: FSDP2 averages gradients over processes, as Trainer scales for `average_tokens_across_devices`);
     rank 0 keeps the loss summed over processes and every parameter's whole gradient."""
     rank, inputs = torch.distributed.get_rank(), batch()
-    shifted = inputs["labels"][:, 1:]
-    num_tokens = (shifted != -100).sum()
-    num_numbers = ((shifted != -100) & (NV.classes[shifted.clamp_min(0)] >= 0)).sum()
+    num_tokens, num_numbers = label_counts(inputs)
     for (model_type, apart), lm in models.items():
         apply_ntl(lm, TOKENIZER, kind="was", ntl_weight=LAMBDA)
         sharded = fully_sharded(lm, apart)

@@ -46,10 +46,14 @@ def example(a: int, b: int) -> dict:
     }
 
 
-def dataset(size: int = 12) -> list[dict]:
-    # sums of 1 to 4 digits: micro-batches differ in their share of number labels
+def addends(size: int) -> list[list[int]]:
+    """`size` pairs (a, b) whose sums have 1 to 4 digits: micro-batches differ in their share of number labels."""
     pairs = torch.randint(0, 10, (size, 2), generator=torch.Generator().manual_seed(0)) ** torch.tensor([1, 3])
-    return [example(a, b) for a, b in pairs.tolist()]
+    return pairs.tolist()
+
+
+def dataset(size: int = 12) -> list[dict]:
+    return [example(a, b) for a, b in addends(size)]
 
 
 def training_arguments(micro: int, accumulation: int, **settings) -> TrainingArguments:
@@ -68,6 +72,19 @@ def trainer_for(lm, micro: int, accumulation: int, **settings) -> Trainer:
 
 def logged(trainer: Trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def logged_parts(trainer: Trainer) -> list[list[float]]:
+    """ce, ntl and loss of each logged step."""
+    return [logged(trainer, key) for key in ("ce", "ntl", "loss")]
+
+
+def assert_steps(parts: list[list[float]], want: list[tuple[float, float]]) -> None:
+    """Each step's logged ce and ntl are the float64 loop's (float32 against float64: 1e-6 at step 1, a few 1e-6 by
+    step 3 as the two models part, measured), and its loss is ce + λ·ntl; as many steps as the loop's."""
+    for (ce, ntl, loss), (want_ce, want_ntl) in zip(zip(*parts, strict=True), want, strict=True):
+        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
+        assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
 
 
 def ntl_terms(shifted: torch.Tensor, kind: str) -> torch.Tensor:
@@ -123,12 +140,8 @@ def test_three_accumulated_steps_equal_a_float64_loop(kind):
     trainer = trainer_for(lm, micro=2, accumulation=2)
     apply_ntl(trainer, TOKENIZER, kind=kind, ntl_weight=LAMBDA)
     trainer.train()
-    got = list(zip(logged(trainer, "ce"), logged(trainer, "ntl"), logged(trainer, "loss"), strict=True))
-    assert len(got) == STEPS
-    for (ce, ntl, loss), (want_ce, want_ntl) in zip(got, want, strict=True):
-        # float32 against float64: 1e-6 at step 1, a few 1e-6 by step 3 as the two models part (measured)
-        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
-        assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
+    assert len(logged(trainer, "loss")) == STEPS
+    assert_steps(logged_parts(trainer), want)
     assert want[2][0] < 0.9 * want[0][0]  # the steps moved the model: its gradients are compared too
 
 
@@ -192,7 +205,7 @@ def train_and_evaluate_on_this_rank(lm, kind: str, results: dict) -> None:
     even, uneven = trainer.evaluate(dataset(8)), trainer.evaluate(dataset(5), metric_key_prefix="uneven")
     if dist.get_rank() == 0:
         results.update(processes=trainer.accelerator.num_processes, even=even, uneven=uneven,
-                       logged=[logged(trainer, key) for key in ("ce", "ntl", "loss")],
+                       logged=logged_parts(trainer),
                        trained=trainer.model.state_dict())  # fmt: skip
 
 
@@ -203,10 +216,8 @@ def test_two_processes_equal_the_float64_loop_over_both_processes_batches():
     results = torch.multiprocessing.Manager().dict()
     run_distributed(train_and_evaluate_on_this_rank, 2, lm, "was", results, timeout_s=600)
     assert results["processes"] == 2
-    for (ce, ntl, loss), (want_ce, want_ntl) in zip(zip(*results["logged"], strict=True), want, strict=True):
-        # a process normalising by its own counts misses by 7e-5 in ce, 2e-3 in ntl at step 1 (measured)
-        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
-        assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
+    # a process normalising by its own counts misses by 7e-5 in ce, 2e-3 in ntl at step 1 (measured)
+    assert_steps(results["logged"], want)
     trained = copy.deepcopy(lm)
     trained.load_state_dict(results["trained"])
     assert_evaluation(results["even"], reference_evaluation(trained, dataset(8), batch_size=4))
@@ -243,7 +254,7 @@ def train_under_zero3_on_this_rank(saved: str, results: dict) -> None:
     if dist.get_rank() == 0:
         results.update(partitioned=partitioned, registered=registered, evaluated=evaluated, undone=undone,
                        external_parameters=len(lm._external_params),
-                       logged=[logged(trainer, key) for key in ("ce", "ntl", "loss")])  # fmt: skip
+                       logged=logged_parts(trainer))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -257,9 +268,7 @@ def test_under_deepspeed_zero3_two_processes_equal_the_float64_loop_and_undo(tmp
     results = torch.multiprocessing.Manager().dict()
     run_distributed(train_under_zero3_on_this_rank, 2, str(tmp_path), results, timeout_s=600)
     assert results["partitioned"] and results["registered"]
-    for (ce, ntl, loss), (want_ce, want_ntl) in zip(zip(*results["logged"], strict=True), want, strict=True):
-        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
-        assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
+    assert_steps(results["logged"], want)
     want_evaluation = reference_evaluation(trained, dataset(8), batch_size=4)
     assert_evaluation(results["evaluated"], want_evaluation)
     assert results["undone"]["undone_loss"] == pytest.approx(want_evaluation["eval_ce"], rel=1e-5)
@@ -377,9 +386,9 @@ def sft_trainer(lm, output_dir, **settings):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    pairs = torch.randint(0, 10, (12, 2), generator=torch.Generator().manual_seed(0)) ** torch.tensor([1, 3])
-    data = Dataset.from_dict({"prompt": [f"{a} + {b} = " for a, b in pairs.tolist()],
-                              "completion": [f"{a + b}" for a, b in pairs.tolist()]})  # fmt: skip
+    pairs = addends(12)
+    data = Dataset.from_dict({"prompt": [f"{a} + {b} = " for a, b in pairs],
+                              "completion": [f"{a + b}" for a, b in pairs]})  # fmt: skip
     args = SFTConfig(
         output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=LR, lr_scheduler_type="constant", optim="sgd", logging_steps=1, save_strategy="no",
@@ -402,11 +411,8 @@ def test_trls_sft_trainer_trains_on_ce_and_ntl_as_the_float64_loop_over_its_batc
     patch = apply_ntl(trainer, TOKENIZER, kind="was", ntl_weight=LAMBDA)
     trainer.train()
     assert trainer.model.is_activation_checkpointing  # TRL's default: the patched forward's trunk recomputed
-    got = list(zip(logged(trainer, "ce"), logged(trainer, "ntl"), logged(trainer, "loss"), strict=True))
-    assert len(got) == STEPS
-    for (ce, ntl, loss), (want_ce, want_ntl) in zip(got, want, strict=True):
-        assert ce == pytest.approx(want_ce, rel=3e-5) and ntl == pytest.approx(want_ntl, rel=3e-5)
-        assert loss == pytest.approx(ce + LAMBDA * ntl, rel=1e-6)
+    assert len(logged(trainer, "loss")) == STEPS
+    assert_steps(logged_parts(trainer), want)
     assert want[2][0] < 0.97 * want[0][0]  # the steps moved the model (0.948 measured): gradients are compared too
     trainer.eval_dataset = trainer.train_dataset
     patched = trainer.evaluate()

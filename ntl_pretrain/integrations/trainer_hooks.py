@@ -28,7 +28,8 @@ import torch
 from ntl_pretrain.integrations.causal_lm import IGNORE_INDEX, LossParts, NtlForward, NtlObjective
 from ntl_pretrain.loss.number_level import find_number_spans
 
-PATCHED = ("_get_num_items_in_batch", "log", "evaluation_loop", "compute_loss")
+PATCHED = ("_get_num_items_in_batch", "log", "evaluation_loop")
+PATCHED_ON_SFT = (*PATCHED, "compute_loss")
 
 
 def is_sft_trainer(trainer) -> bool:
@@ -170,7 +171,8 @@ class TrainerHooks:
     def __init__(self, trainer, forward: NtlForward):
         check_trainer(trainer)
         self.trainer, self.forward = trainer, forward
-        self.replaced = {name: trainer.__dict__.get(name) for name in PATCHED}
+        sft = is_sft_trainer(trainer)
+        self.replaced = {name: trainer.__dict__.get(name) for name in (PATCHED_ON_SFT if sft else PATCHED)}
         count_items, log, evaluation_loop = trainer._get_num_items_in_batch, trainer.log, trainer.evaluation_loop
         loss_log = LossLog()
         eval_log: EvalLog | None = None
@@ -205,14 +207,14 @@ class TrainerHooks:
 
         trainer._get_num_items_in_batch, trainer.log = count_with_terms, log_with_parts
         trainer.evaluation_loop = evaluation_loop_with_parts
-        if is_sft_trainer(trainer):
+        if sft:
             trainer.compute_loss = sft_compute_loss(trainer)
         forward.on_loss = on_loss
 
     def undo(self) -> None:
         for name, replaced in self.replaced.items():
             if replaced is None:
-                self.trainer.__dict__.pop(name, None)  # compute_loss is replaced on SFTTrainers only
+                del self.trainer.__dict__[name]
             else:
                 self.trainer.__dict__[name] = replaced
         self.forward.on_loss = None
