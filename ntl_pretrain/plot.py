@@ -185,9 +185,18 @@ def draw_figure(runs: list[list[dict]], groups: list[str], names: list[str]):
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
     handles = [plt.Line2D([], [], color=colour, label=group) for group, colour in colours.items()]
-    figure.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), frameon=False)
-    figure.tight_layout(rect=(0, 0, 1, 0.95))
+    columns = legend_columns(list(colours), figure.get_figwidth())
+    figure.legend(handles=handles, loc="upper center", ncol=columns, frameon=False)
+    legend_rows = -(-len(handles) // columns)
+    figure.tight_layout(rect=(0, 0, 1, 1 - (0.3 * legend_rows + 0.15) / figure.get_figheight()))
     return figure
+
+
+def legend_columns(labels: list[str], width_inches: float) -> int:
+    """Entries per row of the figure's legend: as many as fit its width, so that long variant names (a study's
+    `regression-exact-1digit/ntl-was-answer`) wrap to another row instead of running off both edges."""
+    inches_per_entry = 0.6 + 0.085 * max(len(label) for label in labels)  # the line sample, then ~10 pt text
+    return max(1, min(len(labels), 6, int(width_inches // inches_per_entry)))
 
 
 def _drawn_series(key: str, runs: list[list[dict]], groups: list[str], split: str | None) -> list:
@@ -236,7 +245,11 @@ def _draw_once_measured(axis, drawn: list, colours: dict) -> None:
     for index, ((_, values), group) in enumerate(drawn):
         offset = 0.08 * (index % 5 - 2)
         axis.scatter([names.index(group) + offset], values, color=colours[group], alpha=0.8, s=24)
-    axis.set_xticks(range(len(names)), names, fontsize=8)
+    if sum(len(name) for name in names) > 60:  # side by side they would overlap: the legend's colours name them
+        axis.set_xticks(range(len(names)), [""] * len(names))
+        axis.set_xlabel("variant (colours as in the legend)")
+    else:
+        axis.set_xticks(range(len(names)), names, fontsize=8)
     axis.set_xlim(-0.5, len(names) - 0.5)
 
 

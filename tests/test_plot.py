@@ -98,6 +98,36 @@ def test_eval_records_and_the_trainers_validation_stay_apart() -> None:
         plt.close(figure)
 
 
+STUDY_V6_VARIANTS = [  # the longest names a shipped study gives its variants (docs/study-v6.md)
+    f"{folder}/{arm}"
+    for folder in ("regression", "regression-1digit", "regression-exact", "regression-exact-1digit")
+    for arm in ("ce", "ntl-was-answer")
+]
+
+
+def test_eight_long_variant_names_stay_inside_the_figure_and_their_tick_labels_apart() -> None:
+    """Study v6's figure: its legend once ran off both edges (six entries a row) and the names under the once-measured
+    panel overlapped. Every legend entry must lie inside the figure, and no two tick labels may overlap."""
+    import matplotlib.pyplot as plt
+
+    runs = [training_records(20, 1.0) + [{"step": 20, "split": "eval", "val_ntl_was": 1.0 + i}] for i in range(8)]
+    figure = draw_figure(runs, STUDY_V6_VARIANTS, STUDY_V6_VARIANTS)
+    try:
+        renderer = figure.canvas.get_renderer()
+        page = figure.bbox
+        (legend,) = figure.legends
+        assert [text.get_text() for text in legend.get_texts()] == STUDY_V6_VARIANTS
+        drawn = legend.get_window_extent(renderer)  # the line samples and the names
+        assert page.x0 <= drawn.x0 and drawn.x1 <= page.x1
+        for axis in figure.axes:
+            labels = [label.get_window_extent(renderer) for label in axis.get_xticklabels() if label.get_text()]
+            assert not any(a.overlaps(b) for i, a in enumerate(labels) for b in labels[i + 1 :]), axis.get_title()
+        (scatter,) = [axis for axis in figure.axes if axis.get_title() == "validation NTL-WAS (ntl-pretrain eval)"]
+        assert scatter.get_xlabel() == "variant (colours as in the legend)"
+    finally:
+        plt.close(figure)
+
+
 def test_plot_refuses_runs_without_metrics(tmp_path: Path, capsys) -> None:
     empty = write_run(tmp_path / "empty", [{"step": 1, "note": "nothing numeric"}])
     assert main([str(empty), "-o", str(tmp_path / "x.png")]) == 2
