@@ -29,9 +29,16 @@ Stages, in order of what a short-lived GPU should give first:
   train_1b_zero2, train_1b, train_1b_compiled  ours on that model at ZeRO-2, ZeRO-3 and ZeRO-2 + `train.compile`:
               MFU against the measured matmul rate, peak memory, over the plain steps (issue 56's targets: ZeRO-2
               at most 1.05x the plain step; compiled at least 35% of the matmul rate)
+  deepcompile_build  bench/deepcompile_build.py: DeepSpeed's DeepCompile op built on this machine (seconds), or the
+              compiler's error (on CPU, the dry run: `cuda.h` not found; docs/compatibility.md, "DeepCompile")
+  train_125m_deepcompile, train_1b_deepcompile  train_125m and train_1b with `train.compile` at ZeRO-3, which is
+              DeepSpeed's DeepCompile: over the plain steps (issue 73's targets: ZeRO-3 + DeepCompile at most 1.1x the
+              compiled plain step, at least 35% MFU at 1B), and each step's loss against the eager ZeRO-3 run's
+  deepcompile_resume  12 steps of train_125m_deepcompile saved at step 6, then resumed from it: the resumed losses
+              against the uninterrupted run's (the dry run: the refusal on CPU, one line)
 
 `--group issue56` runs issue 56's stages in the order of what they answer first, within one 570 s call of the
-device tool (docs/doctor.md, "The first GPU").
+device tool (docs/doctor.md, "The first GPU"); `--group issue73` issue 73's (ZeRO-3 eager and with DeepCompile).
 
 A stage that fails or runs out of time is recorded and the next one runs; `summary.json` and `summary.md` in the
 output folder are rewritten before the first stage and after each, so a kill at the device's limit still leaves
@@ -46,6 +53,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -479,6 +487,92 @@ def train_1b_variant(run: Run, name: str, overrides: list[str], steps: int) -> d
     return {**figures, **over_plain(run, figures, ("plain_1b", "plain_1b_compiled"))}
 
 
+def deepcompile_build(run: Run) -> dict:
+    """DeepSpeed's DeepCompile op built here (its report into logs.tgz); on the GPU a failed build fails the stage and
+    the DeepCompile stages after it are skipped; the dry run records the CPU's failure."""
+    out = run.logs / "deepcompile-build.json"
+    run.command("deepcompile_build", [sys.executable, "bench/deepcompile_build.py", "--out", str(out)],
+                min(240.0, run.remaining()))  # fmt: skip
+    figures = json.loads(out.read_text())
+    if not figures["built"] and not run.dry_run:
+        raise StageFailed(f"deepcompile_build: {figures['error']}", figures=figures)
+    return figures
+
+
+def deepcompile_variant(run: Run, name: str, settings: list[str], timeout: float) -> dict:
+    """`ntl-pretrain train` with `settings` (which hold `train.compile=true` at ZeRO-3): skipped where DeepCompile's op
+    did not build; in the dry run the one-line refusal on CPU is the figure (exit code 2)."""
+    if stage_figure(run, "deepcompile_build", "built") is False and not run.dry_run:
+        raise StageFailed(f"{name}: DeepCompile's op did not build here (deepcompile_build)", "skipped")
+    args = [sys.executable, "-m", "ntl_pretrain.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "1", *settings]
+    try:
+        run.command(name, args, min(timeout, run.remaining()))
+    except StageFailed as error:
+        refusal = last_line(run.logs / f"{name}.log")
+        if not (run.dry_run and "exit code 2" in str(error) and "recipe error" in refusal and "DeepCompile" in refusal):
+            raise
+        return {"refused_on_cpu": refusal}
+    if run.dry_run:
+        raise StageFailed(f"{name}: trained on CPU, where DeepCompile should have been refused before launch")
+    return {}
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    metrics = output_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() \
+        else []  # fmt: skip
+    return {r["step"]: r["loss"] for r in records if "loss" in r and r.get("split") is None}
+
+
+def largest_difference(these: dict[int, float], those: dict[int, float]) -> float | None:
+    common = sorted(set(these) & set(those))
+    return max(abs(these[step] - those[step]) for step in common) if common else None
+
+
+def train_125m_deepcompile(run: Run) -> dict:
+    """train_125m with DeepCompile (steps 20-22 profiled): over the plain steps, and its losses against train_125m's
+    (the same seed and batches, eager ZeRO-3)."""
+    output_dir = run.work / "train-125m-deepcompile"
+    settings = [*train_overrides(run, output_dir), "train.compile=true"]
+    refused = deepcompile_variant(run, "train_125m_deepcompile", settings, 240.0)
+    if refused:
+        return refused
+    figures = trained_figures(run, output_dir, "train-125m-deepcompile")
+    eager = largest_difference(losses(output_dir), losses(run.work / "train-125m"))
+    return {**figures, **over_plain(run, figures, ("plain_step", "plain_compiled")), "loss_vs_eager_zero3": eager}
+
+
+def train_1b_deepcompile(run: Run) -> dict:
+    """train_1b with DeepCompile: MFU against the measured matmul rate, over the plain steps, losses against
+    train_1b's."""
+    output_dir = run.work / "train-1b-deepcompile"
+    matmul = stage_figure(run, "plain_1b", "matmul_flops")
+    settings = [*train_overrides(run, output_dir, MODEL_1B, BATCH_1B), "train.compile=true",
+                "logging.profile_steps=null", "train.max_steps=16"]  # fmt: skip
+    settings += [] if matmul is None else [f"logging.peak_flops_per_device={matmul:.6e}"]
+    refused = deepcompile_variant(run, "train_1b_deepcompile", settings, 240.0)
+    if refused:
+        return refused
+    figures = trained_figures(run, output_dir, "train-1b-deepcompile")
+    eager = largest_difference(losses(output_dir), losses(run.work / "train-1b"))
+    return {**figures, **over_plain(run, figures, ("plain_1b", "plain_1b_compiled")), "loss_vs_eager_zero3": eager}
+
+
+def deepcompile_resume(run: Run) -> dict:
+    """12 steps with DeepCompile saved every 6, then the same command resumed from step 6 into a copy of the folder:
+    the largest difference of the resumed steps' losses from the uninterrupted run's."""
+    whole, resumed = run.work / "deepcompile-whole", run.work / "deepcompile-resumed"
+    settings = lambda folder: [*train_overrides(run, folder), "train.compile=true", "train.max_steps=12",  # noqa: E731
+                               "checkpoint.every_steps=6", "logging.profile_steps=null"]  # fmt: skip
+    refused = deepcompile_variant(run, "deepcompile_resume", settings(whole), 200.0)
+    if refused:
+        return refused
+    shutil.copytree(whole / "checkpoints" / "step_6", resumed / "checkpoints" / "step_6")
+    deepcompile_variant(run, "deepcompile_resume", [*settings(resumed), "train.resume=auto"], 200.0)
+    after = losses(resumed)
+    return {"resumed_steps": sorted(after), "loss_vs_uninterrupted": largest_difference(after, losses(whole))}
+
+
 def over_plain(run: Run, figures: dict, plains: tuple[str, ...]) -> dict:
     """`ours_over_<plain>`: this stage's step over each plain stage's (None where either is missing)."""
     over = {}
@@ -534,11 +628,21 @@ STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor
                                             "study_probe": study_probe, "plain_1b": plain_1b,
                                             "train_1b_zero2": train_1b_zero2, "train_1b": train_1b,
                                             "train_1b_compiled": train_1b_compiled,
-                                            "plain_1b_compiled": plain_1b_compiled}  # fmt: skip
+                                            "plain_1b_compiled": plain_1b_compiled,
+                                            "deepcompile_build": deepcompile_build,
+                                            "train_125m_deepcompile": train_125m_deepcompile,
+                                            "train_1b_deepcompile": train_1b_deepcompile,
+                                            "deepcompile_resume": deepcompile_resume}  # fmt: skip
 # Issue 56's stages in the order of what they answer first (docs/doctor.md, "The first GPU": about 550 s in all).
 # The 135M compiled plain step is left out (82 s; our code does not change it): its 77 ms of 2026-11-28 (H200) stands.
+# Issue 73's: whether DeepCompile builds here first (a failed build skips its stages), then ZeRO-3 eager and with
+# DeepCompile at 135M beside the plain step, the same at 1B, its resume, and the compiled plain steps last (82 s and
+# ~150 s of compiling: the 135M one's 77 ms of 2026-11-28 stands where it is cut).
 GROUPS = {"issue56": ["install", "plain_step", "train_125m_zero2", "plain_1b", "train_1b_zero2", "train_125m_compiled",
-                      "train_1b_compiled", "train_1b", "train_125m", "plain_1b_compiled"]}  # fmt: skip
+                      "train_1b_compiled", "train_1b", "train_125m", "plain_1b_compiled"],
+          "issue73": ["install", "deepcompile_build", "plain_step", "train_125m", "train_125m_deepcompile", "plain_1b",
+                      "train_1b", "train_1b_deepcompile", "deepcompile_resume", "plain_compiled",
+                      "plain_1b_compiled"]}  # fmt: skip
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -613,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (default 8 minutes)")
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
-    chosen.add_argument("--group", choices=list(GROUPS), help="a named list of stages (issue56: issue 56's)")
+    chosen.add_argument("--group", choices=list(GROUPS), help="a named list of stages (issue56, issue73: theirs)")
     args = parser.parse_args(argv)
     if args.group:
         args.stages = GROUPS[args.group]

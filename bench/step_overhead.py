@@ -17,7 +17,8 @@ matmul of the toy's size costs ~3x an fp32 one, the same in every configuration,
   (train/zero_optimizer.py), `deepspeed-step` its bf16 ZeRO-1/2 step (the per-gradient finite scan, the per-parameter
   copy-back of reduced gradients, the re-pointing of every weight, train/zero_optimizer.py) and its throughput timer,
   `deepspeed-functions` ZeRO-3's autograd Functions as DeepSpeed applies them (the linear layer and each module's
-  backward hooks; the trainer applies them classically: train/zero3_functions.py).
+  backward hooks; the trainer applies them classically: train/zero3_functions.py), `deepspeed-bookkeeping` ZeRO-3's
+  NVTX ranges, debug lines and release of every parameter at the step (train/zero3_bookkeeping.py).
 Every step runs plain and each of ours on the same batch, in an order rotated every step. Each of ours is checked
 against a plain twin loaded with its engine's initial weights (the timed plain step is ours' twin): their losses
 must agree step by step (printed: `max |Δ loss|`, the largest difference over the run).
@@ -29,7 +30,7 @@ optimizer step and in it the gradient norm, the optimizer's update, and at ZeRO-
 and the re-gathering of the persistent ones), timed during the same interleaved steps.
 
     python bench/step_overhead.py [--steps 30] [--precision fp32 bf16] [KEY=VALUE ...]
-        [--variant "NAME [deepspeed-norm] [deepspeed-step] [deepspeed-functions] KEY=VALUE ..."]
+        [--variant "NAME [deepspeed-norm] [deepspeed-step] [deepspeed-functions] [deepspeed-bookkeeping] KEY=VALUE ..."]
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from ntl_pretrain.model.build import CausalLMWithLoss, parameter_groups
 from ntl_pretrain.optim.optimizer import build_optimizer
 from ntl_pretrain.optim.schedule import lr_multiplier
 from ntl_pretrain.runtime.process_group import free_port
-from ntl_pretrain.train import trainer as trainer_module
+from ntl_pretrain.train import zero3_bookkeeping
 from ntl_pretrain.train.main import init_distributed, quiet_console
 from ntl_pretrain.train.trainer import IGNORE_INDEX, Trainer
 
@@ -80,7 +81,8 @@ COUNTED_STEPS = 3
 DEEPSPEED_NORM = "deepspeed-norm"
 DEEPSPEED_STEP = "deepspeed-step"
 DEEPSPEED_FUNCTIONS = "deepspeed-functions"
-GIVEN_BACK = (DEEPSPEED_NORM, DEEPSPEED_STEP, DEEPSPEED_FUNCTIONS)
+DEEPSPEED_BOOKKEEPING = "deepspeed-bookkeeping"
+GIVEN_BACK = (DEEPSPEED_NORM, DEEPSPEED_STEP, DEEPSPEED_FUNCTIONS, DEEPSPEED_BOOKKEEPING)
 STEP_REPLACEMENTS = ("check_overflow", "allreduce_and_copy_with_multiple_ranks", "_update_model_bit16_weights")
 PHASES = ("forward", "backward", "optimizer step")
 PHASE_MARK = "phase: "
@@ -232,16 +234,19 @@ def deepspeed_linear() -> contextlib.AbstractContextManager:
 
 def as_in_its_own_process(trainer: Trainer, given_back: frozenset[str]) -> Callable[[list[dict]], dict]:
     """`trainer.train_step`, below ZeRO-3 with torch's `F.linear` (`torch_linear`), at ZeRO-3 with DeepSpeed's where
-    `deepspeed-functions` gives it back, else with the trainer's."""
+    `deepspeed-functions` gives it back, else with the trainer's; with DeepSpeed's process-wide bookkeeping (NVTX
+    ranges, debug lines) where `deepspeed-bookkeeping` gives it back."""
     if trainer.engine.zero_optimization_stage() != 3:
         linear = torch_linear
     elif DEEPSPEED_FUNCTIONS in given_back:
         linear = deepspeed_linear
     else:
-        return trainer.train_step
+        linear = contextlib.nullcontext
+    bookkeeping = zero3_bookkeeping.deepspeeds_own_process_wide
+    process_wide = bookkeeping if DEEPSPEED_BOOKKEEPING in given_back else contextlib.nullcontext
 
     def step(batches: list[dict]) -> dict:
-        with linear():
+        with linear(), process_wide():
             return trainer.train_step(batches)
 
     return step
@@ -251,7 +256,7 @@ def functions_as_deepspeed_applies_them(given_back: bool) -> contextlib.Abstract
     """A trainer built inside leaves its modules' ZeRO-3 backward Functions as DeepSpeed made them."""
     if not given_back:
         return contextlib.nullcontext()
-    return mock.patch.object(trainer_module, "apply_zero3_functions_classically", lambda module: None)
+    return mock.patch.object(zero3_bookkeeping, "apply_zero3_functions_classically", lambda module: None)
 
 
 def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
@@ -270,7 +275,8 @@ def give_back(trainer: Trainer, given_back: frozenset[str]) -> None:
     """DeepSpeed's own code again where the variant asks for it (the class's methods, the timer it configures)."""
     optimizer = trainer.engine.optimizer
     replaced = [*([] if DEEPSPEED_NORM not in given_back else ["get_grad_norm_direct"]),
-                *([] if DEEPSPEED_STEP not in given_back else STEP_REPLACEMENTS)]  # fmt: skip
+                *([] if DEEPSPEED_STEP not in given_back else STEP_REPLACEMENTS),
+                *([] if DEEPSPEED_BOOKKEEPING not in given_back else ["_partition_all_parameters"])]  # fmt: skip
     for name in replaced:
         vars(optimizer).pop(name, None)
     if DEEPSPEED_STEP in given_back:

@@ -322,7 +322,7 @@ def test_gradient_accumulation_is_derived_from_the_global_batch(overrides, world
         ({"deepspeed": {"config": "{tmp}/syntax.json"}}, "deepspeed.config: cannot read {tmp}/syntax.json"),
         ({"deepspeed": {"config": "{tmp}/zero-int.json"}}, "deepspeed.config: {tmp}/zero-int.json: zero_optimization:"),
         ({"deepspeed": {"config": "{tmp}/stage-0.json"}}, "deepspeed.config: {tmp}/stage-0.json: zero_optimization.st"),
-        ({"train": {"compile": True}}, "train.compile: compiled decoder layers need ZeRO stage 1 or 2"),
+        ({"train": {"compile": True}}, "train.compile: at ZeRO-3 the trainer compiles through DeepSpeed's DeepCompile"),
         ({"loss": {"vocab_parallel_size": 3}}, "loss.vocab_parallel_size: 3 does not divide the world size"),
         ({"train": {"global_batch_size": 6}}, "train.global_batch_size: 6 sequences per step is not a multiple"),
     ],

@@ -5,9 +5,11 @@ compile failure is one line naming the key."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -77,8 +79,77 @@ def test_a_compile_failure_is_one_line_naming_the_key():
     assert "no C++ compiler found" in message and "\n" not in message
 
 
-def test_compile_is_refused_under_zero3_before_launch():
+def test_deepcompile_at_zero3_is_refused_on_cpu_before_launch():
+    """`train.compile` at ZeRO-3 is DeepCompile, which does not run on CPU ranks (docs/compatibility.md): one line."""
     with pytest.raises(RecipeError) as error:
         load_run(TINY, ["train.compile=true"], 2)
-    assert "train.compile: compiled decoder layers need ZeRO stage 1 or 2" in str(error.value)
+    message = str(error.value)
+    assert "train.compile: at ZeRO-3 the trainer compiles through DeepSpeed's DeepCompile, which runs on" in message
+    assert "these ranks run on CPU" in message and "\n" not in message
     assert load_run(TINY, ["train.compile=true", "deepspeed.zero_stage=2"], 2)[0].train.compile
+
+
+def zero3_json(folder: Path, **extra) -> str:
+    config = json.loads((REPO / "ntl_pretrain" / "config" / "zero3.json").read_text())
+    zero = extra.pop("zero_optimization", {})
+    config["zero_optimization"].update(zero)
+    (folder / "zero3.json").write_text(json.dumps({**config, **extra}))
+    return f"deepspeed.config={folder / 'zero3.json'}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "json_extra", "said"),
+    [
+        (["train.compile=true"], {}, "DeepCompile, which DeepSpeed 0.19.8 does not have (0.16.6 or newer has it)"),
+        (["train.compile=true", "loss.vocab_parallel_size=2"], {}, "loss.vocab_parallel_size: 2 with train.compile"),
+        (
+            ["train.compile=true"],
+            {"zero_optimization": {"leaf_module": {"classes": ["x.Block"]}}},
+            "zero_optimization.leaf_module: {'classes': ['x.Block']} with train.compile at ZeRO-3",
+        ),
+        ([], {"compile": {"deepcompile": True}}, "compile.deepcompile: true, but the trainer compiles only where"),
+    ],
+)
+def test_what_deepcompile_cannot_run_is_one_line_before_launch(tmp_path, overrides, json_extra, said):
+    """Where CUDA would be: a DeepSpeed without DeepCompile (first case), a combination it does not run, a JSON that
+    turns it on behind the recipe's back."""
+    from ntl_pretrain.config import deepcompile
+
+    without = mock.patch.object(deepcompile, "deepspeed_has_deepcompile", return_value=False)
+    with (
+        mock.patch.object(deepcompile, "ranks_on_cpu", return_value=False),
+        without if "does not have" in said else contextlib.nullcontext(),
+        pytest.raises(RecipeError) as error,
+    ):
+        load_run(TINY, [*overrides, zero3_json(tmp_path, **json_extra)], 2)
+    assert said in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_old_torch_is_refused():
+    from ntl_pretrain.config import deepcompile
+
+    with mock.patch.object(torch, "__version__", "2.5.1+cu124"):
+        assert deepcompile.why_deepcompile_cannot_run("cuda") == "needs torch 2.6 or newer, not 2.5.1+cu124"
+
+
+def test_deepcompile_config_where_cuda_is():
+    """The DeepSpeed JSON a ZeRO-3 run with `train.compile` gets on a CUDA machine: DeepCompile on, as DeepSpeed's own
+    config reads it, and no leaf modules (DeepCompile gathers inside the graph), neither from the JSON nor the layer
+    gathering the trainer adds to an eager ZeRO-3 run."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ntl_pretrain.config import deepcompile
+    from ntl_pretrain.train.engine import engine_config
+
+    with mock.patch.object(deepcompile, "ranks_on_cpu", return_value=False):
+        recipe, config = load_run(TINY, ["train.compile=true"], 2)
+        eager = load_run(TINY, [], 2)[1]
+    assert config["compile"] == {"deepcompile": True} and "compile" not in eager
+    assert config["zero_optimization"]["leaf_module"] == {"classes": [], "names": [], "name_suffixes": []}
+    parsed = DeepSpeedConfig({key: value for key, value in config.items() if key != "train_batch_size"})
+    assert parsed.compile_config.deepcompile and parsed.zero_config.leaf_module.classes == []
+    lm = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                      num_attention_heads=2, vocab_size=64))  # fmt: skip
+    assert engine_config(config, recipe, lm)["zero_optimization"]["leaf_module"]["classes"] == []
+    assert "LlamaDecoderLayer" in str(engine_config(eager, recipe, lm)["zero_optimization"]["leaf_module"])

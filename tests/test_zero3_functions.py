@@ -100,6 +100,7 @@ def steps_with_and_without_classic_functions(folder: str, steps: int) -> None:
 
     from ntl_pretrain.config.deepspeed import load_run
     from ntl_pretrain.train import trainer as trainer_module
+    from ntl_pretrain.train import zero3_bookkeeping
     from ntl_pretrain.train.zero3_functions import MODULE_FUNCTIONS
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -116,7 +117,7 @@ def steps_with_and_without_classic_functions(folder: str, steps: int) -> None:
     functions = [getattr(module, name) for module in hooked for name in MODULE_FUNCTIONS]
     assert hooked and all("setup_context" not in vars(function) for function in functions)
     assert F.linear is not zero3_linear_wrap and F.linear.__name__ == "zero3_linear"
-    with mock.patch.object(trainer_module, "apply_zero3_functions_classically", lambda module: None):
+    with mock.patch.object(zero3_bookkeeping, "apply_zero3_functions_classically", lambda module: None):
         deepspeeds = trainer(f"{folder}/deepspeeds")
     loader = iter(classic.loader)
     for batches in [[next(loader)] for _ in range(steps)]:

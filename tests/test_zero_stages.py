@@ -109,3 +109,19 @@ def test_the_doctor_advises_stage_2_where_the_weights_fit_else_3(ranks, advice):
     assert check.detail.get("advice") == advice
     if ranks == 8:
         assert "stage 2 30.1 GB, stage 3 16.1 GB" in check.figure and "deepspeed.zero_stage: 2" in check.figure
+
+
+@pytest.mark.parametrize(
+    ("ranks", "on_gpu", "refusal", "engine"),
+    [
+        (8, True, None, "each decoder layer compiled (train.compile: true)"),
+        (4, True, None, "compiled by DeepSpeed's DeepCompile (train.compile: true)"),
+        (4, True, "needs torch 2.6 or newer, not 2.5.1", "eager (train.compile: false: DeepCompile needs torch 2.6"),
+        (4, False, None, "eager (train.compile: false: on CPU ranks compiling takes minutes"),
+    ],
+)
+def test_the_doctor_names_the_engine_for_the_advised_stage(ranks, on_gpu, refusal, engine):
+    """Llama-3-8B in bf16 on 80 GB devices: at stage 2 (8 ranks) compiled layers, at stage 3 (4 ranks) DeepCompile where
+    it runs, else eager with the reason; eager on CPU ranks."""
+    check = stage_advice(8_030_000_000, "bf16", ranks, 80e9, running=3, on_gpu=on_gpu, deepcompile_refusal=refusal)
+    assert check.detail["engine"].startswith(engine) and engine in check.figure

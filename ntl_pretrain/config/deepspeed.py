@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from ntl_pretrain.config.deepcompile import set_deepcompile
 from ntl_pretrain.config.loading import load_recipe_with_origins
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.tokenizer import resolve_path
@@ -184,7 +185,7 @@ def build_deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     check_zero_section(config.get("zero_optimization", {}), path)
     check_vocab_parallel_size(recipe, world_size)
     check_vocab_parallel_stage(recipe, config["zero_optimization"]["stage"])
-    check_compile_stage(recipe, config["zero_optimization"]["stage"])
+    set_deepcompile(config, recipe, path)
     gas = grad_accum_steps(recipe, world_size)
     config.update(
         train_micro_batch_size_per_gpu=recipe.train.micro_batch_size,
@@ -232,15 +233,6 @@ def check_vocab_parallel_stage(recipe: Recipe, stage: int) -> None:
                           f"slices outside the engine, which only ZeRO-3's optimizer lets into its gradient norm; "
                           f"this run is at ZeRO stage {stage}: set deepspeed.zero_stage: 3 or vocab_parallel_size: "
                           "1")  # fmt: skip
-
-
-def check_compile_stage(recipe: Recipe, stage: int) -> None:
-    """Compiled layers need their weights in place: ZeRO-3 gathers and releases them in hooks around each layer,
-    which dynamo traces into (DeepSpeed's bookkeeping, recompiling as the weights' storage comes and goes)."""
-    if recipe.train.compile and stage == 3:
-        raise RecipeError("train.compile: compiled decoder layers need ZeRO stage 1 or 2 (ZeRO-3 gathers and releases "
-                          "each layer's weights in hooks the compiler would trace); set deepspeed.zero_stage: 2 for "
-                          "a model that fits on one device, or train.compile: false")  # fmt: skip
 
 
 def choose_reduce_dtype(config: dict, reduce_dtype: str | None, path: Path) -> None:

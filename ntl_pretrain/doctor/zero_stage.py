@@ -6,6 +6,10 @@ moments; activations come on top): bf16 runs 16/N at stage 3, 2 + 14/N at stage 
 stage 1 (the gradients whole too); fp32 runs 16/N, 4 + 12/N and 8 + 8/N. A stage fits when its states take at most
 half of a rank's memory, the rest left to activations and buffers. Stage 2 is the advice wherever it fits (no
 gathering in forward and backward: the faster step), else stage 3; the row fails when not even stage 3 fits.
+
+With the stage, the engine (`engine_advice`): on GPUs `train.compile: true`, which at stage 2 compiles each decoder
+layer and at stage 3 is DeepSpeed's DeepCompile where it runs here (config/deepcompile.py says why not, else);
+eager on CPU ranks, where DeepCompile does not run and compiling takes minutes.
 """
 
 from __future__ import annotations
@@ -22,15 +26,20 @@ FIT_SHARE = 0.5
 
 
 def zero_stage_check(device: torch.device, recipe_path: Path, ranks: int, local_ranks: int) -> Check:
+    from ntl_pretrain.config.deepcompile import why_deepcompile_cannot_run
     from ntl_pretrain.config.deepspeed import load_run
 
     recipe, _ = load_run(recipe_path, [], ranks)
     memory = rank_memory_bytes(device, local_ranks)
-    return stage_advice(model_parameters(recipe), recipe.train.precision, ranks, memory, recipe.deepspeed.zero_stage)
+    refusal = why_deepcompile_cannot_run(device.type)
+    return stage_advice(model_parameters(recipe), recipe.train.precision, ranks, memory, recipe.deepspeed.zero_stage,
+                        device.type == "cuda", refusal)  # fmt: skip
 
 
-def stage_advice(parameters: int, precision: str, ranks: int, memory_bytes: float, running: int) -> Check:
-    """The row: each stage's model states per rank, the stage to train at, and the stage the recipe runs."""
+def stage_advice(parameters: int, precision: str, ranks: int, memory_bytes: float, running: int,
+                 on_gpu: bool = False, deepcompile_refusal: str | None = None) -> Check:  # fmt: skip
+    """The row: each stage's model states per rank, the stage and engine to train with, and the stage the recipe
+    runs."""
     per_rank = {stage: (whole + partitioned / ranks) * parameters
                 for stage, (whole, partitioned) in STATE_BYTES[precision].items()}  # fmt: skip
     fits = [stage for stage in (2, 3) if per_rank[stage] <= FIT_SHARE * memory_bytes]
@@ -42,9 +51,23 @@ def stage_advice(parameters: int, precision: str, ranks: int, memory_bytes: floa
                                           "offload (pkg:ntl_pretrain/config/zero3_offload.json)")  # fmt: skip
     advice = fits[0]
     why = "the weights fit whole: no gathering, the faster step" if advice == 2 else "only stage 3 fits"
-    figure += f"; train at stage {advice} ({why}: deepspeed.zero_stage: {advice}); the recipe runs stage {running}"
-    detail = {"states_per_rank_bytes": per_rank, "advice": advice, "recipe_stage": running}
+    engine = engine_advice(advice, on_gpu, deepcompile_refusal)
+    figure += (f"; train at stage {advice} ({why}: deepspeed.zero_stage: {advice}), {engine}; the recipe runs stage "
+               f"{running}")  # fmt: skip
+    detail = {"states_per_rank_bytes": per_rank, "advice": advice, "engine": engine, "recipe_stage": running}
     return Check("ZeRO stage", True, figure, detail)
+
+
+def engine_advice(stage: int, on_gpu: bool, deepcompile_refusal: str | None) -> str:
+    """How to run the advised stage: compiled on GPUs (each decoder layer at stage 2; DeepCompile at stage 3 where it
+    runs), else eager."""
+    if not on_gpu:
+        return "eager (train.compile: false: on CPU ranks compiling takes minutes and DeepCompile does not run)"
+    if stage != 3:
+        return "each decoder layer compiled (train.compile: true)"
+    if deepcompile_refusal is None:
+        return "compiled by DeepSpeed's DeepCompile (train.compile: true)"
+    return f"eager (train.compile: false: DeepCompile {deepcompile_refusal})"
 
 
 def model_parameters(recipe) -> int:

@@ -6,7 +6,8 @@ not DeepSpeed's bookkeeping on the host (issue 47; docs/benchmarks.md, "Step ove
   forward hook, a backward hook, a fetch and a release for each of its ~10 submodules. It holds one layer's
   gathered weights at a time instead of one matrix's (docs/recipes.md, "ZeRO stage", works it out at 8B).
 - ZeRO-3's prefetch sized to a whole decoder layer, where the JSON leaves it to us (`prefetch_bucket_size`).
-- `train.compile`: each decoder layer compiled in place with torch.compile (stages 1 and 2), its failure one line.
+- `train.compile`: each decoder layer compiled in place with torch.compile (stages 1 and 2), or at ZeRO-3 the whole
+  model through DeepSpeed's DeepCompile (`config/deepcompile.py`, CUDA only); a compile failure is one line.
 - What the trainer replaces inside DeepSpeed's ZeRO optimizers (the gradient norm, bf16's finite scan, ...) lives in
   train/zero_optimizer.py.
 """
@@ -42,8 +43,9 @@ def qualified_name(cls: type) -> str:
 def engine_config(ds_config: dict, recipe: Recipe, lm: nn.Module) -> dict:
     """`ds_config` for `lm` under ZeRO-3: with `deepspeed.gather: layer` its decoder layers join the leaf modules
     (beside those the JSON names, or DeepSpeed's default MoE blocks when it names none), and where the JSON does not
-    set `stage3_prefetch_bucket_size` (or sets "auto") it is sized to prefetch a whole decoder layer."""
-    if ds_config["zero_optimization"]["stage"] != 3:
+    set `stage3_prefetch_bucket_size` (or sets "auto") it is sized to prefetch a whole decoder layer. Under DeepCompile
+    (which gathers inside the compiled graph) it stays as `config/deepcompile.py` made it."""
+    if ds_config["zero_optimization"]["stage"] != 3 or _deepcompile(ds_config):
         return ds_config
     config = copy.deepcopy(ds_config)
     zero = config["zero_optimization"]
@@ -55,6 +57,10 @@ def engine_config(ds_config: dict, recipe: Recipe, lm: nn.Module) -> dict:
         named = leaf.get("classes", DEFAULT_LEAF_MODULE_CLASSES)
         leaf["classes"] = list(dict.fromkeys([*([named] if isinstance(named, str) else named), *layer_classes(lm)]))
     return config
+
+
+def _deepcompile(ds_config: dict) -> bool:
+    return (ds_config.get("compile") or {}).get("deepcompile") is True
 
 
 def prefetch_bucket_size(lm: nn.Module) -> int:
@@ -96,6 +102,16 @@ def name_data_parallel_layout(module: nn.Module, stage: int) -> None:
     if stage != 3:
         data_parallel_only = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
         setattr(module, UNIVERSAL_CHECKPOINT_INFO, data_parallel_only)
+
+
+def compile_model(engine, lm: nn.Module) -> None:
+    """`train.compile`: under DeepCompile (ZeRO-3) the engine compiles the whole model with DeepSpeed's backend,
+    which takes ZeRO-3's hooks out and its gathers, releases and reductions into the graph; at stages 1 and 2 each
+    decoder layer is compiled in place."""
+    if engine.is_deepcompile_enabled():
+        engine.compile()
+    else:
+        compile_layers(lm)
 
 
 def compile_layers(lm: nn.Module) -> None:

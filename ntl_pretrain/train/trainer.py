@@ -46,8 +46,8 @@ from ntl_pretrain.runtime.process_group import (
 from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
 from ntl_pretrain.train import resume_guard
-from ntl_pretrain.train.engine import compile_layers, engine_config, name_data_parallel_layout
-from ntl_pretrain.train.zero3_functions import apply_zero3_functions_classically
+from ntl_pretrain.train.engine import compile_model, engine_config, name_data_parallel_layout
+from ntl_pretrain.train.zero3_bookkeeping import streamline_zero3
 from ntl_pretrain.train.zero_optimizer import streamline
 
 IGNORE_INDEX = -100
@@ -98,9 +98,9 @@ class Trainer:
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         streamline(self.engine.optimizer)
-        apply_zero3_functions_classically(self.engine.module)
+        streamline_zero3(self.engine)
         if recipe.train.compile:
-            compile_layers(self.built.module.lm)
+            compile_model(self.engine, self.built.module.lm)
         self.head.attach(self.engine)
         self.grad_accum = ds_config["gradient_accumulation_steps"]
         # One listing of each hub dataset for the whole run, not one per reader (data/hub.py).

@@ -74,10 +74,11 @@ def streamline(zero_optimizer) -> list[str]:
 
 def source_fingerprint(path: str) -> str:
     """The first 16 hex digits of the sha256 of the source of the DeepSpeed function at `path` (module.Class.name);
-    a function under DeepSpeed's `instrument_w_nvtx` is read through it."""
+    a function under DeepSpeed's `instrument_w_nvtx` (or torch's `_disable_dynamo`) is read through it."""
     module_name, class_name, function_name = path.rsplit(".", 2)
     try:
         function = getattr(getattr(importlib.import_module(module_name), class_name), function_name)
+        function = inspect.unwrap(function)  # through torch's `_disable_dynamo` (DeepSpeed's `lazy_disable`)
         if function.__name__ == "wrapped_fn":
             function = inspect.getclosurevars(function).nonlocals["func"]
         source = inspect.getsource(function)
