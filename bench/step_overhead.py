@@ -61,6 +61,7 @@ from ntl_pretrain.model.build import CausalLMWithLoss, parameter_groups
 from ntl_pretrain.optim.optimizer import build_optimizer
 from ntl_pretrain.optim.schedule import lr_multiplier
 from ntl_pretrain.runtime.process_group import free_port
+from ntl_pretrain.train import trainer as trainer_module
 from ntl_pretrain.train import zero3_bookkeeping
 from ntl_pretrain.train.main import init_distributed, quiet_console
 from ntl_pretrain.train.trainer import IGNORE_INDEX, Trainer
@@ -259,6 +260,16 @@ def functions_as_deepspeed_applies_them(given_back: bool) -> contextlib.Abstract
     return mock.patch.object(zero3_bookkeeping, "apply_zero3_functions_classically", lambda module: None)
 
 
+def bookkeeping_as_deepspeed_does(given_back: bool) -> contextlib.AbstractContextManager:
+    """A trainer built inside keeps ZeRO-3's bookkeeping as DeepSpeed has it (its autograd Functions as the trainer
+    applies them, unless `deepspeed-functions` gives those back too); the process-wide part is given back around each
+    of its steps (`as_in_its_own_process`)."""
+    if not given_back:
+        return contextlib.nullcontext()
+    classic_only = lambda engine: zero3_bookkeeping.apply_zero3_functions_classically(engine.module)  # noqa: E731
+    return mock.patch.object(trainer_module, "streamline_zero3", classic_only)
+
+
 def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
     run_overrides = [*TOY, *overrides, f"train.output_dir={output_dir}", "train.resume=null"]
     recipe, ds_config = load_run(REPO / "recipes" / "tiny-cpu.yaml", run_overrides, int(os.environ["WORLD_SIZE"]))
@@ -275,8 +286,7 @@ def give_back(trainer: Trainer, given_back: frozenset[str]) -> None:
     """DeepSpeed's own code again where the variant asks for it (the class's methods, the timer it configures)."""
     optimizer = trainer.engine.optimizer
     replaced = [*([] if DEEPSPEED_NORM not in given_back else ["get_grad_norm_direct"]),
-                *([] if DEEPSPEED_STEP not in given_back else STEP_REPLACEMENTS),
-                *([] if DEEPSPEED_BOOKKEEPING not in given_back else ["_partition_all_parameters"])]  # fmt: skip
+                *([] if DEEPSPEED_STEP not in given_back else STEP_REPLACEMENTS)]  # fmt: skip
     for name in replaced:
         vars(optimizer).pop(name, None)
     if DEEPSPEED_STEP in given_back:
@@ -330,7 +340,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             trainers, given_back = {}, {}
             for name, extra, given_back[name] in [("ours", [], frozenset()), *args.variant]:
-                with functions_as_deepspeed_applies_them(DEEPSPEED_FUNCTIONS in given_back[name]):
+                with functions_as_deepspeed_applies_them(DEEPSPEED_FUNCTIONS in given_back[name]), \
+                        bookkeeping_as_deepspeed_does(DEEPSPEED_BOOKKEEPING in given_back[name]):  # fmt: skip
                     overrides = [f"train.precision={precision}", *args.overrides, *extra]
                     trainers[name] = build_trainer(overrides, f"{scratch}/{name}")
                 give_back(trainers[name], given_back[name])

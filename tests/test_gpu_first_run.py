@@ -50,7 +50,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     pins.write_text("ntl-toy-wheel==1.0\nliger-kernel==0.8.5  # optional\n")
     command = ["bash", str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(work), "--wheels",
                str(toy_wheel(tmp_path / "wheels")), "--pins", str(pins), "--budget", "1200"]  # fmt: skip
-    # 16 stages take 4-8 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
+    # 20 stages take 5-9 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
     done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=1300, check=False)
     summary = json.loads((out / "summary.json").read_text())
     stages = {stage["name"]: stage for stage in summary["stages"]}
@@ -88,6 +88,11 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
         assert figures["steps"] == 3 and figures["ours_over_plain_1b"] > 0 and figures["mfu"] > 0
         assert figures["mfu_of"].startswith("measured matmul rate") and figures["peak_mem_mib"] > 0
         assert stages["plain_1b_compiled"]["figures"][f"{name}_over_this"] > 0
+    build = stages["deepcompile_build"]["figures"]  # DeepSpeed's DeepCompile op does not build on CPU (no CUDA)
+    assert build["built"] is False and "cuda.h" in build["error"], build
+    for name in ("train_125m_deepcompile", "train_1b_deepcompile", "deepcompile_resume"):  # refused before launch
+        assert "recipe error" in stages[name]["figures"]["refused_on_cpu"] and "DeepCompile" in stages[name]["figures"][
+            "refused_on_cpu"]  # fmt: skip
     for name in ("doctor-report.json", "heads.json", "train-125m-metrics.jsonl", "plain-step.json", "summary.md"):
         assert (out / name).is_file(), name
     # The device tool returns at most 8 files from $OUT: the logs travel as one archive.
@@ -107,6 +112,16 @@ def test_issue_56s_group_names_its_stages_in_order_and_leaves_none_out():
     one_b = {"plain_1b", "train_1b_zero2", "train_1b", "train_1b_compiled", "plain_1b_compiled"}
     assert one_b | {"plain_step", "train_125m", "train_125m_zero2", "train_125m_compiled"} <= set(group)
     assert group.index("plain_1b") < min(group.index(name) for name in one_b - {"plain_1b"})  # the matmul rate first
+
+
+def test_issue_73s_group_builds_deepcompile_first_and_measures_both_zero3_engines_beside_plain():
+    gpu_first_run = runner()
+    group = gpu_first_run.GROUPS["issue73"]
+    assert group[:2] == ["install", "deepcompile_build"] and set(group) <= set(gpu_first_run.STAGES)
+    assert len(set(group)) == len(group)
+    for eager, compiled, plain in (("train_125m", "train_125m_deepcompile", "plain_step"),
+                                   ("train_1b", "train_1b_deepcompile", "plain_1b")):  # fmt: skip
+        assert group.index(plain) < group.index(eager) < group.index(compiled)  # each compares with those before it
 
 
 def test_a_failed_or_overrunning_stage_is_recorded_and_the_next_one_runs(tmp_path):

@@ -226,9 +226,10 @@ class TrainConfig:
     """How long ranks wait for each other: for all nodes to join the process group at start, and in any
     collective; a rank that gives up names the master address and port."""
     compile: bool = False
-    """Compile each decoder layer with torch.compile (in place, one graph shared by the layers, as torchtitan
-    does): fewer kernel launches and Python calls a step, after a first step that compiles (tens of seconds).
-    ZeRO stages 1 and 2 only (ZeRO-3 swaps each weight's storage around every layer). Off until a GPU run shows
+    """Compile the model: at ZeRO stages 1 and 2 each decoder layer with torch.compile (in place, one graph shared by
+    the layers, as torchtitan does); at ZeRO-3 the whole model with DeepSpeed's DeepCompile, which moves the gathers,
+    releases and gradient reduce-scatters into the graph (CUDA GPUs only: refused on CPU ranks). Fewer kernel
+    launches and Python calls a step, after a first step that compiles (tens of seconds). Off until a GPU run shows
     it faster (docs/benchmarks.md, "Step overhead")."""
 
     def check(self) -> None:

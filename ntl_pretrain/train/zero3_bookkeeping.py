@@ -25,7 +25,9 @@ on rank 0, and `tests/test_zero3_bookkeeping.py` fails until someone reads the n
   parameter through ~120 calls of dispatch and debug formatting; here each available one is freed by DeepSpeed's own
   `free_param` (what its path ends in when the parameter already has its partition), in one loop. The optimizer
   instance only.
-- `gather_persistent_at_once` (after each step): see its docstring. The optimizer instance only.
+- `gather_persistent_at_once` (after each step), `bucket_gradients_directly` and `partition_gradients_at_once`
+  (each backward): see their docstrings. The optimizer instance only.
+- `fetch_in_one_pass` (each module's forward and backward): see its docstring. The coordinator instance only.
 
 None of them changes a tensor: the weights, gradients and losses are DeepSpeed's bit for bit.
 """
@@ -38,6 +40,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
 from ntl_pretrain.train.zero3_functions import apply_zero3_functions_classically
@@ -69,14 +72,32 @@ READ = {
     f"{ENGINE}._forward_prologue": "7f3289ffc96f30e2",
     f"{ENGINE}._forward_epilogue": "2ffc78bd3da0c8c0",
     f"{OFFLOAD}.ensure_zero_ordered_dict": "3fc5a3249cecade4",
+    f"{ZERO_3}.reduce_ready_partitions_and_remove_grads": "864d5a8a8c5a1967",
+    f"{ZERO_3}.reduce_independent_p_g_buckets_and_remove_grads": "d62b56503afc1ebe",
+    f"{ZERO_3}._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket": "94d52f5b4af961a2",
+    f"{ZERO_3}._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads": "24d09d54e4e6c38d",
+    f"{ZERO_3}._apply_autoep_folding_tp_correction": "d56d86d56d60e8fb",
+    f"{ZERO_3}._get_param_partition_group": "5fce132964375d9d",
+    f"{ZERO_3}._get_param_partition_rank": "b88a5edec4662da7",
+    f"{ZERO_3}.partition_grads": "93119b25314ec6d3",
+    f"{COORDINATOR}.fetch_sub_module": "a5abaed0971c8fbd",
+    f"{COORDINATOR}._fetch_sub_module_impl": "5a0c0616eaa0b4a6",
 }
 RANGES_READS = (f"{NVTX}.instrument_w_nvtx",)
 DEBUG_LINES_READS = (f"{PARTITIONING}.print_rank_0",)
 PARAMETERS_READS = (f"{COORDINATION}.iter_params", f"{COORDINATION}.get_all_parameters")
 GATHER_READS = (f"{ZERO_3}._post_step", f"{PARTITIONING}.Init._convert_to_deepspeed_param")
 FORWARD_READS = (f"{ENGINE}._forward_prologue", f"{ENGINE}._forward_epilogue", f"{OFFLOAD}.ensure_zero_ordered_dict")
-RELEASE_READS = tuple(path for path in READ if path not in
-                      RANGES_READS + DEBUG_LINES_READS + PARAMETERS_READS + GATHER_READS + FORWARD_READS)  # fmt: skip
+BUCKET_READS = tuple(f"{ZERO_3}.{name}" for name in (
+    "reduce_ready_partitions_and_remove_grads", "reduce_independent_p_g_buckets_and_remove_grads",
+    "_DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket", "_apply_autoep_folding_tp_correction",
+    "_get_param_partition_group"))  # fmt: skip
+PARTITION_READS = tuple(f"{ZERO_3}.{name}" for name in (
+    "partition_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
+    "_get_param_partition_rank"))  # fmt: skip
+FETCH_READS = (f"{COORDINATOR}.fetch_sub_module", f"{COORDINATOR}._fetch_sub_module_impl")
+RELEASE_READS = tuple(path for path in READ if path not in RANGES_READS + DEBUG_LINES_READS + PARAMETERS_READS
+                      + GATHER_READS + FORWARD_READS + BUCKET_READS + PARTITION_READS + FETCH_READS)  # fmt: skip
 # DeepSpeed's module-level functions replaced process-wide: the modules that call each by its global name (each
 # imports it with `from ... import *` or by name).
 CALLERS = {
@@ -101,6 +122,9 @@ def streamline_zero3(engine) -> list[str]:
         mark_forward_at_once,
         release_every_parameter,
         gather_persistent_at_once,
+        bucket_gradients_directly,
+        partition_gradients_at_once,
+        fetch_in_one_pass,
     )
     applied = [replace.__name__ for replace in replacements if replace(engine)]
     changed = changed_reads()
@@ -320,3 +344,264 @@ def gather_persistent_at_once(engine) -> bool:
 
     optimizer._post_step = post_step
     return True
+
+
+# ---- the gradients' way into the reduce bucket and out of it -------------------------------------------------------
+
+
+def bucket_gradients_directly(engine) -> bool:
+    """Each parameter's gradient, when its module's backward is done, goes into the reduce bucket
+    (`reduce_ready_partitions_and_remove_grads` -> `reduce_independent_p_g_buckets_and_remove_grads` ->
+    `__add_grad_to_ipg_bucket`: ~50 calls a parameter through three methods, a `torch.no_grad` decorator and an NVTX
+    wrapper); here the same steps in one function: the bucket reduced first where it is full or holds another
+    process group's gradients, then the gradient copied into the bucket's buffer and the parameter's gradient made
+    a view of it. DeepSpeed's own where ZenFlow or AutoEP's folding correction is on."""
+    optimizer = engine.optimizer
+    if not _partitioned_as_the_trainer_does(engine, BUCKET_READS) or optimizer.zenflow:
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeeds_own = optimizer.reduce_ready_partitions_and_remove_grads
+    reduce_bucket = optimizer._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads
+    device = Device(get_accelerator())
+
+    def reduce_ready_partitions_and_remove_grads(param) -> None:
+        if optimizer._coalesce_grad_reduction:
+            return
+        if optimizer.autoep_folding_tp_group is not None:
+            return deepspeeds_own(param)
+        comm_dtype = optimizer.get_param_comm_dtype(param)
+        bucket = optimizer.ipg_buckets[comm_dtype]
+        group = getattr(param, "ds_process_group", optimizer.dp_process_group)
+        if bucket.params and bucket.process_group != group:
+            optimizer.report_ipg_memory_usage("In ipg_remove_grads before cross-group reduce_ipg_grads", param.ds_numel)
+            reduce_bucket(comm_dtype)
+        if bucket.elements + param.ds_numel > optimizer.reduce_bucket_size and bucket.elements > 0:
+            optimizer.report_ipg_memory_usage("In ipg_remove_grads before reduce_ipg_grads", param.ds_numel)
+            reduce_bucket(comm_dtype)
+        if getattr(param, "ds_grad_is_ready", True):
+            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+                _add_to_bucket(optimizer, device, param, bucket, group)
+
+    optimizer.reduce_ready_partitions_and_remove_grads = reduce_ready_partitions_and_remove_grads
+    return True
+
+
+class Device:
+    """DeepSpeed's accelerator and the answers it gives every time (what DeepSpeed asks it for each gradient)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.orders_itself = accelerator.resolves_data_dependency()  # no stream to wait on
+        self.synchronized = accelerator.is_synchronized_device()  # no stream to record a tensor's use on
+
+
+def _add_to_bucket(optimizer, device: Device, param, bucket, group) -> None:
+    """`__add_grad_to_ipg_bucket(param)` (its ZenFlow branch aside, which the replacement is not set for)."""
+    accelerator = device.accelerator
+    if not device.orders_itself:
+        optimizer.reduce_and_partition_stream.wait_stream(accelerator.current_stream())
+    grad = param.grad
+    if optimizer.contiguous_gradients and bucket.elements + grad.numel() <= optimizer.reduce_bucket_size:
+        with accelerator.stream(optimizer.reduce_and_partition_stream):
+            in_bucket = bucket.buffer.narrow(0, bucket.elements, grad.numel()).view_as(grad)
+            in_bucket.copy_(grad, non_blocking=True)
+            if not device.synchronized:
+                grad.record_stream(accelerator.current_stream())
+            grad.data = in_bucket
+    bucket.params.append(param)
+    bucket.process_group = group
+    bucket.elements += grad.numel()
+
+
+def partition_gradients_at_once(engine) -> bool:
+    """A reduced bucket's gradient partitions go into each parameter's slice of the rank's gradient partition
+    (`partition_grads`, once per bucket: ~30 calls a parameter, among them the rank looked up through the process
+    group for each); here with the rank looked up once, as every parameter of a bucket is in the same group
+    (`__reduce_and_partition_ipg_grads` checks it before), the same copies and additions."""
+    if not _partitioned_as_the_trainer_does(engine, PARTITION_READS):
+        return False
+    optimizer = engine.optimizer
+    grad_partitions_by_id = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+
+    from deepspeed.accelerator import get_accelerator
+
+    device = Device(get_accelerator())
+
+    def partition_grads(params_to_release: list, grad_partitions: list) -> list:
+        buffers = []
+        rank = optimizer._get_param_partition_rank(params_to_release[0]) if params_to_release else 0
+        for param, grad_partition in zip(params_to_release, grad_partitions, strict=False):  # as DeepSpeed's
+            if param.partition_numel() * rank >= param.ds_numel:  # this rank's slice of it is padding only
+                param.grad = None
+                continue
+            optimizer._offload_boundary_param_ids.add(param.ds_id)
+            grad_buffer = grad_partitions_by_id[param.ds_id].narrow(0, 0, grad_partition.numel())
+            buffers.append(grad_buffer)
+            _accumulate(optimizer, device.accelerator, grad_buffer, grad_partition)
+            if not device.synchronized and param.grad is not None:
+                param.grad.record_stream(device.accelerator.current_stream())
+            param.grad = None
+        return buffers
+
+    optimizer.partition_grads = partition_grads
+    return True
+
+
+def _accumulate(optimizer, accelerator, grad_buffer, grad_partition) -> None:
+    """A gradient partition into its buffer: copied at a step's first micro-batch, added after it (on the device; a
+    buffer off it is added to on the partition's device and copied back), as `partition_grads` does."""
+    if optimizer.micro_step_id == 0:
+        grad_buffer.copy_(grad_partition, non_blocking=True)
+    elif accelerator.on_accelerator(grad_buffer):
+        grad_buffer.add_(grad_partition.to(optimizer.gradient_accumulation_dtype).view(grad_buffer.shape))
+    else:
+        on_device = grad_buffer.to(grad_partition.device, non_blocking=True)
+        on_device.add_(grad_partition.to(optimizer.gradient_accumulation_dtype).view(on_device.shape))
+        grad_buffer.copy_(on_device, non_blocking=True)
+
+
+# ---- fetching a module's parameters --------------------------------------------------------------------------------
+
+
+def fetch_in_one_pass(engine) -> bool:
+    """The coordinator's `fetch_sub_module` once the trace of a step is complete (from the third step on): the same
+    gathers, waits and prefetches in the same order (`_fetch_in_one_pass`), without the profiler events, debug
+    lines and the three decorators around it (~185 calls a module). DeepSpeed's own while it records the trace, with
+    DEBUG logging on, and where it shards leaf modules fast or prefetches from NVMe (neither is set by the trainer)."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator
+
+    if not _partitioned_as_the_trainer_does(engine, FETCH_READS) or partitioned_param_coordinator.ENABLE_PROFILER:
+        return False
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    if coordinator.fast_sharding_for_leaf_module or coordinator._PartitionedParameterCoordinator__prefetch_nvme:
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeeds_own, device = coordinator.fetch_sub_module, Device(get_accelerator())
+    logger = partitioned_param_coordinator.logger
+
+    def fetch_sub_module(current_submodule, forward: bool) -> None:
+        if not coordinator.is_complete_trace() or logger.isEnabledFor(logging.DEBUG):
+            return deepspeeds_own(current_submodule, forward)
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            _fetch_one_at_a_time(coordinator, device, current_submodule, forward)
+
+    coordinator.fetch_sub_module = fetch_sub_module
+    return True
+
+
+def _fetch_one_at_a_time(coordinator, device: Device, module, forward: bool) -> None:
+    """`fetch_sub_module`'s guard: in backward, autograd may run a leaf module's hooks from several threads, and only
+    the first fetches (the others wait for it); a module fetched in backward joins the active ones."""
+    import threading
+
+    from deepspeed.utils import z3_leaf_module
+
+    needs_sync = not forward and z3_leaf_module(module)
+    events = coordinator._PartitionedParameterCoordinator__ongoing_fetch_leaf_module_events
+    lock = coordinator._PartitionedParameterCoordinator__leaf_module_lock
+    if needs_sync:
+        with lock:
+            running = events.get(module.ds_id)
+            if running is None:
+                events[module.ds_id] = threading.Event()
+        if running is not None:
+            running.wait()
+            return
+    if not forward:
+        coordinator._PartitionedParameterCoordinator__active_backward_submodules[module.ds_id] = module
+    try:
+        _fetch_in_one_pass(coordinator, device, module, forward, z3_leaf_module(module))
+    finally:
+        if needs_sync:
+            with lock:
+                done = events.pop(module.ds_id, None)
+            if done is not None:
+                done.set()
+
+
+def _fetch_in_one_pass(coordinator, device: Device, module, forward: bool, is_leaf: bool) -> None:
+    """`_fetch_sub_module_impl` with a complete trace: gather what is not available, wait for what is in flight, take
+    this module's parameters off the prefetch queue, prefetch the next ones up to the bucket size."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordination
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    gathered, missing = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+    params_to_fetch = set(coordination.iter_params(module, recurse=is_leaf))
+    unavailable = [param for param in params_to_fetch if param.ds_status is missing]
+    if unavailable and sum(param.partition_numel() for param in unavailable) > 0:
+        coordinator._PartitionedParameterCoordinator__all_gather_params(params_to_fetch, forward)
+    inflight = coordinator._PartitionedParameterCoordinator__inflight_param_registry.data
+    active_backward = coordinator._PartitionedParameterCoordinator__active_backward_submodules
+    in_checkpoint_recompute = forward and torch._C._current_graph_task_id() != -1
+    for param in params_to_fetch:
+        param.ds_active_sub_modules.add(module.ds_id)
+        if in_checkpoint_recompute and active_backward and not param.requires_grad:
+            coordination.update_recompute_parameters(next(reversed(active_backward.values())), param)
+        if inflight and param in inflight:
+            _wait_for(coordinator, device, inflight.pop(param))
+        if param.ds_status is not gathered:
+            raise AssertionError(param.ds_summary())
+    if not device.orders_itself:
+        device.accelerator.current_stream().wait_stream(coordinator._PartitionedParameterCoordinator__allgather_stream)
+    _take_off_the_queue(coordinator, module, params_to_fetch)
+    _prefetch(coordinator, forward, missing)
+    coordinator._PartitionedParameterCoordinator__step_id += 1
+
+
+def _wait_for(coordinator, device: Device, handle) -> None:
+    """A gather in flight waited for, at most `__max_ongoing_fetch_events` of them left queued on the device."""
+    ongoing = coordinator._PartitionedParameterCoordinator__ongoing_fetch_events
+    with device.accelerator.stream(coordinator._PartitionedParameterCoordinator__allgather_stream):
+        while ongoing and ongoing[0].query():
+            ongoing.popleft()
+        if len(ongoing) > coordinator._PartitionedParameterCoordinator__max_ongoing_fetch_events:
+            ongoing.popleft().synchronize()
+        handle.wait(handle_dependency=True)
+        if not device.accelerator.handles_memory_backpressure():
+            event = device.accelerator.Event()
+            event.record()
+            ongoing.append(event)
+
+
+def _take_off_the_queue(coordinator, module, params_to_fetch: set) -> None:
+    """This module's parameters not yet fetched for this point of the trace, popped off the prefetch queue (which
+    must hold exactly them next)."""
+    step_id = coordinator._PartitionedParameterCoordinator__step_id
+    queue = coordinator._PartitionedParameterCoordinator__param_queue
+    last_fetched_for = coordinator._PartitionedParameterCoordinator__most_recent_step_id_param_fetched_for
+    not_fetched = {param for param in params_to_fetch if last_fetched_for[param] < step_id}
+    discarded = set()
+    while queue and len(discarded) < len(not_fetched):
+        in_trace = queue.popleft()
+        last_fetched_for[in_trace.param] = in_trace.step_id_last_used_at
+        discarded.add(in_trace.param)
+    if discarded != not_fetched:
+        expected = tuple(param.ds_summary(use_debug_name=True) for param in not_fetched)
+        got = tuple(param.ds_summary(use_debug_name=True) for param in discarded)
+        where = f"module id: {module.ds_id}, training: {module.training}"
+        raise RuntimeError(f"tracing error at step {step_id}: \n{where}\nexpected the next {len(not_fetched)} "
+                           f"parameters in the parameter fetch queue to be {expected} \nbut got \n {got}.")  # fmt: skip
+
+
+def _prefetch(coordinator, forward: bool, missing) -> None:
+    """The next parameters of the trace gathered ahead, up to the prefetch bucket size and the live-parameter limit."""
+    bucket_size = coordinator._PartitionedParameterCoordinator__prefetch_bucket_sz
+    if bucket_size <= 0:
+        return
+    limit = coordinator._PartitionedParameterCoordinator__max_n_available_params
+    budget = min(limit - coordinator._PartitionedParameterCoordinator__n_available_params, bucket_size)
+    queue = coordinator._PartitionedParameterCoordinator__param_queue
+    last_fetched_for = coordinator._PartitionedParameterCoordinator__most_recent_step_id_param_fetched_for
+    to_prefetch, numel = set(), 0
+    while queue and numel < budget:
+        in_trace = queue.popleft()
+        param = in_trace.param
+        do_prefetch = param.ds_status is missing and param not in to_prefetch
+        last_fetched_for[param] = max(last_fetched_for[param], in_trace.step_id_last_used_at)
+        if do_prefetch:
+            to_prefetch.add(param)
+            numel += param.ds_numel
+    if numel > 0:
+        coordinator._PartitionedParameterCoordinator__all_gather_params(to_prefetch, forward)
