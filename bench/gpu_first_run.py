@@ -532,30 +532,30 @@ def largest_difference(these: dict[int, float], those: dict[int, float]) -> floa
 def train_125m_deepcompile(run: Run) -> dict:
     """train_125m with DeepCompile (steps 20-22 profiled): over the plain steps, and its losses against train_125m's
     (the same seed and batches, eager ZeRO-3)."""
-    output_dir = run.work / "train-125m-deepcompile"
-    settings = [*train_overrides(run, output_dir), "train.compile=true"]
-    refused = deepcompile_variant(run, "train_125m_deepcompile", settings, 240.0)
-    if refused:
-        return refused
-    figures = trained_figures(run, output_dir, "train-125m-deepcompile")
-    eager = largest_difference(losses(output_dir), losses(run.work / "train-125m"))
-    return {**figures, **over_plain(run, figures, ("plain_step", "plain_compiled")), "loss_vs_eager_zero3": eager}
+    settings = [*train_overrides(run, run.work / "train-125m-deepcompile"), "train.compile=true"]
+    return against_eager(run, "train_125m_deepcompile", settings, "train_125m", ("plain_step", "plain_compiled"))
 
 
 def train_1b_deepcompile(run: Run) -> dict:
-    """train_1b with DeepCompile: MFU against the measured matmul rate, over the plain steps, losses against
+    """train_1b with DeepCompile, 16 steps: MFU against the measured matmul rate, over the plain steps, losses against
     train_1b's."""
-    output_dir = run.work / "train-1b-deepcompile"
     matmul = stage_figure(run, "plain_1b", "matmul_flops")
-    settings = [*train_overrides(run, output_dir, MODEL_1B, BATCH_1B), "train.compile=true",
-                "logging.profile_steps=null", "train.max_steps=16"]  # fmt: skip
+    settings = [*train_overrides(run, run.work / "train-1b-deepcompile", MODEL_1B, BATCH_1B), "train.compile=true",
+                "logging.profile_steps=null", *([] if run.dry_run else ["train.max_steps=16"])]  # fmt: skip
     settings += [] if matmul is None else [f"logging.peak_flops_per_device={matmul:.6e}"]
-    refused = deepcompile_variant(run, "train_1b_deepcompile", settings, 240.0)
+    return against_eager(run, "train_1b_deepcompile", settings, "train_1b", ("plain_1b", "plain_1b_compiled"))
+
+
+def against_eager(run: Run, name: str, settings: list[str], eager: str, plains: tuple[str, ...]) -> dict:
+    """`name`'s run (`deepcompile_variant`), its figures over the plain stages' steps and the largest difference of
+    a step's loss from the eager ZeRO-3 stage's."""
+    refused = deepcompile_variant(run, name, settings, 240.0)
     if refused:
         return refused
-    figures = trained_figures(run, output_dir, "train-1b-deepcompile")
-    eager = largest_difference(losses(output_dir), losses(run.work / "train-1b"))
-    return {**figures, **over_plain(run, figures, ("plain_1b", "plain_1b_compiled")), "loss_vs_eager_zero3": eager}
+    output_dir = run.work / name.replace("_", "-")
+    figures = trained_figures(run, output_dir, name.replace("_", "-"))
+    loss = largest_difference(losses(output_dir), losses(run.work / eager.replace("_", "-")))
+    return {**figures, **over_plain(run, figures, plains), "loss_vs_eager_zero3": loss}
 
 
 def deepcompile_resume(run: Run) -> dict:

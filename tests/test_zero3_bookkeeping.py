@@ -41,6 +41,7 @@ def test_every_replaced_deepspeed_function_is_the_one_read():
         + zero3_bookkeeping.BUCKET_READS
         + zero3_bookkeeping.PARTITION_READS
         + zero3_bookkeeping.FETCH_READS
+        + zero3_bookkeeping.HOOK_READS
     )
     assert sorted(reads) == sorted(zero3_bookkeeping.READ)
 
@@ -88,10 +89,11 @@ def replaced(engine) -> set[str]:
     from deepspeed.runtime.zero import parameter_offload, partition_parameters, partitioned_param_coordinator
     from deepspeed.utils import nvtx
 
-    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-    instances = {*vars(engine.optimizer), *vars(engine), *vars(coordinator)} & {
+    offload = engine.optimizer.parameter_offload
+    hooks = {f"{when}_sub_module_{phase}_function" for when in ("pre", "post") for phase in ("forward", "backward")}
+    instances = {*vars(engine.optimizer), *vars(engine), *vars(offload.get_param_coordinator()), *vars(offload)} & {
         "_partition_all_parameters", "_post_step", "_forward_prologue", "_forward_epilogue",
-        "reduce_ready_partitions_and_remove_grads", "partition_grads", "fetch_sub_module"}  # fmt: skip
+        "reduce_ready_partitions_and_remove_grads", "partition_grads", "fetch_sub_module", *hooks}  # fmt: skip
     process_wide = {
         "print_rank_0": partition_parameters.print_rank_0,
         "iter_params": partitioned_param_coordinator.iter_params,
@@ -108,6 +110,8 @@ def same_training(folder: str) -> None:
     assert theirs["replaced"] == set()
     assert ours["replaced"] == {"_partition_all_parameters", "_post_step", "_forward_prologue", "_forward_epilogue",
                                 "reduce_ready_partitions_and_remove_grads", "partition_grads", "fetch_sub_module",
+                                "pre_sub_module_forward_function", "post_sub_module_forward_function",
+                                "pre_sub_module_backward_function", "post_sub_module_backward_function",
                                 "print_rank_0", "iter_params", "offload's iter_params", "nvtx off"}  # fmt: skip
     assert ours["losses"] == theirs["losses"]
     assert all(torch.equal(a, b) for a, b in zip(ours["weights"], theirs["weights"], strict=True))

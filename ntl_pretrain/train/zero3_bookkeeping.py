@@ -27,7 +27,8 @@ on rank 0, and `tests/test_zero3_bookkeeping.py` fails until someone reads the n
   instance only.
 - `gather_persistent_at_once` (after each step), `bucket_gradients_directly` and `partition_gradients_at_once`
   (each backward): see their docstrings. The optimizer instance only.
-- `fetch_in_one_pass` (each module's forward and backward): see its docstring. The coordinator instance only.
+- `fetch_in_one_pass` and `hooks_without_wrapping` (each module's forward and backward): see their docstrings. The
+  coordinator and the parameter offload (ZeRO-3's hook owner) instances only.
 
 None of them changes a tensor: the weights, gradients and losses are DeepSpeed's bit for bit.
 """
@@ -44,9 +45,8 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.train.zero3_functions import apply_zero3_functions_classically
-from ntl_pretrain.train.zero_optimizer import ZERO_3, source_fingerprint
+from ntl_pretrain.train.zero_optimizer import READ_FROM, ZERO_3, source_fingerprint
 
-READ_FROM = "0.19.8"
 NVTX = "deepspeed.utils.nvtx"
 PARTITIONING = "deepspeed.runtime.zero.partition_parameters"
 COORDINATION = "deepspeed.runtime.zero.partitioned_param_coordinator"
@@ -82,6 +82,10 @@ READ = {
     f"{ZERO_3}.partition_grads": "93119b25314ec6d3",
     f"{COORDINATOR}.fetch_sub_module": "a5abaed0971c8fbd",
     f"{COORDINATOR}._fetch_sub_module_impl": "5a0c0616eaa0b4a6",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_forward_function": "62abffd323b9210b",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_forward_function": "d40be41e270767a7",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_backward_function": "6ae14ac34ac66ee9",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_backward_function": "4faa3ff85e4f749e",
 }
 RANGES_READS = (f"{NVTX}.instrument_w_nvtx",)
 DEBUG_LINES_READS = (f"{PARTITIONING}.print_rank_0",)
@@ -96,8 +100,11 @@ PARTITION_READS = tuple(f"{ZERO_3}.{name}" for name in (
     "partition_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
     "_get_param_partition_rank"))  # fmt: skip
 FETCH_READS = (f"{COORDINATOR}.fetch_sub_module", f"{COORDINATOR}._fetch_sub_module_impl")
+HOOK_READS = tuple(f"{OFFLOAD}.DeepSpeedZeRoOffload.{when}_sub_module_{phase}_function"
+                   for when in ("pre", "post") for phase in ("forward", "backward"))  # fmt: skip
 RELEASE_READS = tuple(path for path in READ if path not in RANGES_READS + DEBUG_LINES_READS + PARAMETERS_READS
-                      + GATHER_READS + FORWARD_READS + BUCKET_READS + PARTITION_READS + FETCH_READS)  # fmt: skip
+                      + GATHER_READS + FORWARD_READS + BUCKET_READS + PARTITION_READS + FETCH_READS
+                      + HOOK_READS)  # fmt: skip
 # DeepSpeed's module-level functions replaced process-wide: the modules that call each by its global name (each
 # imports it with `from ... import *` or by name).
 CALLERS = {
@@ -125,6 +132,7 @@ def streamline_zero3(engine) -> list[str]:
         bucket_gradients_directly,
         partition_gradients_at_once,
         fetch_in_one_pass,
+        hooks_without_wrapping,
     )
     applied = [replace.__name__ for replace in replacements if replace(engine)]
     changed = changed_reads()
@@ -379,9 +387,12 @@ def bucket_gradients_directly(engine) -> bool:
         if bucket.elements + param.ds_numel > optimizer.reduce_bucket_size and bucket.elements > 0:
             optimizer.report_ipg_memory_usage("In ipg_remove_grads before reduce_ipg_grads", param.ds_numel)
             reduce_bucket(comm_dtype)
-        if getattr(param, "ds_grad_is_ready", True):
-            with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-                _add_to_bucket(optimizer, device, param, bucket, group)
+        if not getattr(param, "ds_grad_is_ready", True):
+            return
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return _add_to_bucket(optimizer, device, param, bucket, group)
+        _add_to_bucket(optimizer, device, param, bucket, group)
 
     optimizer.reduce_ready_partitions_and_remove_grads = reduce_ready_partitions_and_remove_grads
     return True
@@ -484,8 +495,10 @@ def fetch_in_one_pass(engine) -> bool:
     def fetch_sub_module(current_submodule, forward: bool) -> None:
         if not coordinator.is_complete_trace() or logger.isEnabledFor(logging.DEBUG):
             return deepspeeds_own(current_submodule, forward)
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            _fetch_one_at_a_time(coordinator, device, current_submodule, forward)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return _fetch_one_at_a_time(coordinator, device, current_submodule, forward)
+        _fetch_one_at_a_time(coordinator, device, current_submodule, forward)
 
     coordinator.fetch_sub_module = fetch_sub_module
     return True
@@ -605,3 +618,44 @@ def _prefetch(coordinator, forward: bool, missing) -> None:
             numel += param.ds_numel
     if numel > 0:
         coordinator._PartitionedParameterCoordinator__all_gather_params(to_prefetch, forward)
+
+
+# ---- the module hooks' work ----------------------------------------------------------------------------------------
+
+
+def hooks_without_wrapping(engine) -> bool:
+    """The work ZeRO-3's module hooks call before and after each module's forward and backward
+    (`pre_sub_module_forward_function` and its three siblings of `DeepSpeedZeRoOffload`: trace the module, fetch its
+    parameters before, release them after), without the `torch.no_grad` decorator (entered only where gradients are
+    on) and the two memory reports around each that print only when forced (they never are). DeepSpeed's own with
+    ZenFlow (which transposes the weights there)."""
+    offload = engine.optimizer.parameter_offload
+    if not _partitioned_as_the_trainer_does(engine, HOOK_READS) or offload.zenflow:
+        return False
+    from deepspeed.runtime.zero import parameter_offload
+
+    coordinator = offload.get_param_coordinator()
+
+    def fetch(sub_module, forward: bool) -> None:
+        if forward:
+            parameter_offload.FWD_MODULE_STACK.append(sub_module)
+        coordinator.trace_prologue(sub_module)
+        if coordinator.is_record_trace():
+            coordinator.record_module(sub_module)
+        coordinator.fetch_sub_module(sub_module, forward=forward)
+
+    def without_gradients(work, forward: bool):
+        def hook_work(sub_module) -> None:
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    return work(sub_module, forward)
+            return work(sub_module, forward)
+
+        return hook_work
+
+    release = lambda sub_module, forward: coordinator.release_sub_module(sub_module, forward=forward)  # noqa: E731
+    offload.pre_sub_module_forward_function = without_gradients(fetch, True)
+    offload.post_sub_module_forward_function = without_gradients(release, True)
+    offload.pre_sub_module_backward_function = without_gradients(fetch, False)
+    offload.post_sub_module_backward_function = without_gradients(release, False)
+    return True
