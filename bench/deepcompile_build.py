@@ -12,25 +12,19 @@ import json
 import time
 from pathlib import Path
 
+from ntl_pretrain.train.engine import first_error_line
+
 
 def build() -> dict:
-    """{"built": bool, "seconds": float, "error": the failure's last informative line or None}."""
+    """{"built": bool, "seconds": float, "error": the failure's first informative line or None}."""
     started = time.perf_counter()
     try:
         from deepspeed.ops.op_builder.dc import DeepCompileBuilder
 
         DeepCompileBuilder().load()
     except Exception as error:  # noqa: BLE001 - the failure is the answer
-        return {"built": False, "seconds": time.perf_counter() - started, "error": informative_line(error)}
+        return {"built": False, "seconds": time.perf_counter() - started, "error": first_error_line(error)}
     return {"built": True, "seconds": time.perf_counter() - started, "error": None}
-
-
-def informative_line(error: Exception) -> str:
-    """A compiler's `fatal error:` line where the build printed one (ninja's message holds the whole log), else the
-    error's first line."""
-    text = f"{type(error).__name__}: {error}"
-    fatal = [line.strip() for line in text.splitlines() if "error:" in line]
-    return fatal[0] if fatal else text.splitlines()[0]
 
 
 def main() -> None:

@@ -517,11 +517,12 @@ def deepcompile_variant(run: Run, name: str, settings: list[str], timeout: float
     return {}
 
 
-def losses(output_dir: Path) -> dict[int, float]:
+def logged(output_dir: Path, key: str, split: str | None = None) -> dict[int, float]:
+    """{step: the run's `key`} from its metrics.jsonl: training steps' (`split` None) or an evaluation's."""
     metrics = output_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() \
         else []  # fmt: skip
-    return {r["step"]: r["loss"] for r in records if "loss" in r and r.get("split") is None}
+    return {r["step"]: r[key] for r in records if key in r and r.get("split") == split}
 
 
 def largest_difference(these: dict[int, float], those: dict[int, float]) -> float | None:
@@ -554,23 +555,28 @@ def against_eager(run: Run, name: str, settings: list[str], eager: str, plains: 
         return refused
     output_dir = run.work / name.replace("_", "-")
     figures = trained_figures(run, output_dir, name.replace("_", "-"))
-    loss = largest_difference(losses(output_dir), losses(run.work / eager.replace("_", "-")))
+    loss = largest_difference(logged(output_dir, "loss"), logged(run.work / eager.replace("_", "-"), "loss"))
     return {**figures, **over_plain(run, figures, plains), "loss_vs_eager_zero3": loss}
 
 
 def deepcompile_resume(run: Run) -> dict:
-    """12 steps with DeepCompile saved every 6, then the same command resumed from step 6 into a copy of the folder:
-    the largest difference of the resumed steps' losses from the uninterrupted run's."""
+    """12 steps with DeepCompile saved and validated every 6 (validation runs the compiled engine without gradients),
+    then the same command resumed from step 6 into a copy of the folder: the largest difference of the resumed steps'
+    losses from the uninterrupted run's, and the validation losses of both."""
     whole, resumed = run.work / "deepcompile-whole", run.work / "deepcompile-resumed"
     settings = lambda folder: [*train_overrides(run, folder), "train.compile=true", "train.max_steps=12",  # noqa: E731
-                               "checkpoint.every_steps=6", "logging.profile_steps=null"]  # fmt: skip
+                               "checkpoint.every_steps=6", "train.eval_every_steps=6", "train.eval_max_batches=2",
+                               "logging.profile_steps=null"]  # fmt: skip
     refused = deepcompile_variant(run, "deepcompile_resume", settings(whole), 200.0)
     if refused:
         return refused
     shutil.copytree(whole / "checkpoints" / "step_6", resumed / "checkpoints" / "step_6")
     deepcompile_variant(run, "deepcompile_resume", [*settings(resumed), "train.resume=auto"], 200.0)
-    after = losses(resumed)
-    return {"resumed_steps": sorted(after), "loss_vs_uninterrupted": largest_difference(after, losses(whole))}
+    after = logged(resumed, "loss")
+    validated = {name: logged(folder, "val_loss", "validation") for name, folder in (("uninterrupted", whole),
+                                                                                     ("resumed", resumed))}  # fmt: skip
+    return {"resumed_steps": sorted(after), "loss_vs_uninterrupted": largest_difference(after, logged(whole, "loss")),
+            "val_loss": validated}  # fmt: skip
 
 
 def over_plain(run: Run, figures: dict, plains: tuple[str, ...]) -> dict:

@@ -108,6 +108,7 @@ def zero3_json(folder: Path, **extra) -> str:
             "zero_optimization.leaf_module: {'classes': ['x.Block']} with train.compile at ZeRO-3",
         ),
         ([], {"compile": {"deepcompile": True}}, "compile.deepcompile: true, but the trainer compiles only where"),
+        (["train.compile=true", "eval.every_steps=5"], {}, "eval.every_steps: 5 with train.compile at ZeRO-3"),
     ],
 )
 def test_what_deepcompile_cannot_run_is_one_line_before_launch(tmp_path, overrides, json_extra, said):
@@ -153,3 +154,24 @@ def test_deepcompile_config_where_cuda_is():
                                                       num_attention_heads=2, vocab_size=64))  # fmt: skip
     assert engine_config(config, recipe, lm)["zero_optimization"]["leaf_module"]["classes"] == []
     assert "LlamaDecoderLayer" in str(engine_config(eager, recipe, lm)["zero_optimization"]["leaf_module"])
+
+
+def test_deepcompile_that_cannot_start_is_one_line_naming_the_key():
+    """DeepSpeed's JIT build passes ninja's whole log in its error: the compiler's first error line is what is said."""
+    from types import SimpleNamespace
+
+    from ntl_pretrain.train.engine import compile_model
+
+    compiler = "ATenCUDAGeneral.h:4:10: fatal error: cuda.h: No such file or directory"
+    log = "\n".join(["Error building extension 'dc': [1/7] c++ -c z1.cpp", "FAILED: z1.o", compiler, "terminated."])
+
+    def build_fails():
+        raise RuntimeError(log)
+
+    engine = SimpleNamespace(is_deepcompile_enabled=lambda: True, compile=build_fails)
+    with pytest.raises(RuntimeError) as error:
+        compile_model(engine, torch.nn.Linear(2, 2))
+    assert str(error.value) == (
+        "train.compile: DeepSpeed's DeepCompile could not start (ATenCUDAGeneral.h:4:10: fatal "
+        "error: cuda.h: No such file or directory); train without it: train.compile=false"
+    )

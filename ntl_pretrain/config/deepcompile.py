@@ -83,7 +83,9 @@ def _release(version: str) -> tuple[int, int]:
 def check_deepcompile_combination(config: dict, recipe: Recipe, path: Path) -> None:
     """What DeepCompile and the trainer do not run together: ZeRO-3 leaf modules named in the JSON (their backward
     hooks would reduce gradients that DeepCompile's graph reduces), the vocabulary-parallel head (its collectives
-    outside the engine have never run inside a DeepCompile graph: a 2-GPU run must show them first)."""
+    outside the engine have never run inside a DeepCompile graph: a 2-GPU run must show them first), answers
+    generated during training (`eval.every_steps`: `generate` calls the model outside the engine, where DeepCompile
+    has taken out the hooks that gather its weights)."""
     named = {key: value for key, value in (config["zero_optimization"].get("leaf_module") or {}).items() if value}
     if named:
         raise RecipeError(f"{path}: zero_optimization.leaf_module: {named} with train.compile at ZeRO-3: DeepCompile "
@@ -94,6 +96,11 @@ def check_deepcompile_combination(config: dict, recipe: Recipe, path: Path) -> N
         raise RecipeError(f"loss.vocab_parallel_size: {recipe.loss.vocab_parallel_size} with train.compile at "
                           f"ZeRO-3 (DeepCompile): the vocabulary-parallel head has not run inside a DeepCompile "
                           f"graph yet; set loss.vocab_parallel_size: 1 or train.compile: false")  # fmt: skip
+    if recipe.eval.every_steps is not None:
+        raise RecipeError(f"eval.every_steps: {recipe.eval.every_steps} with train.compile at ZeRO-3 (DeepCompile): "
+                          f"generating answers calls the model outside the engine, where DeepCompile has taken out "
+                          f"the hooks that gather its weights; set eval.every_steps: null (`ntl-pretrain eval` "
+                          f"answers them from a checkpoint) or train.compile: false")  # fmt: skip
 
 
 def ranks_on_cpu(device: str) -> bool:

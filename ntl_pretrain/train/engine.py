@@ -108,10 +108,21 @@ def compile_model(engine, lm: nn.Module) -> None:
     """`train.compile`: under DeepCompile (ZeRO-3) the engine compiles the whole model with DeepSpeed's backend,
     which takes ZeRO-3's hooks out and its gathers, releases and reductions into the graph; at stages 1 and 2 each
     decoder layer is compiled in place."""
-    if engine.is_deepcompile_enabled():
+    if not engine.is_deepcompile_enabled():
+        return compile_layers(lm)
+    try:
         engine.compile()
-    else:
-        compile_layers(lm)
+    except RuntimeError as error:  # its C++ op did not build here (no CUDA headers, no NCCL): the compiler's error
+        raise RuntimeError(f"train.compile: DeepSpeed's DeepCompile could not start ({first_error_line(error)}); "
+                           "train without it: train.compile=false") from error  # fmt: skip
+
+
+def first_error_line(error: Exception) -> str:
+    """A compiler's first `error:` line where the error holds a build log (DeepSpeed's JIT build passes ninja's whole
+    output), else the error's first line."""
+    text = f"{type(error).__name__}: {error}"
+    compiler = [line.strip() for line in text.splitlines() if "error:" in line]
+    return compiler[0] if compiler else text.splitlines()[0]
 
 
 def compile_layers(lm: nn.Module) -> None:
