@@ -190,7 +190,8 @@ def answer_rank_share(
         batch = padded[start : start + cfg.batch_size]
         prompts = [cfg.prompt_template.format(question=example.question) for example in batch]
         generated += generate_batch(model, tokenizer, prompts, cfg, synced=world > 1)
-    return [Answered(example, text, parse_answer(text)) for example, text in zip(mine, generated, strict=False)]
+    return [Answered(example, text, parse_answer(text, cfg.prompt_template.format(question=example.question)))
+            for example, text in zip(mine, generated, strict=False)]  # fmt: skip
 
 
 def generation_metrics(
