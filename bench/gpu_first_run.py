@@ -23,6 +23,9 @@ Stages, in order of what a short-lived GPU should give first:
   study_probe study v6's main command (docs/study-v6-protocol.md) with --device cuda --jobs 8 for 3 minutes, then
               the runs' progress (`study --status`) gives r, runs per minute: how many of the study's runs a call
               of the device tool finishes
+  study_v7_gpu  study v7's GPU arm: its four 1–3-digit arms with a 10x larger model (recipes/study/v7-gpu), seed by
+              seed from 300, 8 runs at a time, until the stage's time is up; every finished run archived with its code
+              and device (logs.tgz: study-v7-gpu-runs/), then its throughput (runs and whole seeds a call finishes)
   plain_1b, plain_1b_compiled  the plain step (eager, compiled) of a Llama-3.2-1B-shaped model (16x2048, 32/8
               heads, MLP 8,192, vocabulary 128,256 tied) at sequence 2,048, micro-batch `BATCH_1B`, with this GPU's
               measured bf16 matmul rate: MFU against it
@@ -67,6 +70,15 @@ STUDY_RECIPES = REPO / "recipes" / "study" / "v6"
 STUDY_VARIANTS = [f"{folder}/{arm}" for folder in ("regression", "regression-1digit", "regression-exact",
                   "regression-exact-1digit") for arm in ("ce", "ntl-was-answer")]  # fmt: skip
 STUDY_SEEDS = range(64, 76)  # docs/study-v6-protocol.md
+# Study v7's GPU arm (docs/study-v7-protocol.md): its 1–3-digit arms with a 10x larger model, seeds from 300 up, as many
+# as the calls finish; 8 runs at a time on the one GPU, so two seeds' four arms run together and a cut loses at most
+# the seeds in flight.
+V7_GPU_RECIPES = REPO / "recipes" / "study" / "v7-gpu"
+V7_GPU_VARIANTS = [
+    f"{folder}/{arm}" for folder in ("regression", "regression-exact") for arm in ("ce", "ntl-was-answer")
+]
+V7_GPU_SEEDS = range(300, 364)
+V7_GPU_JOBS = 8
 MODEL_125M = ["model.config.hidden_size=576", "model.config.intermediate_size=1536",
               "model.config.num_hidden_layers=30", "model.config.num_attention_heads=9",
               "model.config.num_key_value_heads=3", "model.config.vocab_size=49152",
@@ -509,12 +521,38 @@ def study_probe(run: Run) -> dict:
     return throughput(last_line(run.logs / "study_probe.log"), minutes)
 
 
+def study_v7_gpu(run: Run) -> dict:
+    runs_dir, archive = run.work / "study-v7-gpu", run.logs / "study-v7-gpu-runs"
+    # The dry run: one seed of one pair, 3 steps, 10 questions (tests/test_regression_recipes.py loads every recipe)
+    variants, seeds = (V7_GPU_VARIANTS[:2], V7_GPU_SEEDS[:1]) if run.dry_run else (V7_GPU_VARIANTS, V7_GPU_SEEDS)
+    toy = ["--max-examples", "10", "train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"]
+    plan = ["--recipes", str(V7_GPU_RECIPES), "--variants", *variants, "--seeds", *map(str, seeds), "--runs-dir",
+            str(runs_dir), "--archive", str(archive), *(toy if run.dry_run else [])]  # fmt: skip
+    placement = ["--jobs", "2", "--device", "cpu"] if run.dry_run else ["--jobs", str(V7_GPU_JOBS), "--device", "cuda"]
+    study = [sys.executable, "-m", "ntl_pretrain.cli", "study", *plan]
+    started = time.monotonic()
+    run.command("study_v7_gpu", [*study, *placement], run.remaining() - 30.0, expect_timeout=True)
+    minutes = (time.monotonic() - started) / 60
+    run.command("study_v7_gpu", [*study, "--status"], min(25.0, run.remaining()))
+    figures = throughput(last_line(run.logs / "study_v7_gpu.log"), minutes, arms=len(variants))
+    return figures | {"seeds_complete": complete_seeds(archive, len(variants))}
+
+
+def complete_seeds(archive: Path, arms: int) -> list[int]:
+    """The seeds of which every arm's run is archived (`<variant>-seed<S>/study.json`): the paired ones."""
+    found: dict[int, int] = {}
+    for done in archive.glob("*-seed*/study.json"):
+        seed = int(done.parent.name.rpartition("-seed")[2])
+        found[seed] = found.get(seed, 0) + 1
+    return sorted(seed for seed, count in found.items() if count == arms)
+
+
 STATUS = re.compile(r"all: (\d+) of (\d+) planned runs done.*have trained ([\d.]+) runs' worth of steps")
 
 
-def throughput(status_line: str, minutes: float) -> dict:
+def throughput(status_line: str, minutes: float, arms: int = 8) -> dict:
     """r = (finished runs + the fraction of max_steps every unfinished run reached) / minutes, and the protocol's
-    minutes for all planned runs and per seed of its 8 arms (8 / r: the probe's 8 jobs are the first seed's arms)."""
+    minutes for all planned runs and per seed of its `arms` arms (arms / r)."""
     found = STATUS.search(status_line)
     if found is None:
         raise StageFailed(f"study_probe: no progress line in `study --status`: {status_line!r}")
@@ -523,7 +561,7 @@ def throughput(status_line: str, minutes: float) -> dict:
     per_run = (1 / r) if r > 0 else None
     return {"minutes": minutes, "runs_done": done, "runs_planned": planned, "unfinished_progress": partial,
             "r_runs_per_minute": r, "minutes_for_all": None if per_run is None else planned * per_run,
-            "minutes_per_seed": None if per_run is None else 8 * per_run}  # fmt: skip
+            "minutes_per_seed": None if per_run is None else arms * per_run}  # fmt: skip
 
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
@@ -531,7 +569,8 @@ STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor
                                             "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
                                             "train_125m_compiled": train_125m_compiled,
                                             "train_125m_persistent": train_125m_persistent,
-                                            "study_probe": study_probe, "plain_1b": plain_1b,
+                                            "study_probe": study_probe, "study_v7_gpu": study_v7_gpu,
+                                            "plain_1b": plain_1b,
                                             "train_1b_zero2": train_1b_zero2, "train_1b": train_1b,
                                             "train_1b_compiled": train_1b_compiled,
                                             "plain_1b_compiled": plain_1b_compiled}  # fmt: skip

@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.data.encoding import DocumentEncoder
 from ntl_pretrain.evaluation.answers import read_qa_file
@@ -168,3 +170,21 @@ def test_study_v7_arms_are_v6s_with_only_the_training_set_swapped() -> None:
         assert (was.loss.ntl.kind, number.loss.ntl.kind) == ("was", "number")
         assert number.loss.ntl.weight == was.loss.ntl.weight == 0.3
         assert without(number, "loss.ntl.kind", "train.output_dir") == without(was, "loss.ntl.kind", "train.output_dir")
+
+
+def test_study_v7_gpu_arms_are_v7s_with_a_ten_times_larger_model() -> None:
+    """recipes/study/v7-gpu/<folder>/<arm> (bench/gpu_first_run.py, stage study_v7_gpu) is v7's recipe with only the
+    model's width and depth changed: 10.4x the parameters (16.6M against 1.6M under 1–3-digit tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = {}
+    for folder in ("regression", "regression-exact"):
+        for arm in ("ce", "ntl-was-answer"):
+            gpu, cpu = (load_recipe(root / folder / f"{arm}.yaml") for root in (STUDY / "v7-gpu", V7))
+            assert without(gpu, "model.config", "train.output_dir") == without(cpu, "model.config", "train.output_dir")
+            assert written_output_dir(STUDY / "v7-gpu" / folder / f"{arm}.yaml") == f"runs/study-v7-gpu/{folder}/{arm}"
+            for recipe in (gpu, cpu):
+                config = LlamaConfig(vocab_size=3148, **recipe.model.config)  # tiny-tokenizer-3digit's 3,148 tokens
+                with torch.device("meta"):
+                    sizes[recipe is gpu] = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert 10 <= sizes[True] / sizes[False] < 11

@@ -104,6 +104,9 @@ class DecisionRule:
     """The family that the correction spans."""
     correction: Literal["holm", "bonferroni"] = "holm"
     alpha: float = 0.05
+    early_stopping: str | None = None
+    """The trainer's validation metric whose lowest value marks each run's best step, where the report reads the
+    hypotheses again (study/regime.py, secondary, no verdict); None: no such read-out."""
 
     def variants(self) -> set[str]:
         return {name for h in self.hypotheses for name in (h.variant, h.baseline, *(h.against or ()))}
