@@ -12,6 +12,7 @@ from typing import Literal
 
 import pytest
 import yaml
+from helpers.docs import doc_pages
 
 from ntl_pretrain import cli
 from ntl_pretrain.config.deepspeed import build_deepspeed_config, grad_accum_steps, load_run
@@ -448,7 +449,7 @@ def test_every_command_and_option_is_documented(capsys):
     commands = {words[0] for words, _ in command_options(parser) if words}
     assert commands >= {"train", "export", "convert-gguf", "verify", "eval", "plot", "study", "data", "doctor"}
     assert all(command in usage for command in commands)
-    docs = "\n".join(path.read_text() for path in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))))
+    docs = "\n".join(path.read_text() for path in doc_pages())
     undocumented = [
         " ".join(["ntl-pretrain", *words, *([option] if option else [])])
         for words, option in command_options(parser)

@@ -54,7 +54,7 @@ def load_recipe_with_origins(path: str | Path, overrides: Iterable[str] = ()) ->
         key, value = _parse_override(item)
         _apply_override(raw, key, value, by_key)
     written_in = by_key.get("train.output_dir")
-    if written_in in relative_output_dirs:
+    if written_in in relative_output_dirs and isinstance(raw.get("train"), Mapping):  # else `_build` says why
         _check_output_dir_reading(raw["train"]["output_dir"], relative_output_dirs[written_in], written_in)
     _anchor_relative_paths(raw, Path.cwd())  # the overrides' paths (the files' are absolute by now)
     _anchor_default_output_dir(raw, _anchor_folder(Path(path).expanduser()))
@@ -408,6 +408,9 @@ class Origins:
 
 def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: Origins):
     where = ".".join(key_path) or "<recipe>"
+    if raw is None:  # `train:` with nothing under it, or the override `train=null`
+        raise RecipeError(f"{origins.of(key_path)}: {where}: an empty section; give its keys, or leave it out for "
+                          f"its defaults")  # fmt: skip
     if not isinstance(raw, Mapping):
         raise RecipeError(f"{origins.of(key_path)}: {where}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)

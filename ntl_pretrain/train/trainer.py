@@ -564,7 +564,7 @@ class Trainer:
         self._apply_recipe_schedule(folder)
 
     def _apply_recipe_schedule(self, folder: Path) -> None:
-        """The recipe's learning rate and schedule from the resumed step on (docs/recipes.md), logged when they
+        """The recipe's learning rate and schedule from the resumed step on (docs/training.md), logged when they
         differ from the checkpoint's, so that the run's recipe.yaml describes what it does."""
         schedulers = [self.scheduler, *([self.head.scheduler] if hasattr(self.head, "scheduler") else [])]
         resume_guard.apply_recipe_learning_rate(schedulers, self.recipe.optimizer.lr)
