@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe
+from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe_with_origins
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, keep_standard_streams_open, run_reporting
 from ntl_pretrain.outputs import check_output
@@ -27,6 +27,9 @@ OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 # Commands that load torch, DeepSpeed and transformers: once they said their last line, the process ends at once,
 # without the interpreter's teardown of those libraries (seconds on a busy machine, silent: a command seemed hung).
 ENDS_AT_ONCE = ("train", "export", "convert-gguf", "eval")
+# Commands that SIGTERM and SIGHUP end by their default action, not as an exception that unwinds the command
+# (`errors.signals_end_the_command`): a study's worker threads would make it wait for every queued run first.
+DEFAULT_STOP = ("study",)
 
 
 class Delegated(NamedTuple):
@@ -112,24 +115,19 @@ def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> tu
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Before launch and after, a console that fails (`| head`, `2>&-`, a full disk) costs lines, not the run; the
-    dry run's output is data, so a closed pipe ends it."""
-    from ntl_pretrain.reporting.console import lossy_console
-
-    if args.dry_run:
-        return _checked_and_launched(args)
-    with lossy_console():
-        return _checked_and_launched(args)
-
-
-def _checked_and_launched(args: argparse.Namespace) -> int:
+    """Before launch and after, a console that fails (`| head`, `2>&-`, a full disk) costs lines, not the run
+    (`errors.lossy_console`)."""
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
-    load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
+    # a mistyped key is refused before torch is imported (seconds)
+    origins = load_recipe_with_origins(args.recipe, args.overrides)[1]
     from ntl_pretrain.reporting.console import ongoing
 
     with ongoing(f"checking {args.recipe} before launch") as stage:
-        recipe, start = checked_recipe(args, stage)
+        try:
+            recipe, start = checked_recipe(args, stage)
+        except RecipeError as error:
+            raise origins.overridden(error) from error
     from ntl_pretrain.optim.schedule import warmup_note
 
     for note in (warmup_note(recipe.schedule, recipe.train.max_steps), start.numbers_note):
@@ -164,7 +162,8 @@ def launch(args: argparse.Namespace, recipe: Recipe, env: dict[str, str]) -> int
         print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
         started = time.time()
         grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
-        return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
+        log = Path(recipe.train.output_dir) / "logs" / "supervisor.log"  # its own lines, whatever the console does
+        return supervise(command, env, grace_seconds, lambda code: end_line(recipe, code, started), log=log)
     finally:
         run_lock.clear_if_gone(recipe.train.output_dir)
         if piped:
@@ -294,12 +293,22 @@ def _verify_folder(folder: Path, mode: str) -> bool:
     elif problems:
         print(f"{folder}: damaged: " + "; ".join(str(problem) for problem in problems))
     else:
-        print(f"{folder}: intact")
+        print(f"{folder}: intact{_step_unlike_its_name(folder)}")
     universal = folder / manifest.UNIVERSAL
     if universal.is_dir() and (damage := manifest.universal_damage(universal, mode)) is not None:
         # derived from the shards: not the checkpoint's damage, but the next resume's conversion
         print(f"{universal}: {damage}; a resume on another number of ranks converts it again")
     return bool(problems)
+
+
+def _step_unlike_its_name(folder: Path) -> str:
+    """Where a checkpoint holds another step than its folder's name says (renamed, or a copy): the step a resume
+    continues from (its manifest's; the name is only a label)."""
+    from ntl_pretrain.checkpoint import store as checkpoint
+
+    held = checkpoint.step_held(folder)
+    named = checkpoint.step_of(folder) if checkpoint.STEP_DIR.match(folder.name) else None
+    return "" if held is None or held == named else f" (holds step {held}, which a resume continues from)"
 
 
 def package_version() -> str:
@@ -377,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may follow options (`train R --nproc 2 a.b=1`), which argparse cannot take as positionals.
     args, extra = parser.parse_known_args(words)
     command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
-    code = run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False))
+    code = run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False),
+                         stop_signals=args.command not in DEFAULT_STOP)  # fmt: skip
     if argv is None and args.command in ENDS_AT_ONCE:
         _end_process(code)
     return code

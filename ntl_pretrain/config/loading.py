@@ -395,6 +395,15 @@ class Origins:
             named, message = file_key, f"{file_key}: {message}"
         return RecipeError(f"{self.of(tuple(named.split('.')))}: {message}")
 
+    def overridden(self, error: RecipeError) -> RecipeError:
+        """A refusal made after loading (the checks before launch) about a key a command-line override set, with
+        that origin first as the loader's own refusals have it (`command-line override: train.output_dir: ...`);
+        any other refusal as it is."""
+        named = str(error).split(":", 1)[0].strip()
+        if not _is_recipe_key(named) or self.of(tuple(named.split("."))) != OVERRIDE_ORIGIN:
+            return error
+        return type(error)(f"{OVERRIDE_ORIGIN}: {error}")
+
     def of(self, key_path: tuple[str, ...]) -> str:
         inside = ".".join(key_path) + "."
         if key_path and any(key.startswith(inside) and by == OVERRIDE_ORIGIN for key, by in self.by_key.items()):

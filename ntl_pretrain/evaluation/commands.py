@@ -225,11 +225,12 @@ def run_eval(args: argparse.Namespace, checked: tuple[Target, EvalConfig] | None
 
 
 def _publish(record: dict, args: argparse.Namespace) -> None:
+    """The record into its files first, then onto stdout: a console that fails costs the line, never the result."""
     text = json.dumps(record)
-    print(text)
     if args.out is not None:
         write_text(args.out, json.dumps(record, indent=1) + "\n")
     if args.log_metrics:
         run_dir = resolve_target(args.target).run_dir
         with open_for_append(run_dir / "metrics.jsonl") as metrics:
             metrics.write(text + "\n")
+    print(text, flush=True)

@@ -107,7 +107,9 @@ class Trainer:
         self.hub_listings = list_for_all_ranks([*recipe.data.sources, *recipe.data.validation], slow_work_group())
         self.loader = self._dataloader("train")
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
+        # The newest checkpoint this run wrote whole or resumed from: its step, and its folder (whatever it is named).
         self.last_saved_step: int | None = None
+        self.last_checkpoint: Path | None = None
         set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
         self.flops_per_token = model_flops_per_token(self.built.module.lm, recipe.data.seq_len,
                                                      self.head.parameters_outside_model())  # fmt: skip
@@ -283,8 +285,7 @@ class Trainer:
         generate_every = self.recipe.eval.every_steps
         if generate_every and self.step % generate_every:
             self._generate()
-        self.console.summary(checkpoint.checkpoints_root(self.output_dir) / f"step_{self.last_saved_step}",
-                             self.output_dir)  # fmt: skip
+        self.console.summary(self.last_checkpoint, self.output_dir)
 
     def _wandb_settings(self) -> dict | None:
         logging = self.recipe.logging
@@ -499,8 +500,7 @@ class Trainer:
             "world_size": self.world_size,
         }
         root = checkpoint.checkpoints_root(self.output_dir)
-        self.last_saved_step = self.step
-        return checkpoint.save(
+        folder = checkpoint.save(
             self.engine,
             root,
             self.step,
@@ -509,6 +509,8 @@ class Trainer:
             self._write_export_files,
             self._write_rank_files,
         )
+        self.last_saved_step, self.last_checkpoint = self.step, folder  # only once it is whole: a failed save is none
+        return folder
 
     def _write_rank_files(self, folder: Path) -> None:
         checkpoint.write_rank_state(folder, {"data": self.loader.state_dict(), "rng": checkpoint.rng_state()})
@@ -555,7 +557,7 @@ class Trainer:
         state = reshard.load(self.engine, folder)  # re-partitions weights and optimizer state for a new world size
         self.head.load(folder)
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, folder
         # Checkpoints written before per-rank state files hold every rank's state in the client state.
         per_rank = state.get("per_rank") or checkpoint.SavedRankStates(folder, state["world_size"])
         self.loader.load_world_state(checkpoint.Part(per_rank, "data"))
