@@ -507,7 +507,12 @@ def study_plan(run: Run) -> list[str]:
     seeds = [str(STUDY_SEEDS[0])] if run.dry_run else [str(seed) for seed in STUDY_SEEDS]
     toy = ["train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"] if run.dry_run else []
     return ["--recipes", str(STUDY_RECIPES), "--variants", *STUDY_VARIANTS, "--seeds", *seeds, "--runs-dir",
-            str(runs_dir), "--archive", str(archive), *toy]  # fmt: skip
+            str(runs_dir), "--archive", str(archive), *report_in(run.logs / "study-v6-gpu"), *toy]  # fmt: skip
+
+
+def report_in(stem: Path) -> list[str]:
+    """Where a study stage's report goes when its runs all finish: its logs, never the checkout's docs/study.md."""
+    return ["--doc", f"{stem}.md", "--plot", f"{stem}.png"]
 
 
 def study_probe(run: Run) -> dict:
@@ -527,7 +532,8 @@ def study_v7_gpu(run: Run) -> dict:
     variants, seeds = (V7_GPU_VARIANTS[:2], V7_GPU_SEEDS[:1]) if run.dry_run else (V7_GPU_VARIANTS, V7_GPU_SEEDS)
     toy = ["--max-examples", "10", "train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"]
     plan = ["--recipes", str(V7_GPU_RECIPES), "--variants", *variants, "--seeds", *map(str, seeds), "--runs-dir",
-            str(runs_dir), "--archive", str(archive), *(toy if run.dry_run else [])]  # fmt: skip
+            str(runs_dir), "--archive", str(archive), *report_in(run.logs / "study-v7-gpu"),
+            *(toy if run.dry_run else [])]  # fmt: skip
     placement = ["--jobs", "2", "--device", "cpu"] if run.dry_run else ["--jobs", str(V7_GPU_JOBS), "--device", "cuda"]
     study = [sys.executable, "-m", "ntl_pretrain.cli", "study", *plan]
     started = time.monotonic()

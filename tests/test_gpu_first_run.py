@@ -50,7 +50,8 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     pins.write_text("ntl-toy-wheel==1.0\nliger-kernel==0.8.5  # optional\n")
     command = ["bash", str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(work), "--wheels",
                str(toy_wheel(tmp_path / "wheels")), "--pins", str(pins), "--budget", "1200"]  # fmt: skip
-    # 16 stages take 4-8 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
+    # 17 stages take 5-9 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
+    reports = {path: path.read_bytes() for path in (REPO / "docs" / "study.md", REPO / "docs" / "study.png")}
     done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=1300, check=False)
     summary = json.loads((out / "summary.json").read_text())
     stages = {stage["name"]: stage for stage in summary["stages"]}
@@ -81,6 +82,9 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
         figures = stages[name]["figures"]
         assert figures["steps"] == 3 and figures["ours_over_plain_step"] > 0 and figures["ours_over_plain_compiled"] > 0
     assert stages["study_probe"]["figures"]["runs_planned"] == 8  # study v6: one seed of its eight arms
+    v7 = stages["study_v7_gpu"]["figures"]  # study v7's GPU arm: one seed of one pair, finished and archived
+    assert v7["runs_done"] == v7["runs_planned"] == 2 and v7["seeds_complete"] == [300]
+    assert all(path.read_bytes() == before for path, before in reports.items())  # its report went to its logs
     plain_1b = stages["plain_1b"]["figures"]  # the 1B stages' commands, at toy sizes
     assert plain_1b["step_seconds"] > 0 and plain_1b["matmul_flops"] > 0 and plain_1b["mfu_of_matmul"] > 0
     for name in ("train_1b_zero2", "train_1b", "train_1b_compiled"):
@@ -97,6 +101,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert {f"logs/{stage}.log" for stage in stages} <= set(names)
     assert "logs/train-125m-profile-steps-2-2.txt" in names
     assert "logs/plain-compiled.json" in names
+    assert {"logs/study-v7-gpu.md", "logs/study-v7-gpu-runs/regression-ce-seed300/study.json"} <= set(names)
     assert runner().marked_processes(summary["marker"].partition("=")[2]) == []  # the probe's runs were killed
 
 
