@@ -215,7 +215,7 @@ def _verdict(replacement: Replacement, zero_optimizer) -> Verdict:
     if kind not in replacement.reads:
         return Verdict(unfit=f"DeepSpeed runs {kind.rsplit('.', 1)[-1]}")
     found = {path: fingerprint(path) for path in replacement.reads[kind]}
-    changed = tuple((path, print_) for path, print_ in found.items() if print_ != READ[path])
+    changed = tuple((path, installed) for path, installed in found.items() if installed != READ[path])
     return Verdict(changed=changed) if changed else Verdict(unfit=replacement.unfit(zero_optimizer))
 
 
@@ -275,7 +275,8 @@ def foreach_gradient_norm(zero_optimizer) -> None:
 def _norm_unfit(zero_optimizer) -> str | None:
     if getattr(zero_optimizer, "model_parallel_group", None) is not None or zero_optimizer.model_parallel_rank:
         return "model parallelism"
-    if _kind(zero_optimizer) == ZERO_1_AND_2 and zero_optimizer.cpu_offload:
+    offloaded = zero_optimizer.offload_optimizer if _kind(zero_optimizer) == ZERO_3 else zero_optimizer.cpu_offload
+    if offloaded:
         return "optimizer offload, which norms the gradients as it offloads them"
     return None
 
