@@ -393,6 +393,31 @@ def test_a_trainer_that_computes_the_loss_from_logits_is_refused(setting, why):
     assert "forward" not in vars(lm)
 
 
+def test_compute_metrics_is_refused_where_the_trainer_would_call_it_without_predictions():
+    """The patched model forms no logits, so a Trainer with `compute_metrics` would call it with predictions=() and
+    report what it makes of that: refused when patched, and at an evaluation when set after; served where the
+    Trainer never calls it (`prediction_loss_only`)."""
+    lm = tiny_model("llama", vocab_size=len(TOKENIZER))
+    trainer = Trainer(model=lm, args=training_arguments(2, 1), train_dataset=dataset(),
+                      compute_metrics=rows_predicted)  # fmt: skip
+    with pytest.raises(ValueError, match=r"compute_metrics: the patched model returns no logits .* predictions=\(\); "
+                                         r"leave it None .*, or evaluate it with the patch undone"):  # fmt: skip
+        apply_ntl(trainer, TOKENIZER)
+    assert "forward" not in vars(lm)
+    trainer.args.prediction_loss_only = True
+    patch = apply_ntl(trainer, TOKENIZER)
+    assert "eval_ntl" in trainer.evaluate(dataset(4))
+    trainer.args.prediction_loss_only = False
+    with pytest.raises(ValueError, match="compute_metrics: the patched model returns no logits"):
+        trainer.evaluate(dataset(4))
+    patch.undo()
+    assert trainer.evaluate(dataset(4))["eval_rows"] == 4  # undone, the Trainer's own, on the model's logits
+
+
+def rows_predicted(prediction) -> dict:
+    return {"rows": len(prediction.predictions)}
+
+
 def sft_trainer(lm, output_dir, examples: int = 12, **settings):
     """TRL's SFTTrainer on `examples` prompt-completion pairs (its completion-only labels), trained as `trainer_for`
     trains."""

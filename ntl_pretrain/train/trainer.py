@@ -51,6 +51,7 @@ from ntl_pretrain.train.zero3_functions import apply_zero3_functions_classically
 from ntl_pretrain.train.zero_optimizer import streamline
 
 IGNORE_INDEX = -100
+FAST_PATH_LOG = "logs/deepspeed-fast-path.txt"  # in the output folder: which DeepSpeed replacements run, and why not
 
 
 class NonFiniteLossError(RuntimeError):
@@ -97,7 +98,7 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        streamline(self.engine.optimizer)
+        self.fast_path = streamline(self.engine.optimizer)  # a collective: the ranks agree on the replacements
         apply_zero3_functions_classically(self.engine.module)
         if recipe.train.compile:
             compile_layers(self.built.module.lm)
@@ -189,7 +190,8 @@ class Trainer:
 
     def _announce_start(self) -> None:
         """The run's first line says where it starts from (the same command starts and continues a run), the
-        second its shape, a third for a mixture of experts how its routers are balanced."""
+        second its shape, a third for a mixture of experts how its routers are balanced, the last which of
+        DeepSpeed's internals the trainer replaces (train/zero_optimizer.py)."""
         if self.resume_from is not None:
             where = f"resuming from {self.resume_from} (step {self.step})"
             if self.recipe.init_from is not None:
@@ -209,6 +211,7 @@ class Trainer:
         balancing = balancing_line(self.built.module.lm, self.built.module.balancing)
         if balancing is not None:
             self.console.say(balancing)
+        self.console.say(self.fast_path.line())
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got a stop signal (one small all-reduce per step, so all ranks stop at the same step)."""
@@ -536,6 +539,8 @@ class Trainer:
         if self.rank == 0:
             prepare_output_dir(self.recipe)
             checkpoint.set_aside(self.resume_point.skipped)
+            (self.output_dir / FAST_PATH_LOG).parent.mkdir(exist_ok=True)
+            (self.output_dir / FAST_PATH_LOG).write_text(self.fast_path.details())
         dist.barrier()  # no rank starts a save (step_<N>.tmp) while rank 0 still removes the leftover ones
         self._log_resume(resumed_at)
 
