@@ -61,7 +61,7 @@ class EvalConfig:
     separating space itself, as it learned to)."""
     chat_template: Literal["none", "auto"] | None = None
     """`auto`: each prompt goes to the model as a user message in its tokenizer's chat template, where the tokenizer
-    has one (an Instruct or chat model: raw text, it answers with its end-of-turn token at once); `none`: the prompt
+    has one (an Instruct or chat model: asked raw text, it often ends its turn at once); `none`: the prompt
     as text after an EOS, as pretraining showed it; null (the default): `auto` for an Instruct or chat model, one
     whose end-of-sequence token ends a turn of its chat template (SmolLM2-Instruct's `<|im_end|>`), else `none`:
     base models' tokenizers often carry a chat template too (Llama 3, Qwen 2.5, SmolLM2), but their end-of-sequence
