@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe_with_origins
+from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe_with_origins, read_stdin_recipe
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, keep_standard_streams_open, run_reporting
 from ntl_pretrain.outputs import check_output
@@ -73,7 +73,30 @@ def train_command(args: argparse.Namespace, env: dict[str, str], verbose: bool =
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]  # the deepspeed of this interpreter's env
     log_level = [] if verbose else ["--log_level", "error"]
     return [*launcher, *device_selection(args.nproc, env), "--master_port", str(port), *log_level,
-            "--module", "ntl_pretrain.train", args.recipe, *args.overrides]  # fmt: skip
+            "--module", "ntl_pretrain.train", str(recipe_path(args.recipe)), *args.overrides]  # fmt: skip
+
+
+def recipe_path(recipe: str) -> Path:
+    """The recipe's absolute path, as the launch hands it to the ranks and the console names it; a pipe's own name
+    (`/dev/fd/N`, `/dev/stdin`), which resolves to nothing that can be read again."""
+    return Path(recipe).absolute() if is_pipe(recipe) else Path(recipe).resolve()
+
+
+DEVICE_VARIABLES = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
+PIPED_FOR_THE_RANKS = "<a temporary file holding the resolved recipe, written at launch>"
+
+
+def shown_launch(args: argparse.Namespace, env: dict[str, str], verbose: bool) -> str:
+    """The launch `train` makes, as `--dry-run` prints it for a shell: the variables that choose the ranks' device
+    (with DeepSpeed's CPU accelerator `--num_gpus` counts CPU processes), then the launcher command. A piped recipe
+    reaches the ranks in a temporary file, its overrides applied (`launch`); a port drawn here is drawn again at
+    launch unless `--master-port` fixes it."""
+    settings = [f"{name}={env[name]}" for name in DEVICE_VARIABLES
+                if name in env and (name == "DS_ACCELERATOR" or env[name] != os.environ.get(name))]  # fmt: skip
+    if not is_pipe(args.recipe):
+        return shlex.join([*settings, *train_command(args, env, verbose)])
+    command = train_command(argparse.Namespace(**{**vars(args), "overrides": []}), env, verbose)
+    return shlex.join([*settings, *command]).replace(shlex.quote(str(recipe_path(args.recipe))), PIPED_FOR_THE_RANKS)
 
 
 def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
@@ -119,6 +142,8 @@ def run_train(args: argparse.Namespace) -> int:
     (`errors.lossy_console`)."""
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
+    if args.recipe == "-":
+        args.recipe = read_stdin_recipe()
     # a mistyped key is refused before torch is imported (seconds)
     origins = load_recipe_with_origins(args.recipe, args.overrides)[1]
     from ntl_pretrain.reporting.console import ongoing
@@ -140,7 +165,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(dump_recipe(recipe), end="")
         if not start.finished:
             print(f"# {start.describe()}")
-        print("# " + (finished if start.finished else shlex.join(train_command(args, env, recipe.logging.verbose))))
+        print("# " + (finished if start.finished else shown_launch(args, env, recipe.logging.verbose)))
         return 0
     if start.finished:
         print(f"ntl-pretrain: {finished}")
@@ -181,9 +206,8 @@ def launch_line(args: argparse.Namespace, recipe: Recipe) -> str:
     """Said once the recipe passed every check: what the next half minute or more (the ranks import torch and
     DeepSpeed and build the model, silently) is spent on, and which recipe file it follows."""
     processes = f"{args.nproc} process" + ("es" if args.nproc > 1 else "")
-    recipe_path = Path(args.recipe).absolute() if is_pipe(args.recipe) else Path(args.recipe).resolve()
     return (
-        f"training {recipe_path} into {recipe.train.output_dir}: starting {processes}; each "
+        f"training {recipe_path(args.recipe)} into {recipe.train.output_dir}: starting {processes}; each "
         "loads the libraries and builds the model before step 1"
     )
 
@@ -329,7 +353,7 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     commands = parser.add_subparsers(dest="command", required=True, prog="ntl-pretrain")
 
     train = commands.add_parser("train", help="validate a recipe, then launch it with the deepspeed launcher")
-    train.add_argument("recipe")
+    train.add_argument("recipe", help="the recipe file, or - to read it from stdin")
     train.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. loss.ntl.weight=0.5")
     train.add_argument("--nproc", type=int, default=None, help="processes (GPUs; CPU ranks without CUDA)")
     train.add_argument("--master-port", type=int, default=None, help="default: a free port")

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shlex
 import typing
 from pathlib import Path
 from typing import Literal
@@ -406,6 +407,23 @@ def test_cli_dry_run_prints_the_resolved_recipe_and_launcher(tmp_path, capsys):
     assert yaml.safe_load(recipe_text)["train"]["max_steps"] == 7
     assert f"\n# {tmp_path}: starts from scratch and trains 7 steps\n# " in out
     assert "--num_gpus 2" in command and "--module ntl_pretrain.train" in command and "train.max_steps=7" in command
+
+
+def test_the_dry_run_shows_the_launch_train_makes(tmp_path, monkeypatch, capsys):
+    """Issue 71: the dry run showed a relative recipe path and `--num_gpus 2` without saying the ranks run on CPU.
+    Its last line is now the launch itself, environment included, as the supervisor is handed it."""
+    from ntl_pretrain.runtime import supervisor
+
+    monkeypatch.chdir(REPO)
+    launched = []
+    monkeypatch.setattr(supervisor, "supervise", lambda command, env, *a, **k: launched.append((command, env)) or 0)
+    argv = ["train", "recipes/tiny-cpu.yaml", "--nproc", "2", "--master-port", "29999", f"train.output_dir={tmp_path}"]
+    assert cli.main([*argv, "--dry-run"]) == 0
+    shown = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
+    assert cli.main(argv) == 0
+    ((command, env),) = launched
+    assert env["DS_ACCELERATOR"] == "cpu" and str(TINY) in command  # this machine has no GPU; the path is absolute
+    assert shown == "# " + shlex.join(["DS_ACCELERATOR=cpu", *command])
 
 
 def test_every_field_has_a_docstring():

@@ -16,6 +16,7 @@ import functools
 import os
 import select
 import stat
+import sys
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -207,8 +208,24 @@ def _read_pipe(path: Path) -> bytes:
         os.close(handle)
 
 
+STDIN = "/dev/stdin"
+
+
+def read_stdin_recipe() -> str:
+    """`train -`: the recipe on stdin (a pipe, a here-document, a redirected file), read once and from then on a
+    piped recipe like `<(...)`, whatever stdin is: its relative paths are the working directory's and the ranks get
+    it resolved, from a file. Its name in messages and its key among the piped recipes is `/dev/stdin`."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise RecipeError("-: stdin is a terminal, not a recipe; pipe one in (cat my.yaml | ntl-pretrain train -) "
+                          "or name the recipe file")  # fmt: skip
+    _PIPED[STDIN] = sys.stdin.buffer.read(MAX_YAML_BYTES + 1)
+    return STDIN
+
+
 def is_pipe(path: str | Path) -> bool:
-    """A named pipe, or a process substitution's `/dev/fd/N`."""
+    """A named pipe, a process substitution's `/dev/fd/N`, or stdin once read as a recipe (`read_stdin_recipe`)."""
+    if str(path) in _PIPED:
+        return True
     try:
         return stat.S_ISFIFO(os.stat(path).st_mode)
     except OSError:
