@@ -9,9 +9,10 @@ and over the label's class: its log-sum-exp and the softmax-weighted mean of the
 row's log-sum-exp first): per column
     d loss / d z_j = w·p_j + g_t·[j = t] + [j ∈ C(t)]·q_j·(alpha·f_j + beta),
 p the softmax over the row, q over the label's class, w, g_t, alpha and beta per-row coefficients (fused.py), then
-the logit transform's chain rule. The loop over the row is plain CE; the label's class members get their whole
-gradient after it, so the NTL work is the class's columns of the number rows only, and the loop keeps to what
-Liger-Kernel's cross-entropy holds in registers (no spills: tests/test_triton_resources.py). The feature f_j of a
+the logit transform's chain rule. The loop over the row is plain softmax, w·p_j, in whole 16-byte vectors at any
+vocabulary width (`_row_split`); the label's column, then its class members get their whole gradient after it, so
+the NTL work is the class's columns of the number rows only, and the loop keeps to what Liger-Kernel's
+cross-entropy holds in registers (no spills at any width, bf16 or fp32: tests/test_triton_resources.py). The feature f_j of a
 number column: its value v_j (mse, mae, huber, number), its distance |v_j − y| from the label's value (was), or its
 summed digit differences Σ_i |d_j[i] − d_t[i]| (digits).
 

@@ -169,9 +169,9 @@ def logits_grad(
     numbers: NumberGradRows | None,
     transform: LogitTransform = IDENTITY,
 ) -> None:
-    """Write d loss / d (raw logits) into `grad_NV` (row-major; may be `logits_NV` itself): softmax_weight·p_j,
-    plus target_grad at column target (-1: none here), plus the NTL term of `numbers` (None: CE only), then the
-    transform's chain rule."""
+    """Write d loss / d (raw logits) into `grad_NV` (row-major; may be `logits_NV` itself, and a buffer sharing some
+    of their memory otherwise is refused): softmax_weight·p_j, plus target_grad at column target (-1: none here),
+    plus the NTL term of `numbers` (None: CE only), then the transform's chain rule."""
     _launch_grad(logits_NV, grad_NV, lse_N, None, softmax_weight_N, target_N, target_grad_N, numbers, transform)
 
 
