@@ -34,7 +34,9 @@ Stages, in order of what a short-lived GPU should give first:
               at most 1.05x the plain step; compiled at least 35% of the matmul rate)
 
 `--group issue56` runs issue 56's stages in the order of what they answer first, within one 570 s call of the
-device tool (docs/doctor.md, "The first GPU").
+device tool (docs/doctor.md, "The first GPU"); `--group issue70` the loss stages of issue 70 (heads, heads_50257:
+the heads stage at GPT-2's vocabulary, kernel_sweep: bench/gpu_heads.py --sweep, the Triton kernels' row block and
+warps against Liger's CE), about 250 s.
 
 A stage that fails or runs out of time is recorded and the next one runs; `summary.json` and `summary.md` in the
 output folder are rewritten before the first stage and after each, so a kill at the device's limit still leaves
@@ -92,6 +94,7 @@ MODEL_1B = ["model.config.hidden_size=2048", "model.config.intermediate_size=819
             "model.config.num_key_value_heads=8", "model.config.vocab_size=128256",
             "model.config.tie_word_embeddings=true", "model.config.max_position_embeddings=2048"]  # fmt: skip
 BATCH_1B = 8
+DRY_RAGGED_VOCAB = 2_257  # the dry run's stand-in for a width 16 does not divide (GPT-2's 50,257)
 MODEL_TOY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "data.seq_len=64",
              "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=3", "train.device=cpu",
@@ -281,13 +284,15 @@ def doctor_rows(report: Path) -> dict:
     return {check["name"]: f"{check['status']}: {check['figure']}" for check in checks}
 
 
-def heads(run: Run) -> dict:
-    out = run.out / "heads.json"
+def heads(run: Run, name: str = "heads", vocab: int | None = None) -> dict:
+    out = run.out / f"{name.replace('_', '-')}.json"
     # the dry run's Triton rows run in Triton's interpreter (`environment`): a few rows of the smallest vocabulary,
     # and only CE's kernels compiled offline for one architecture (each kernel costs seconds on CPU)
     sizes = ["--positions", "16", "--vocab", "2200", "--hidden", "16", "--device", "cpu", "--kernel-kinds", "None",
              "--kernel-archs", "sm_90"] if run.dry_run else []  # fmt: skip
-    run.command("heads", [sys.executable, "bench/gpu_heads.py", "--out", str(out), *sizes], min(150.0, run.remaining()))
+    if vocab is not None:  # a width 16 does not divide: the dry run's is one too
+        sizes += ["--vocab", str(DRY_RAGGED_VOCAB if run.dry_run else vocab)]
+    run.command(name, [sys.executable, "bench/gpu_heads.py", "--out", str(out), *sizes], min(150.0, run.remaining()))
     report = json.loads(out.read_text())
     ratios = {f"{part}: {name}": ratio_text(m) for part in ("loss", "head") for name, m in report[part].items()}
     agreement = {f"triton vs torch, {kind}": f"{difference:.1e}" for kind, difference in report["agreement"].items()}
@@ -295,6 +300,27 @@ def heads(run: Run) -> dict:
                for name, target in report["targets"].items()}  # fmt: skip
     return {"shape": report["shape"], "liger": report["liger"], "triton": report["triton"], **agreement, **ratios,
             **targets, "kernels": kernels_text(report["kernels"])}  # fmt: skip
+
+
+def heads_50257(run: Run) -> dict:
+    """The heads stage at GPT-2's vocabulary (50,257: rows off 16-byte boundaries, issue 70)."""
+    return heads(run, "heads_50257", vocab=50_257)
+
+
+def kernel_sweep(run: Run) -> dict:
+    """bench/gpu_heads.py --sweep: the training loss's CE-only and WAS rows at each row block and warp count, in ms,
+    and Liger's CE on the same logits."""
+    out = run.out / "kernel-sweep.json"
+    # the dry run interprets 24 configurations' kernels: 8 positions (the fewest the labels' draw takes) halve it
+    sizes = ["--positions", "8", "--vocab", str(DRY_RAGGED_VOCAB), "--hidden", "16", "--device", "cpu"] \
+        if run.dry_run else []  # fmt: skip
+    run.command("kernel_sweep", [sys.executable, "bench/gpu_heads.py", "--sweep", "--out", str(out), *sizes],
+                min(180.0, run.remaining()))  # fmt: skip
+    report = json.loads(out.read_text())
+    rows = {config: ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items())
+            for config, times in report["sweep"].items()}  # fmt: skip
+    liger = report["liger_seconds"]
+    return {"shape": report["shape"], "liger CE": report["liger"] if liger is None else f"{liger * 1e3:.3f} ms", **rows}
 
 
 def kernels_text(kernels: dict) -> str:
@@ -571,6 +597,7 @@ def throughput(status_line: str, minutes: float, arms: int = 8) -> dict:
 
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
+                                            "heads_50257": heads_50257, "kernel_sweep": kernel_sweep,
                                             "head_step": head_step, "train_125m": train_125m, "plain_step": plain_step,
                                             "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
                                             "train_125m_compiled": train_125m_compiled,
@@ -582,8 +609,11 @@ STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor
                                             "plain_1b_compiled": plain_1b_compiled}  # fmt: skip
 # Issue 56's stages in the order of what they answer first (docs/doctor.md, "The first GPU": about 550 s in all).
 # The 135M compiled plain step is left out (82 s; our code does not change it): its 77 ms of 2026-11-28 (H200) stands.
+# Issue 70's, after issue 56's call (about 250 s): the loss against Liger's CE at Llama-3's and GPT-2's widths (its
+# targets in heads' report), then the kernels' row block / warps sweep.
 GROUPS = {"issue56": ["install", "plain_step", "train_125m_zero2", "plain_1b", "train_1b_zero2", "train_125m_compiled",
-                      "train_1b_compiled", "train_1b", "train_125m", "plain_1b_compiled"]}  # fmt: skip
+                      "train_1b_compiled", "train_1b", "train_125m", "plain_1b_compiled"],
+          "issue70": ["install", "heads", "heads_50257", "kernel_sweep"]}  # fmt: skip
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -658,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (default 8 minutes)")
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
-    chosen.add_argument("--group", choices=list(GROUPS), help="a named list of stages (issue56: issue 56's)")
+    chosen.add_argument("--group", choices=list(GROUPS), help="a named list of stages (issue56, issue70: theirs)")
     args = parser.parse_args(argv)
     if args.group:
         args.stages = GROUPS[args.group]

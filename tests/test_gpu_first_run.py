@@ -49,10 +49,10 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     out, work, pins = tmp_path / "out", tmp_path / "work", tmp_path / "pins.txt"
     pins.write_text("ntl-toy-wheel==1.0\nliger-kernel==0.8.5  # optional\n")
     command = ["bash", str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(work), "--wheels",
-               str(toy_wheel(tmp_path / "wheels")), "--pins", str(pins), "--budget", "1200"]  # fmt: skip
-    # 17 stages take 5-9 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
+               str(toy_wheel(tmp_path / "wheels")), "--pins", str(pins), "--budget", "1600"]  # fmt: skip
+    # 19 stages take 6-12 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
     reports = {path: path.read_bytes() for path in (REPO / "docs" / "study.md", REPO / "docs" / "study.png")}
-    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=1300, check=False)
+    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=1700, check=False)
     summary = json.loads((out / "summary.json").read_text())
     stages = {stage["name"]: stage for stage in summary["stages"]}
     assert done.returncode == 0 and {stage["status"] for stage in stages.values()} == {"ok"}, done.stdout
@@ -65,8 +65,15 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert re.fullmatch(ROW, heads["head: chunked head CE+NTL-WAS [triton]"])  # interpreted: the rows run before a GPU
     assert float(heads["triton vs torch, digits"]) < 2**-6  # bf16 gradients: within a rounding or two
     assert "target loss, digits over WAS (Triton)" in heads
-    assert heads["kernels"].startswith("4 compiled (sm_90), 0 spilling"), heads["kernels"]  # CE's kernels, offline
+    assert heads["kernels"].startswith("6 compiled (sm_90), 0 spilling"), heads["kernels"]  # CE's kernels, offline
     assert heads["loss: ce_ntl_loss CE+NTL-WAS [triton]"].endswith(" host ops, 2 Triton launches")  # forward, backward
+    # the training loss: the class members' pass and the fused kernel in forward, the scaling in backward
+    assert heads["loss: training loss CE+NTL-WAS [triton]"].endswith(" host ops, 3 Triton launches")
+    assert "target training loss CE+NTL-number, Triton over Liger's CE" not in heads  # no Liger on CPU: no ratio
+    assert stages["heads_50257"]["figures"]["shape"].startswith("N=16 V=2257 ")  # a width 16 does not divide
+    sweep = stages["kernel_sweep"]["figures"]
+    row = r"training loss CE only \[triton\] [\d.]+ ms, training loss CE\+NTL-WAS \[triton\] [\d.]+ ms"
+    assert sweep["liger CE"].startswith("liger-kernel") and re.fullmatch(row, sweep["32768/32"]), sweep
     step = stages["head_step"]["figures"]
     assert step["triton"] == "measured" and step["chunked head CE+NTL-WAS [triton]"].endswith("x")
     assert step["apply_ntl CE+NTL-WAS"].endswith("x")  # the drop-in's patched forward, timed beside the heads
