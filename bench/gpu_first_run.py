@@ -23,6 +23,9 @@ Stages, in order of what a short-lived GPU should give first:
   study_probe study v6's main command (docs/study-v6-protocol.md) with --device cuda --jobs 8 for 3 minutes, then
               the runs' progress (`study --status`) gives r, runs per minute: how many of the study's runs a call
               of the device tool finishes
+  study_v7_gpu  study v7's GPU arm: its four 1–3-digit arms with a 10x larger model (recipes/study/v7-gpu), seed by
+              seed from 300, 8 runs at a time, until the stage's time is up; every finished run archived with its code
+              and device (logs.tgz: study-v7-gpu-runs/), then its throughput (runs and whole seeds a call finishes)
   plain_1b, plain_1b_compiled  the plain step (eager, compiled) of a Llama-3.2-1B-shaped model (16x2048, 32/8
               heads, MLP 8,192, vocabulary 128,256 tied) at sequence 2,048, micro-batch `BATCH_1B`, with this GPU's
               measured bf16 matmul rate: MFU against it
@@ -38,7 +41,9 @@ Stages, in order of what a short-lived GPU should give first:
               against the uninterrupted run's (the dry run: the refusal on CPU, one line)
 
 `--group issue56` runs issue 56's stages in the order of what they answer first, within one 570 s call of the
-device tool (docs/doctor.md, "The first GPU"); `--group issue73` issue 73's (ZeRO-3 eager and with DeepCompile).
+device tool (docs/doctor.md, "The first GPU"); `--group issue70` the loss stages of issue 70 (heads, heads_50257:
+the heads stage at GPT-2's vocabulary, kernel_sweep: bench/gpu_heads.py --sweep, the Triton kernels' row block and
+warps against Liger's CE), about 250 s; `--group issue73` issue 73's (ZeRO-3 eager and with DeepCompile).
 
 A stage that fails or runs out of time is recorded and the next one runs; `summary.json` and `summary.md` in the
 output folder are rewritten before the first stage and after each, so a kill at the device's limit still leaves
@@ -75,6 +80,15 @@ STUDY_RECIPES = REPO / "recipes" / "study" / "v6"
 STUDY_VARIANTS = [f"{folder}/{arm}" for folder in ("regression", "regression-1digit", "regression-exact",
                   "regression-exact-1digit") for arm in ("ce", "ntl-was-answer")]  # fmt: skip
 STUDY_SEEDS = range(64, 76)  # docs/study-v6-protocol.md
+# Study v7's GPU arm (docs/study-v7-protocol.md): its 1–3-digit arms with a 10x larger model, seeds from 300 up, as many
+# as the calls finish; 8 runs at a time on the one GPU, so two seeds' four arms run together and a cut loses at most
+# the seeds in flight.
+V7_GPU_RECIPES = REPO / "recipes" / "study" / "v7-gpu"
+V7_GPU_VARIANTS = [
+    f"{folder}/{arm}" for folder in ("regression", "regression-exact") for arm in ("ce", "ntl-was-answer")
+]
+V7_GPU_SEEDS = range(300, 364)
+V7_GPU_JOBS = 8
 MODEL_125M = ["model.config.hidden_size=576", "model.config.intermediate_size=1536",
               "model.config.num_hidden_layers=30", "model.config.num_attention_heads=9",
               "model.config.num_key_value_heads=3", "model.config.vocab_size=49152",
@@ -88,6 +102,7 @@ MODEL_1B = ["model.config.hidden_size=2048", "model.config.intermediate_size=819
             "model.config.num_key_value_heads=8", "model.config.vocab_size=128256",
             "model.config.tie_word_embeddings=true", "model.config.max_position_embeddings=2048"]  # fmt: skip
 BATCH_1B = 8
+DRY_RAGGED_VOCAB = 2_257  # the dry run's stand-in for a width 16 does not divide (GPT-2's 50,257)
 MODEL_TOY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "data.seq_len=64",
              "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=3", "train.device=cpu",
@@ -277,13 +292,15 @@ def doctor_rows(report: Path) -> dict:
     return {check["name"]: f"{check['status']}: {check['figure']}" for check in checks}
 
 
-def heads(run: Run) -> dict:
-    out = run.out / "heads.json"
+def heads(run: Run, name: str = "heads", vocab: int | None = None) -> dict:
+    out = run.out / f"{name.replace('_', '-')}.json"
     # the dry run's Triton rows run in Triton's interpreter (`environment`): a few rows of the smallest vocabulary,
     # and only CE's kernels compiled offline for one architecture (each kernel costs seconds on CPU)
     sizes = ["--positions", "16", "--vocab", "2200", "--hidden", "16", "--device", "cpu", "--kernel-kinds", "None",
              "--kernel-archs", "sm_90"] if run.dry_run else []  # fmt: skip
-    run.command("heads", [sys.executable, "bench/gpu_heads.py", "--out", str(out), *sizes], min(150.0, run.remaining()))
+    if vocab is not None:  # a width 16 does not divide: the dry run's is one too
+        sizes += ["--vocab", str(DRY_RAGGED_VOCAB if run.dry_run else vocab)]
+    run.command(name, [sys.executable, "bench/gpu_heads.py", "--out", str(out), *sizes], min(150.0, run.remaining()))
     report = json.loads(out.read_text())
     ratios = {f"{part}: {name}": ratio_text(m) for part in ("loss", "head") for name, m in report[part].items()}
     agreement = {f"triton vs torch, {kind}": f"{difference:.1e}" for kind, difference in report["agreement"].items()}
@@ -291,6 +308,27 @@ def heads(run: Run) -> dict:
                for name, target in report["targets"].items()}  # fmt: skip
     return {"shape": report["shape"], "liger": report["liger"], "triton": report["triton"], **agreement, **ratios,
             **targets, "kernels": kernels_text(report["kernels"])}  # fmt: skip
+
+
+def heads_50257(run: Run) -> dict:
+    """The heads stage at GPT-2's vocabulary (50,257: rows off 16-byte boundaries, issue 70)."""
+    return heads(run, "heads_50257", vocab=50_257)
+
+
+def kernel_sweep(run: Run) -> dict:
+    """bench/gpu_heads.py --sweep: the training loss's CE-only and WAS rows at each row block and warp count, in ms,
+    and Liger's CE on the same logits."""
+    out = run.out / "kernel-sweep.json"
+    # the dry run interprets 24 configurations' kernels: 8 positions (the fewest the labels' draw takes) halve it
+    sizes = ["--positions", "8", "--vocab", str(DRY_RAGGED_VOCAB), "--hidden", "16", "--device", "cpu"] \
+        if run.dry_run else []  # fmt: skip
+    run.command("kernel_sweep", [sys.executable, "bench/gpu_heads.py", "--sweep", "--out", str(out), *sizes],
+                min(180.0, run.remaining()))  # fmt: skip
+    report = json.loads(out.read_text())
+    rows = {config: ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items())
+            for config, times in report["sweep"].items()}  # fmt: skip
+    liger = report["liger_seconds"]
+    return {"shape": report["shape"], "liger CE": report["liger"] if liger is None else f"{liger * 1e3:.3f} ms", **rows}
 
 
 def kernels_text(kernels: dict) -> str:
@@ -595,7 +633,12 @@ def study_plan(run: Run) -> list[str]:
     seeds = [str(STUDY_SEEDS[0])] if run.dry_run else [str(seed) for seed in STUDY_SEEDS]
     toy = ["train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"] if run.dry_run else []
     return ["--recipes", str(STUDY_RECIPES), "--variants", *STUDY_VARIANTS, "--seeds", *seeds, "--runs-dir",
-            str(runs_dir), "--archive", str(archive), *toy]  # fmt: skip
+            str(runs_dir), "--archive", str(archive), *report_in(run.logs / "study-v6-gpu"), *toy]  # fmt: skip
+
+
+def report_in(stem: Path) -> list[str]:
+    """Where a study stage's report goes when its runs all finish: its logs, never the checkout's docs/study.md."""
+    return ["--doc", f"{stem}.md", "--plot", f"{stem}.png"]
 
 
 def study_probe(run: Run) -> dict:
@@ -609,12 +652,39 @@ def study_probe(run: Run) -> dict:
     return throughput(last_line(run.logs / "study_probe.log"), minutes)
 
 
+def study_v7_gpu(run: Run) -> dict:
+    runs_dir, archive = run.work / "study-v7-gpu", run.logs / "study-v7-gpu-runs"
+    # The dry run: one seed of one pair, 3 steps, 10 questions (tests/test_regression_recipes.py loads every recipe)
+    variants, seeds = (V7_GPU_VARIANTS[:2], V7_GPU_SEEDS[:1]) if run.dry_run else (V7_GPU_VARIANTS, V7_GPU_SEEDS)
+    toy = ["--max-examples", "10", "train.max_steps=3", "train.eval_every_steps=null", "eval.every_steps=null"]
+    plan = ["--recipes", str(V7_GPU_RECIPES), "--variants", *variants, "--seeds", *map(str, seeds), "--runs-dir",
+            str(runs_dir), "--archive", str(archive), *report_in(run.logs / "study-v7-gpu"),
+            *(toy if run.dry_run else [])]  # fmt: skip
+    placement = ["--jobs", "2", "--device", "cpu"] if run.dry_run else ["--jobs", str(V7_GPU_JOBS), "--device", "cuda"]
+    study = [sys.executable, "-m", "ntl_pretrain.cli", "study", *plan]
+    started = time.monotonic()
+    run.command("study_v7_gpu", [*study, *placement], run.remaining() - 30.0, expect_timeout=True)
+    minutes = (time.monotonic() - started) / 60
+    run.command("study_v7_gpu", [*study, "--status"], min(25.0, run.remaining()))
+    figures = throughput(last_line(run.logs / "study_v7_gpu.log"), minutes, arms=len(variants))
+    return figures | {"seeds_complete": complete_seeds(archive, len(variants))}
+
+
+def complete_seeds(archive: Path, arms: int) -> list[int]:
+    """The seeds of which every arm's run is archived (`<variant>-seed<S>/study.json`): the paired ones."""
+    found: dict[int, int] = {}
+    for done in archive.glob("*-seed*/study.json"):
+        seed = int(done.parent.name.rpartition("-seed")[2])
+        found[seed] = found.get(seed, 0) + 1
+    return sorted(seed for seed, count in found.items() if count == arms)
+
+
 STATUS = re.compile(r"all: (\d+) of (\d+) planned runs done.*have trained ([\d.]+) runs' worth of steps")
 
 
-def throughput(status_line: str, minutes: float) -> dict:
+def throughput(status_line: str, minutes: float, arms: int = 8) -> dict:
     """r = (finished runs + the fraction of max_steps every unfinished run reached) / minutes, and the protocol's
-    minutes for all planned runs and per seed of its 8 arms (8 / r: the probe's 8 jobs are the first seed's arms)."""
+    minutes for all planned runs and per seed of its `arms` arms (arms / r)."""
     found = STATUS.search(status_line)
     if found is None:
         raise StageFailed(f"study_probe: no progress line in `study --status`: {status_line!r}")
@@ -623,15 +693,17 @@ def throughput(status_line: str, minutes: float) -> dict:
     per_run = (1 / r) if r > 0 else None
     return {"minutes": minutes, "runs_done": done, "runs_planned": planned, "unfinished_progress": partial,
             "r_runs_per_minute": r, "minutes_for_all": None if per_run is None else planned * per_run,
-            "minutes_per_seed": None if per_run is None else 8 * per_run}  # fmt: skip
+            "minutes_per_seed": None if per_run is None else arms * per_run}  # fmt: skip
 
 
 STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor, "heads": heads,
+                                            "heads_50257": heads_50257, "kernel_sweep": kernel_sweep,
                                             "head_step": head_step, "train_125m": train_125m, "plain_step": plain_step,
                                             "plain_compiled": plain_compiled, "train_125m_zero2": train_125m_zero2,
                                             "train_125m_compiled": train_125m_compiled,
                                             "train_125m_persistent": train_125m_persistent,
-                                            "study_probe": study_probe, "plain_1b": plain_1b,
+                                            "study_probe": study_probe, "study_v7_gpu": study_v7_gpu,
+                                            "plain_1b": plain_1b,
                                             "train_1b_zero2": train_1b_zero2, "train_1b": train_1b,
                                             "train_1b_compiled": train_1b_compiled,
                                             "plain_1b_compiled": plain_1b_compiled,
@@ -641,11 +713,14 @@ STAGES: dict[str, Callable[[Run], dict]] = {"install": install, "doctor": doctor
                                             "deepcompile_resume": deepcompile_resume}  # fmt: skip
 # Issue 56's stages in the order of what they answer first (docs/doctor.md, "The first GPU": about 550 s in all).
 # The 135M compiled plain step is left out (82 s; our code does not change it): its 77 ms of 2026-11-28 (H200) stands.
+# Issue 70's, after issue 56's call (about 250 s): the loss against Liger's CE at Llama-3's and GPT-2's widths (its
+# targets in heads' report), then the kernels' row block / warps sweep.
 # Issue 73's: whether DeepCompile builds here first (a failed build skips its stages), then ZeRO-3 eager and with
 # DeepCompile at 135M beside the plain step, the same at 1B, its resume, and the compiled plain steps last (82 s and
 # ~150 s of compiling: the 135M one's 77 ms of 2026-11-28 stands where it is cut).
 GROUPS = {"issue56": ["install", "plain_step", "train_125m_zero2", "plain_1b", "train_1b_zero2", "train_125m_compiled",
                       "train_1b_compiled", "train_1b", "train_125m", "plain_1b_compiled"],
+          "issue70": ["install", "heads", "heads_50257", "kernel_sweep"],
           "issue73": ["install", "deepcompile_build", "plain_step", "train_125m", "train_125m_deepcompile", "plain_1b",
                       "train_1b", "train_1b_deepcompile", "deepcompile_resume", "plain_compiled",
                       "plain_1b_compiled"]}  # fmt: skip
@@ -723,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages (default 8 minutes)")
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
-    chosen.add_argument("--group", choices=list(GROUPS), help="a named list of stages (issue56, issue73: theirs)")
+    chosen.add_argument("--group", choices=list(GROUPS), help="a named list of stages (issue56, -70, -73: theirs)")
     args = parser.parse_args(argv)
     if args.group:
         args.stages = GROUPS[args.group]

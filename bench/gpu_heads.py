@@ -8,18 +8,21 @@ above its inputs (the doctor's `speed` helpers).
 
 Loss on logits [N, V]: `F.cross_entropy` on the logits upcast to fp32 (the baseline: what transformers' loss
 does), `ce_ntl_loss` CE-only (kind None) and CE+0.3·NTL of the kinds was, mse, digits and number with each backend,
-and Liger's `LigerCrossEntropyLoss`. Output layer (hidden [N, H], weight [V, H]): the dense head (`hidden @ W.T`, then
-`F.cross_entropy`; the baseline), our chunked head (`linear_ce_ntl_loss`) CE-only and with NTL-WAS with each backend,
-and Liger's `LigerFusedLinearCrossEntropyLoss` (CE only: Liger has no NTL). The vocabulary is Llama-3-like (1-3
-digit chunks; at least 2,110 tokens). Before timing, the Triton backend's loss and logit gradient are compared with
-the torch backend's on the same inputs, per kind (`agreement`: the largest difference relative to the largest
-value). Then issue 57's targets, as ratios of rows of this run (`targets`). Beside each time: the host ops of one
-call (aten ops dispatched, forward and backward; a Triton kernel's own work left out) and our Triton kernel launches.
+and Liger's `LigerCrossEntropyLoss`; then `ce_ntl_training_loss` (the dense head's: the gradient formed in forward)
+with the Triton backend, CE-only and with WAS, digits and number (`training loss` rows). Output layer (hidden [N, H],
+weight [V, H]): the dense head (`hidden @ W.T`, then `F.cross_entropy`; the baseline), our chunked head
+(`linear_ce_ntl_loss`) CE-only and with NTL-WAS with each backend, and Liger's `LigerFusedLinearCrossEntropyLoss` (CE
+only: Liger has no NTL). The vocabulary is Llama-3-like (1-3 digit chunks; at least 2,110 tokens). Before timing, the
+Triton backend's loss and logit gradient are compared with the torch backend's on the same inputs, per kind
+(`agreement`: the largest difference relative to the largest value). Then issue 57's and 70's targets, as ratios of
+rows of this run (`targets`). Beside each time: the host ops of one call (aten ops dispatched, forward and backward; a
+Triton kernel's own work left out) and our Triton kernel launches.
 Then the registers and spill bytes a thread of our Triton kernels for `--kernel-kinds`, compiled offline for each of
 `--kernel-archs` at this run's vocabulary and dtype (loss/triton_resources.py; `kernels`). Liger runs on CUDA only,
 Triton on CUDA or under TRITON_INTERPRET=1; elsewhere their rows are left out and the report says why. Prints one
 line per method and writes every figure to `--out` as JSON. bench/gpu_first_run.sh runs it on the first GPU
-(docs/doctor.md, "The first GPU").
+(docs/doctor.md, "The first GPU"). `--sweep` instead times the training loss's CE-only and WAS rows at each row
+block and warp count of `SWEEP` (the kernels' defaults were never swept on a GPU), beside Liger's CE.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ntl_pretrain.doctor.loss_checks import draw_labels, multi_digit_vocab
 from ntl_pretrain.doctor.speed import backward_of, fastest, peak_mib
 from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.loss.backend import interpreter_ready, why_triton_cannot_run
+from ntl_pretrain.loss.ce_ntl import ce_ntl_training_loss
 from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
 from ntl_pretrain.loss.triton_resources import ARCHS, loss_kernel_resources, offline_compile_unavailable
 
@@ -57,7 +61,18 @@ TARGETS = {
                                        1.0),
     "output layer CE+NTL-WAS, Triton over Liger's fused linear CE": (
         "head", "chunked head CE+NTL-WAS" + TRITON, "Liger fused linear CE", 1.0),
+    # issue 70's: the dense training loss (gradient formed in forward, as Liger's) against Liger's CE
+    "training loss CE only, Triton over Liger's CE": ("loss", "training loss CE only" + TRITON, "Liger cross-entropy",
+                                                      1.0),
+    **{f"training loss {name}, Triton over Liger's CE": ("loss", f"training loss {name}" + TRITON,
+                                                         "Liger cross-entropy", 1.2)
+       for name in ("CE+NTL-WAS", "CE+NTL-digits", "CE+NTL-number")},
 }  # fmt: skip
+TRAINING_ROWS = ("CE only", "CE+NTL-WAS", "CE+NTL-digits", "CE+NTL-number")
+"""The loss rows timed as the dense head runs them too (`ce_ntl_training_loss`, Triton only)."""
+SWEEP = [(block, warps) for block in (4096, 8192, 16384, 32768) for warps in (8, 16, 32)]
+"""`--sweep`: (row block BLOCK_V, warps) of the Triton kernels tried on the training loss's CE-only and WAS rows."""
+SWEEP_ROWS = ("CE only", "CE+NTL-WAS")
 AGREEMENT_KINDS = ("was", "digits", "number", "mse", None)
 KERNEL_KINDS = ("None", "was", "digits", "number")
 """Kinds whose kernels' registers and spills are printed: number's kernels are those of mse, mae and huber too."""
@@ -102,10 +117,38 @@ def loss_steps(nv, labels_N, logits_NV, liger, triton_reason) -> Steps:
         for name, kind in LOSS_ROWS.items():
             loss = lambda k=kind, b=backend: ce_ntl_loss(logits_NV, labels_N, nv, kind=k, backend=b).loss
             steps[f"ce_ntl_loss {name}{suffix}"] = backward_of(loss, logits_NV)
+    steps.update(training_steps(nv, labels_N, logits_NV, TRAINING_ROWS, triton_reason))
     if not isinstance(liger, str):
         liger_ce = liger[0]()
         steps["Liger cross-entropy"] = backward_of(lambda: liger_ce(logits_NV, labels_N), logits_NV)
     return steps
+
+
+def training_steps(nv, labels_N, logits_NV, rows, triton_reason) -> Steps:
+    """`ce_ntl_training_loss` on the Triton backend (none where it cannot run) for the loss rows named in `rows`."""
+    if triton_reason:
+        return {}
+    steps = {}
+    for name in rows:
+        loss = lambda k=LOSS_ROWS[name]: ce_ntl_training_loss(logits_NV, labels_N, nv, kind=k, backend="triton").loss
+        steps[f"training loss {name}{TRITON}"] = backward_of(loss, logits_NV)
+    return steps
+
+
+def block_sweep(nv, labels_N, logits_NV, device) -> dict[str, dict[str, float]]:
+    """{"BLOCK_V/warps": {row: seconds}}: the training loss's CE-only and WAS rows with each row block and warp count
+    of `SWEEP` (set on triton_ops for the sweep, restored after)."""
+    from ntl_pretrain.loss import triton_ops
+
+    saved = triton_ops.MAX_BLOCK_V, triton_ops._warps
+    found = {}
+    try:
+        for block, warps in SWEEP:
+            triton_ops.MAX_BLOCK_V, triton_ops._warps = block, lambda _, warps=warps: warps
+            found[f"{block}/{warps}"] = fastest(training_steps(nv, labels_N, logits_NV, SWEEP_ROWS, None), device)
+    finally:
+        triton_ops.MAX_BLOCK_V, triton_ops._warps = saved
+    return found
 
 
 def head_steps(nv, labels_N, hidden_NH, weight_VH, liger, triton_reason) -> Steps:
@@ -202,7 +245,7 @@ def kernel_resources(args: argparse.Namespace) -> dict:
     reason = offline_compile_unavailable()
     if reason is None:
         try:
-            found = loss_kernel_resources(args.kernel_kinds, args.vocab, args.kernel_archs, args.dtype)
+            found = loss_kernel_resources(args.kernel_kinds, (args.vocab,), args.kernel_archs, (args.dtype,))
         except Exception as error:  # noqa: BLE001 - the timings stand without these figures
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:
@@ -268,11 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kernel-kinds", nargs="+", default=list(KERNEL_KINDS), help="kinds whose kernels to compile")
     parser.add_argument("--kernel-archs", nargs="+", choices=sorted(ARCHS), default=sorted(ARCHS))
+    parser.add_argument("--sweep", action="store_true", help="only the row block / warps sweep of the training loss")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     liger, triton_reason = liger_losses(), triton_available(device, dtype)
     nv, labels_N, logits_NV, hidden_NH, weight_VH = inputs(args, device, dtype)
     shape = f"N={args.positions} V={args.vocab} H={args.hidden} {args.dtype} on {device_name(device)}"
+    if args.sweep:
+        return sweep_report(args, shape, nv, labels_N, logits_NV, device, liger, triton_reason)
     agreed = {} if triton_reason else agreement(nv, labels_N, logits_NV)
     loss = measure(loss_steps(nv, labels_N, logits_NV, liger, triton_reason), device, "F.cross_entropy")
     del logits_NV  # the head's rows measure their own logits, not these
@@ -294,6 +340,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what} rows left out: {reason}")
     report = {"shape": shape, "torch": torch.__version__, "liger": liger_note, "triton": triton_reason or "measured",
               "agreement": agreed, "loss": loss, "head": head, "targets": targets, "kernels": resources}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def sweep_report(args, shape, nv, labels_N, logits_NV, device, liger, triton_reason) -> int:
+    """`--sweep`: each row block / warps pair's times, over Liger's CE on the same logits where it runs."""
+    if triton_reason:
+        raise SystemExit(f"gpu_heads --sweep: the Triton backend cannot run here: {triton_reason}")
+    liger_seconds = None
+    if not isinstance(liger, str):
+        liger_ce = liger[0]()
+        liger_seconds = fastest({"liger": backward_of(lambda: liger_ce(logits_NV, labels_N), logits_NV)}, device)
+        liger_seconds = liger_seconds["liger"]
+    sweep = block_sweep(nv, labels_N, logits_NV, device)
+    print(f"row block / warps sweep of the training loss, {shape} (Liger CE: {liger_seconds})")
+    for config, times in sweep.items():
+        print(f"  {config:>12}  " + "  ".join(f"{name} {seconds * 1e3:8.3f} ms" for name, seconds in times.items()))
+    report = {"shape": shape, "liger": liger if isinstance(liger, str) else "measured", "liger_seconds": liger_seconds,
+              "sweep": sweep}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -65,6 +65,7 @@ from ntl_pretrain.train import trainer as trainer_module
 from ntl_pretrain.train import zero3_bookkeeping
 from ntl_pretrain.train.main import init_distributed, quiet_console
 from ntl_pretrain.train.trainer import IGNORE_INDEX, Trainer
+from ntl_pretrain.train.zero_optimizer import FastPath
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = [
@@ -266,7 +267,11 @@ def bookkeeping_as_deepspeed_does(given_back: bool) -> contextlib.AbstractContex
     of its steps (`as_in_its_own_process`)."""
     if not given_back:
         return contextlib.nullcontext()
-    classic_only = lambda engine: zero3_bookkeeping.apply_zero3_functions_classically(engine.module)  # noqa: E731
+
+    def classic_only(engine) -> FastPath:
+        zero3_bookkeeping.apply_zero3_functions_classically(engine.module)
+        return FastPath((), {}, {}, {}, {})
+
     return mock.patch.object(trainer_module, "streamline_zero3", classic_only)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe
+from ntl_pretrain.config.loading import dump_recipe, is_pipe, load_recipe_with_origins, read_stdin_recipe
 from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.errors import InputError, OneLineParser, add_verbose, keep_standard_streams_open, run_reporting
 from ntl_pretrain.outputs import check_output
@@ -27,6 +27,9 @@ OWN_COMMANDS = ("train", "export", "convert-gguf", "verify")
 # Commands that load torch, DeepSpeed and transformers: once they said their last line, the process ends at once,
 # without the interpreter's teardown of those libraries (seconds on a busy machine, silent: a command seemed hung).
 ENDS_AT_ONCE = ("train", "export", "convert-gguf", "eval")
+# Commands that SIGTERM and SIGHUP end by their default action, not as an exception that unwinds the command
+# (`errors.signals_end_the_command`): a study's worker threads would make it wait for every queued run first.
+DEFAULT_STOP = ("study",)
 
 
 class Delegated(NamedTuple):
@@ -70,7 +73,30 @@ def train_command(args: argparse.Namespace, env: dict[str, str], verbose: bool =
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]  # the deepspeed of this interpreter's env
     log_level = [] if verbose else ["--log_level", "error"]
     return [*launcher, *device_selection(args.nproc, env), "--master_port", str(port), *log_level,
-            "--module", "ntl_pretrain.train", args.recipe, *args.overrides]  # fmt: skip
+            "--module", "ntl_pretrain.train", str(recipe_path(args.recipe)), *args.overrides]  # fmt: skip
+
+
+def recipe_path(recipe: str) -> Path:
+    """The recipe's absolute path, as the launch hands it to the ranks and the console names it; a pipe's own name
+    (`/dev/fd/N`, `/dev/stdin`), which resolves to nothing that can be read again."""
+    return Path(recipe).absolute() if is_pipe(recipe) else Path(recipe).resolve()
+
+
+DEVICE_VARIABLES = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
+PIPED_FOR_THE_RANKS = "<a temporary file holding the resolved recipe, written at launch>"
+
+
+def shown_launch(args: argparse.Namespace, env: dict[str, str], verbose: bool) -> str:
+    """The launch `train` makes, as `--dry-run` prints it for a shell: the variables that choose the ranks' device
+    (with DeepSpeed's CPU accelerator `--num_gpus` counts CPU processes), then the launcher command. A piped recipe
+    reaches the ranks in a temporary file, its overrides applied (`launch`); a port drawn here is drawn again at
+    launch unless `--master-port` fixes it."""
+    settings = [f"{name}={env[name]}" for name in DEVICE_VARIABLES
+                if name in env and (name == "DS_ACCELERATOR" or env[name] != os.environ.get(name))]  # fmt: skip
+    if not is_pipe(args.recipe):
+        return shlex.join([*settings, *train_command(args, env, verbose)])
+    command = train_command(argparse.Namespace(**{**vars(args), "overrides": []}), env, verbose)
+    return shlex.join([*settings, *command]).replace(shlex.quote(str(recipe_path(args.recipe))), PIPED_FOR_THE_RANKS)
 
 
 def device_selection(nproc: int, env: dict[str, str]) -> list[str]:
@@ -112,24 +138,21 @@ def checked_recipe(args: argparse.Namespace, stage: Callable[[str], None]) -> tu
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Before launch and after, a console that fails (`| head`, `2>&-`, a full disk) costs lines, not the run; the
-    dry run's output is data, so a closed pipe ends it."""
-    from ntl_pretrain.reporting.console import lossy_console
-
-    if args.dry_run:
-        return _checked_and_launched(args)
-    with lossy_console():
-        return _checked_and_launched(args)
-
-
-def _checked_and_launched(args: argparse.Namespace) -> int:
+    """Before launch and after, a console that fails (`| head`, `2>&-`, a full disk) costs lines, not the run
+    (`errors.lossy_console`)."""
     if args.nproc is not None and args.nproc < 1:
         raise RecipeError(f"--nproc: must be >= 1 processes, got {args.nproc}")
-    load_recipe(args.recipe, args.overrides)  # a mistyped key is refused before torch is imported (seconds)
+    if args.recipe == "-":
+        args.recipe = read_stdin_recipe()
+    # a mistyped key is refused before torch is imported (seconds)
+    origins = load_recipe_with_origins(args.recipe, args.overrides)[1]
     from ntl_pretrain.reporting.console import ongoing
 
     with ongoing(f"checking {args.recipe} before launch") as stage:
-        recipe, start = checked_recipe(args, stage)
+        try:
+            recipe, start = checked_recipe(args, stage)
+        except RecipeError as error:
+            raise origins.overridden(error) from error
     from ntl_pretrain.optim.schedule import warmup_note
 
     for note in (warmup_note(recipe.schedule, recipe.train.max_steps), start.numbers_note):
@@ -142,7 +165,7 @@ def _checked_and_launched(args: argparse.Namespace) -> int:
         print(dump_recipe(recipe), end="")
         if not start.finished:
             print(f"# {start.describe()}")
-        print("# " + (finished if start.finished else shlex.join(train_command(args, env, recipe.logging.verbose))))
+        print("# " + (finished if start.finished else shown_launch(args, env, recipe.logging.verbose)))
         return 0
     if start.finished:
         print(f"ntl-pretrain: {finished}")
@@ -164,7 +187,8 @@ def launch(args: argparse.Namespace, recipe: Recipe, env: dict[str, str]) -> int
         print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
         started = time.time()
         grace_seconds = recipe.train.stop_grace_seconds + EXIT_MARGIN_S
-        return supervise(command, env, grace_seconds, last_line=lambda code: end_line(recipe, code, started))
+        log = Path(recipe.train.output_dir) / "logs" / "supervisor.log"  # its own lines, whatever the console does
+        return supervise(command, env, grace_seconds, lambda code: end_line(recipe, code, started), log=log)
     finally:
         run_lock.clear_if_gone(recipe.train.output_dir)
         if piped:
@@ -182,9 +206,8 @@ def launch_line(args: argparse.Namespace, recipe: Recipe) -> str:
     """Said once the recipe passed every check: what the next half minute or more (the ranks import torch and
     DeepSpeed and build the model, silently) is spent on, and which recipe file it follows."""
     processes = f"{args.nproc} process" + ("es" if args.nproc > 1 else "")
-    recipe_path = Path(args.recipe).absolute() if is_pipe(args.recipe) else Path(args.recipe).resolve()
     return (
-        f"training {recipe_path} into {recipe.train.output_dir}: starting {processes}; each "
+        f"training {recipe_path(args.recipe)} into {recipe.train.output_dir}: starting {processes}; each "
         "loads the libraries and builds the model before step 1"
     )
 
@@ -294,12 +317,22 @@ def _verify_folder(folder: Path, mode: str) -> bool:
     elif problems:
         print(f"{folder}: damaged: " + "; ".join(str(problem) for problem in problems))
     else:
-        print(f"{folder}: intact")
+        print(f"{folder}: intact{_step_unlike_its_name(folder)}")
     universal = folder / manifest.UNIVERSAL
     if universal.is_dir() and (damage := manifest.universal_damage(universal, mode)) is not None:
         # derived from the shards: not the checkpoint's damage, but the next resume's conversion
         print(f"{universal}: {damage}; a resume on another number of ranks converts it again")
     return bool(problems)
+
+
+def _step_unlike_its_name(folder: Path) -> str:
+    """Where a checkpoint holds another step than its folder's name says (renamed, or a copy): the step a resume
+    continues from (its manifest's; the name is only a label)."""
+    from ntl_pretrain.checkpoint import store as checkpoint
+
+    held = checkpoint.step_held(folder)
+    named = checkpoint.step_of(folder) if checkpoint.STEP_DIR.match(folder.name) else None
+    return "" if held is None or held == named else f" (holds step {held}, which a resume continues from)"
 
 
 def package_version() -> str:
@@ -320,7 +353,7 @@ def build_parser(delegated: Iterable[str] = tuple(DELEGATED_COMMANDS)) -> argpar
     commands = parser.add_subparsers(dest="command", required=True, prog="ntl-pretrain")
 
     train = commands.add_parser("train", help="validate a recipe, then launch it with the deepspeed launcher")
-    train.add_argument("recipe")
+    train.add_argument("recipe", help="the recipe file, or - to read it from stdin")
     train.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. loss.ntl.weight=0.5")
     train.add_argument("--nproc", type=int, default=None, help="processes (GPUs; CPU ranks without CUDA)")
     train.add_argument("--master-port", type=int, default=None, help="default: a free port")
@@ -377,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may follow options (`train R --nproc 2 a.b=1`), which argparse cannot take as positionals.
     args, extra = parser.parse_known_args(words)
     command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
-    code = run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False))
+    code = run_reporting(command, lambda: _run(args, extra), getattr(args, "verbose", False),
+                         stop_signals=args.command not in DEFAULT_STOP)  # fmt: skip
     if argv is None and args.command in ENDS_AT_ONCE:
         _end_process(code)
     return code

@@ -189,12 +189,12 @@ class NumberVocab:
             )
         return self._device_copies[key]
 
-    def require_numbers(self) -> None:
-        """Raise when NTL is asked for but the vocabulary has no number token."""
+    def require_numbers(self, way_out: str = "use loss.ntl.kind: null") -> None:
+        """Raise when NTL is asked for but the vocabulary has no number token; `way_out` in the caller's words."""
         if not self.class_info:
             raise ValueError(
                 "NTL needs number tokens, but this tokenizer has none (no token whose text is ASCII "
-                "digits, optionally after a Ġ/▁/space/## marker); use loss.ntl.kind: null"
+                f"digits, optionally after a Ġ/▁/space/## marker); {way_out}"
             )
 
     def to(self, device: torch.device | str) -> NumberVocab:

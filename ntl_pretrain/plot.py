@@ -48,6 +48,7 @@ VALIDATION_SOURCES = {
 SMOOTHED = {"loss", "ce", "ntl"}
 ZERO_MEANS_ABSENT = {"ntl", "val_ntl"}  # the trainer logs 0 for a run without an NTL term
 SMOOTHING = 0.9
+SMOOTHED_NOTE = f"smoothed: EMA {SMOOTHING:g}; faint: as logged"  # a logged 2.34 may read 3.07 on the curve
 COLUMNS = 3
 IMAGE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")  # matplotlib picks the writer from the suffix
 
@@ -217,7 +218,9 @@ def _draw_panel(axis, key: str, title: str, runs: list[list[dict]], groups: list
     else:
         for split, (source, linestyle, marker) in splits.items():
             for (steps, values), group in drawn[split]:
-                values = smooth(values) if key in SMOOTHED else values
+                if key in SMOOTHED:  # the values as logged, faint, under their moving average
+                    axis.plot(steps, values, color=colours[group], alpha=0.2, linewidth=0.8, label=f"{group}: logged")
+                    values = smooth(values)
                 shown = marker or ("o" if len(values) <= 3 else None)
                 axis.plot(steps, values, color=colours[group], alpha=0.75, linewidth=1.2, linestyle=linestyle,
                           marker=shown, markerfacecolor="none" if marker else colours[group],
@@ -227,7 +230,7 @@ def _draw_panel(axis, key: str, title: str, runs: list[list[dict]], groups: list
         axis.set_xlabel("step")
     if key.endswith("/mae"):
         axis.set_yscale("log")
-    axis.set_title(title, fontsize=10)
+    axis.set_title(f"{title}\n{SMOOTHED_NOTE}" if key in SMOOTHED else title, fontsize=10)
     axis.grid(alpha=0.3)
 
 

@@ -14,6 +14,7 @@ import errno
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 from helpers.distributed import run_distributed, tiny_zero3_engine
 from helpers.launches import (
     LAUNCH_TIMEOUT_S,
+    REPO,
     RUNNER,
     SAVE_AT,
     STEPS,
@@ -98,10 +100,39 @@ def test_prune_keeps_the_new_checkpoint_and_newer_ones_a_fallback_left(tmp_path)
     for name in ("step_10", "step_30", "step_20.tmp"):  # model states: a step folder without them is not a checkpoint
         (root / name).mkdir(parents=True)
         (root / name / "mp_rank_00_model_states.pt").touch()
-    checkpoint._publish(root, "step_20.tmp", "step_20")
+    checkpoint._publish(root, "step_20.tmp", "step_20", 20)
     checkpoint._prune(root, root / "step_20", keep_last=1)
     assert [folder.name for folder in checkpoint.published_steps(root)] == ["step_20", "step_30"]
     assert checkpoint.newest_first(root) == [root / "step_20", root / "step_30"]  # `latest` first
+
+
+def test_a_save_never_replaces_a_folder_that_holds_another_step(tmp_path):
+    """`step_5` renamed `step_9`: the ranks resumed it at step 5, and their own step-9 save deleted it (issue 72).
+    A save replaces only an earlier copy of its own step (a re-save after a resume from an earlier checkpoint);
+    a folder holding another step is kept aside, whole; with `latest` gone, the newest is the highest step held."""
+    root = checkpoint.checkpoints_root(tmp_path)
+
+    def saved(name: str, step: int, text: str) -> Path:
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / "recipe.yaml").write_text(text)
+        manifest.write(folder, manifest.describe(folder, ["recipe.yaml"]), step)
+        return folder
+
+    saved("step_9", 5, "five")
+    saved("step_9.tmp", 9, "nine")
+    checkpoint._publish(root, "step_9.tmp", "step_9", 9)
+    kept = root / "step_9.kept"
+    assert [(root / "step_9" / "recipe.yaml").read_text(), checkpoint.step_held(root / "step_9")] == ["nine", 9]
+    assert [(kept / "recipe.yaml").read_text(), checkpoint.step_held(kept), manifest.verify(kept)] == ["five", 5, []]
+    saved("step_9.tmp", 9, "nine again")
+    checkpoint._publish(root, "step_9.tmp", "step_9", 9)
+    assert (root / "step_9" / "recipe.yaml").read_text() == "nine again"
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step_9", "step_9.kept"]
+
+    saved("step_12", 7, "seven")  # a label above the newest step
+    (root / "latest").unlink()
+    assert checkpoint.newest_first(root) == [root / "step_9", root / "step_12"]
 
 
 def test_readers_drop_the_records_a_resume_superseded():
@@ -279,6 +310,39 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_logs_the_same_loss
     assert manifest.verify(damaged) == []  # re-saved at the same step, beside the damaged copy, which is kept
     (problem,) = manifest.verify(kept)
     assert str(problem).startswith(f"{kept / KINDS['optimizer states']}: checksum")
+
+
+@pytest.mark.slow
+def test_a_renamed_checkpoint_resumes_its_step_beside_a_fresh_run_and_its_own_save_keeps_it(saved_run, tmp_path):
+    """Step 3 renamed `step_6` (the run's last step): `ntl-pretrain train` said "already at step 6; nothing to
+    train" (issue 72). Through the whole command (checks, supervisor, ranks), the run resumes step 3, logs steps 4-6
+    as the uninterrupted run did, and its own step-6 save keeps the renamed folder aside, whole; the supervisor's own
+    lines are in the run's logs/supervisor.log too. Beside it, at the same time, a fresh run of the same recipe
+    writes its checkpoints into a folder of its own and logs the uninterrupted run's losses: two runs side by side
+    share nothing (ports, outcome files, locks)."""
+    run, fresh = copy_run(saved_run, tmp_path / "run"), tmp_path / "fresh"
+    root = checkpoint.checkpoints_root(run)
+    shutil.rmtree(root / f"step_{STEPS}")
+    (root / f"step_{SAVE_AT}").rename(root / f"step_{STEPS}")
+    ds_config = partition_all_config(tmp_path)
+    launches = [subprocess.Popen([sys.executable, "-m", "ntl_pretrain.cli", "train", str(TINY), "--nproc", "2",
+                                  *recipe_overrides(output_dir, ds_config)], cwd=REPO, env=environment(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for output_dir in (run, fresh)]  # fmt: skip
+    consoles = [launch.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for launch in launches]
+    assert [launch.returncode for launch in launches] == [0, 0], consoles[0][-3000:] + consoles[1][-3000:]
+    reference = step_records(saved_run)
+    for output_dir, steps in ((run, range(SAVE_AT + 1, STEPS + 1)), (fresh, range(1, STEPS + 1))):
+        logged = step_records(output_dir)
+        assert sorted(logged) == list(steps)
+        assert [logged[step]["loss"] for step in steps] == [reference[step]["loss"] for step in steps]
+    assert cli.main(["verify", str(fresh)]) == 0
+    kept, saved = root / f"step_{STEPS}.kept", root / f"step_{STEPS}"
+    assert [checkpoint.step_held(kept), manifest.verify(kept)] == [SAVE_AT, []]
+    assert [checkpoint.step_held(saved), manifest.verify(saved)] == [STEPS, []]
+    assert (root / "latest").read_text() == saved.name
+    logged = [line.split(" ", 1)[1] for line in (run / "logs" / "supervisor.log").read_text().splitlines()]
+    assert logged and all(line in consoles[0].splitlines() for line in logged), logged
 
 
 @pytest.mark.slow

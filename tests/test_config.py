@@ -6,12 +6,14 @@ import argparse
 import dataclasses
 import json
 import re
+import shlex
 import typing
 from pathlib import Path
 from typing import Literal
 
 import pytest
 import yaml
+from helpers.docs import doc_pages
 
 from ntl_pretrain import cli
 from ntl_pretrain.config.deepspeed import build_deepspeed_config, grad_accum_steps, load_run
@@ -407,6 +409,23 @@ def test_cli_dry_run_prints_the_resolved_recipe_and_launcher(tmp_path, capsys):
     assert "--num_gpus 2" in command and "--module ntl_pretrain.train" in command and "train.max_steps=7" in command
 
 
+def test_the_dry_run_shows_the_launch_train_makes(tmp_path, monkeypatch, capsys):
+    """Issue 71: the dry run showed a relative recipe path and `--num_gpus 2` without saying the ranks run on CPU.
+    Its last line is now the launch itself, environment included, as the supervisor is handed it."""
+    from ntl_pretrain.runtime import supervisor
+
+    monkeypatch.chdir(REPO)
+    launched = []
+    monkeypatch.setattr(supervisor, "supervise", lambda command, env, *a, **k: launched.append((command, env)) or 0)
+    argv = ["train", "recipes/tiny-cpu.yaml", "--nproc", "2", "--master-port", "29999", f"train.output_dir={tmp_path}"]
+    assert cli.main([*argv, "--dry-run"]) == 0
+    shown = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
+    assert cli.main(argv) == 0
+    ((command, env),) = launched
+    assert env["DS_ACCELERATOR"] == "cpu" and str(TINY) in command  # this machine has no GPU; the path is absolute
+    assert shown == "# " + shlex.join(["DS_ACCELERATOR=cpu", *command])
+
+
 def test_every_field_has_a_docstring():
     """The schema documents itself: a string literal under every field."""
     import ast
@@ -448,7 +467,7 @@ def test_every_command_and_option_is_documented(capsys):
     commands = {words[0] for words, _ in command_options(parser) if words}
     assert commands >= {"train", "export", "convert-gguf", "verify", "eval", "plot", "study", "data", "doctor"}
     assert all(command in usage for command in commands)
-    docs = "\n".join(path.read_text() for path in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))))
+    docs = "\n".join(path.read_text() for path in doc_pages())
     undocumented = [
         " ".join(["ntl-pretrain", *words, *([option] if option else [])])
         for words, option in command_options(parser)

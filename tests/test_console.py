@@ -57,11 +57,15 @@ def test_unattended_console_starts_with_the_runs_shape(unattended):
     starting = [line for line in lines if line.startswith("still starting (")]
     assert lines[2 : 2 + len(starting)] == starting
     assert all(line.endswith(" s): the ranks import torch and DeepSpeed, then build the model") for line in starting)
-    assert lines[2 + len(starting) : 4 + len(starting)] == [
+    assert lines[2 + len(starting) : 5 + len(starting)] == [
         f"{output_dir}: starting from scratch; attention sdpa; AdamW default",
         f"{parameters:,} parameters; world size 1; micro-batch 2, global batch 4 sequences (gradient accumulation 2); "
         "128 tokens per step (32 per sequence); precision fp32",
+        # which of DeepSpeed's internals the trainer replaces (train/zero_optimizer.py), also in logs/
+        "DeepSpeed fast path: on: foreach_gradient_norm; not for this run: skip_gradient_scan, reduce_into_partition, "
+        "keep_weights_in_place, clear_skipped_gradients (DeepSpeed runs DeepSpeedZeroOptimizer_Stage3)",
     ]
+    assert (output_dir / "logs" / "deepspeed-fast-path.txt").read_text() == lines[4 + len(starting)] + "\n"
     assert "[INFO]" not in console and "FutureWarning" not in console and "[WARNING]" not in console, console
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ntl_pretrain.reporting.console import LossyStream, RunConsole, library_lines_to, ongoing
+from ntl_pretrain.errors import LossyStream
+from ntl_pretrain.reporting.console import RunConsole, library_lines_to, ongoing
 from ntl_pretrain.runtime.supervisor import SilenceLine
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,11 +47,27 @@ time.sleep(120)
 """
 
 
-def supervised(program: str, marker: Path, stdout, stderr, **popen) -> subprocess.Popen:
-    """The supervisor, in a process of its own, running `program` as its launcher."""
+# A rank's stop handling (`StopRequest`) for a few seconds: which signal stopped it, or that it ran to its end.
+RANK_FOR_A_WHILE = """
+import os, sys, time, pathlib
+from ntl_pretrain.runtime.stopping import StopRequest
+stop = StopRequest(grace_seconds=60)
+stop.install()
+pathlib.Path(sys.argv[1] + ".ready").write_text(str(os.getpid()))
+deadline = time.monotonic() + 4
+while not stop.requested and time.monotonic() < deadline:
+    time.sleep(0.05)
+pathlib.Path(sys.argv[1]).write_text(stop.signal_name or "ran to its end")
+sys.exit(75 if stop.requested else 0)
+"""
+
+
+def supervised(program: str, marker: Path, stdout, stderr, log: Path | None = None, **popen) -> subprocess.Popen:
+    """The supervisor, in a process of its own, running `program` as its launcher (its own lines also to `log`)."""
     launcher = [sys.executable, "-c", program, str(marker)]
-    supervisor = "import sys; from ntl_pretrain.runtime.supervisor import supervise; " \
-        f"sys.exit(supervise({launcher!r}, grace_seconds=30))"  # fmt: skip
+    log_file = "None" if log is None else f"Path({str(log)!r})"
+    supervisor = "import sys; from pathlib import Path; from ntl_pretrain.runtime.supervisor import supervise; " \
+        f"sys.exit(supervise({launcher!r}, grace_seconds=30, log={log_file}))"  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-c", supervisor], stdout=stdout, stderr=stderr, env=env, **popen)
 
@@ -76,19 +92,41 @@ def test_a_console_nobody_reads_neither_blocks_the_run_nor_keeps_its_supervisor(
 
 
 def test_a_closed_console_drops_the_output_and_the_run_ends_normally(tmp_path):
-    marker, errors = tmp_path / "marker", tmp_path / "stderr.txt"
+    """The supervisor's own lines are also appended to the run's log (`<output_dir>/logs/supervisor.log` under
+    `ntl-pretrain train`): with the console gone, the log alone said what the console missed (issue 72)."""
+    marker, errors, log = tmp_path / "marker", tmp_path / "stderr.txt", tmp_path / "logs" / "supervisor.log"
     read_end, write_end = os.pipe()
     os.close(read_end)  # `| head` has exited: every write to the pipe fails with EPIPE
     try:
         with errors.open("wb") as stderr:
-            process = supervised(NOISY_RUN, marker, write_end, stderr)
+            process = supervised(NOISY_RUN, marker, write_end, stderr, log)
             assert process.wait(timeout=TIMEOUT_S) == 0
     finally:
         os.close(write_end)
     assert marker.read_text() == "done"
     said = errors.read_text()
     assert "BrokenPipeError" not in said and "Traceback" not in said, said[-2000:]
-    assert f"{8 * 1024 * 1024:,} bytes" in said, said[-2000:]  # all of stdout, counted
+    counted = f"ntl-pretrain: the console did not take {8 * 1024 * 1024:,} bytes of the run's output"  # all of stdout
+    assert counted in said, said[-2000:]
+    logged = log.read_text().splitlines()
+    assert len(logged) == 1 and logged[0].split(" ", 1)[1].startswith(counted), logged
+
+
+def test_under_nohup_sighup_stops_neither_the_supervisor_nor_a_rank(tmp_path):
+    """A run started with SIGHUP ignored (`nohup`) stopped on SIGHUP all the same, exit 75: the supervisor and the
+    ranks installed their handlers over the inherited SIG_IGN (issue 72). Here SIGHUP reaches both; the run goes on."""
+    marker = tmp_path / "marker"
+    with (tmp_path / "console.txt").open("wb") as console:
+        process = supervised(RANK_FOR_A_WHILE, marker, console, console, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # fmt: skip
+        deadline, ready = time.monotonic() + TIMEOUT_S, Path(f"{marker}.ready")
+        while not (ready.exists() and ready.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGHUP)  # the supervisor: a closed terminal's SIGHUP
+        os.kill(int(ready.read_text()), signal.SIGHUP)  # and the rank itself
+        assert process.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "console.txt").read_text()
+    assert marker.read_text() == "ran to its end"
 
 
 def test_sighup_reaches_the_run_as_a_stop_signal_and_the_terminal_is_announced(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import re
@@ -103,21 +104,41 @@ def test_multiplication_splits_all_900_questions_and_extrapolates_to_three_digit
 
 def test_committed_corpus_is_small_and_regenerates_byte_for_byte(tmp_path):
     total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
-    assert total < 4_000_000  # 3.66 MB with study v6's noise-free regression set (issue 58)
+    assert total < 7_000_000  # 6.8 MB with study v7's two 248,500-question training sets (1.6 MB each, issue 69)
     run(["data", "make-arithmetic", "--out", str(tmp_path), "--seed", "0"])
     run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0"])
     exact = ["--noise-sd", "0", "--name", "regression-exact"]
     run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0", *exact])
-    written = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*.jsonl"))
-    assert Path("regression/train.jsonl") in written
-    generated = (path.relative_to(CORPUS) for path in CORPUS.rglob("*.jsonl") if path.parent.name != "prose")
-    assert written == sorted(generated)  # every committed generated file, the regression task's included
-    for path in written:
-        assert (tmp_path / path).read_bytes() == (CORPUS / path).read_bytes(), path
+    run(
+        [
+            "data",
+            "make-regression",
+            "--out",
+            str(tmp_path),
+            "--seed",
+            "0",
+            "--all-questions",
+            "--name",
+            "regression-all",
+        ]
+    )
+    run(["data", "make-regression", "--out", str(tmp_path), "--seed", "0", "--all-questions", *exact[:2], "--name",
+         "regression-all-exact"])  # fmt: skip
+    written = sorted(
+        path.relative_to(tmp_path) for pattern in ("*.jsonl", "*.jsonl.gz") for path in tmp_path.rglob(pattern)
+    )
+    assert Path("regression/train.jsonl") in written and Path("regression-all/train.jsonl.gz") in written
+    generated = (path.relative_to(CORPUS) for pattern in ("*.jsonl", "*.jsonl.gz") for path in CORPUS.rglob(pattern)
+                 if path.parent.name != "prose")  # fmt: skip
+    assert written == sorted(generated)  # every committed generated file, the regression tasks' included
+    for path in written:  # a gzip file by its content: its bytes depend on the zlib that packed it
+        read = gzip.decompress if path.suffix == ".gz" else bytes
+        assert read((tmp_path / path).read_bytes()) == read((CORPUS / path).read_bytes()), path
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def regression_records(examples) -> list[tuple[int, int, int]]:
@@ -159,6 +180,26 @@ def test_noise_free_regression_asks_the_noisy_sets_questions_with_exact_answers(
     assert (CORPUS / "regression-exact" / "interpolation.jsonl").read_bytes() == (
         CORPUS / "regression" / "interpolation.jsonl"
     ).read_bytes()
+
+
+def test_all_questions_sets_hold_every_question_but_the_held_out_once_in_one_shuffled_order():
+    """Study v7's training sets (corpus/regression-all*/): the 248,500 questions that regression/'s validation and
+    interpolation splits do not hold, each once, shuffled, in the same order noisy and noise-free."""
+    noisy_rows = regression_records(read_jsonl(CORPUS / "regression-all" / "train.jsonl.gz"))
+    exact_rows = regression_records(read_jsonl(CORPUS / "regression-all-exact" / "train.jsonl.gz"))
+    held_out = {(a, b) for split in ("validation", "interpolation")
+                for a, b, _ in regression_records(read_jsonl(CORPUS / "regression" / f"{split}.jsonl"))}  # fmt: skip
+    pairs = [(a, b) for a, b, _ in noisy_rows]
+    assert len(held_out) == 1500 and len(pairs) == len(set(pairs)) == 248_500
+    assert set(pairs) | held_out == {(a, b) for a in range(500) for b in range(500)} and not set(pairs) & held_out
+    assert [(a, b) for a, b, _ in exact_rows] == pairs and all(y == a + b for a, b, y in exact_rows)
+    rises = sum(a + b < c + d for (a, b), (c, d) in zip(pairs[:-1], pairs[1:], strict=True))
+    assert rises / len(pairs) == pytest.approx(0.5, abs=0.01)  # shuffled: the sum rises half the time
+    residuals = [y - (a + b) for a, b, y in noisy_rows if 30 <= a + b <= 969]  # away from the clipping
+    n = len(residuals)
+    mean, sd = sum(residuals) / n, (sum(r * r for r in residuals) / n) ** 0.5
+    assert abs(mean) < 4 * 10 / n**0.5 and abs(sd - (100 + 1 / 12) ** 0.5) < 4 * 10 / (2 * n) ** 0.5, (mean, sd)
+    assert all(0 <= y <= 999 for _, _, y in noisy_rows)
 
 
 def test_regression_noise_is_clipped_to_the_answer_range():

@@ -1,5 +1,6 @@
-"""The Python blocks the docs promise run as pasted: README's "Using the loss on its own", docs/loss.md's "NTL in
-your own loop" and "NTL in your own trainer", each executed whole in a fresh namespace and its result checked."""
+"""The Python blocks the docs promise run as pasted: README's and docs/loss.md's "NTL in your own loop" and
+docs/loss.md's "NTL in your own trainer", each executed whole in a fresh namespace, its result and what it printed
+checked."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+OWN_LOOP_SAYS = r"step loss (\S+) = ce (\S+) \+ 0\.3 \* ntl (\S+) over (\d+) label tokens, (\d+) of them numbers\n"
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -30,15 +32,17 @@ def run(doc: str, heading: str) -> dict:
     return namespace
 
 
-def test_the_readme_loss_snippet_runs_and_computes_ntl():
-    done = run("README.md", "## Using the loss on its own")
+def test_the_readme_loss_snippet_runs_computes_ntl_and_says_what_it_computed(capsys):
+    done = run("README.md", "### NTL in your own loop")
     out, model = done["out"], done["model"]
     assert out.num_number_tokens > 0 and out.ntl > 0
     assert out.loss.item() == pytest.approx((out.ce + 0.3 * out.ntl).item())
     assert model.lm_head.weight.grad.abs().sum() > 0
+    said = f"loss {out.loss:.4f} = ce {out.ce:.4f} + 0.3 * ntl {out.ntl:.4f} over {out.num_number_tokens} number tokens"
+    assert capsys.readouterr().out == said + "\n"  # a newcomer sees that it worked (issue 71: it printed nothing)
 
 
-def test_the_own_loop_snippet_takes_a_step_normalised_over_both_micro_batches():
+def test_the_own_loop_snippet_takes_a_step_normalised_over_both_micro_batches(capsys):
     done = run("docs/loss.md", "## NTL in your own loop")
     tokenizer = done["tokenizer"]
     labels = [ids[1:] for ids in tokenizer(done["texts"]).input_ids]  # every text's next tokens, no padding
@@ -46,6 +50,11 @@ def test_the_own_loop_snippet_takes_a_step_normalised_over_both_micro_batches():
     digits = [token for text_labels in labels for token in text_labels if tokenizer.decode([token]).isdigit()]
     assert done["num_numbers"] == len(digits) > 0
     assert all(param.grad is None for param in done["model"].parameters())  # stepped, then zeroed
+    said = re.fullmatch(OWN_LOOP_SAYS, capsys.readouterr().out)
+    assert said, "the snippet says what its step computed"
+    loss, ce, ntl = map(float, said.groups()[:3])
+    assert ce > 0 and ntl > 0 and loss == pytest.approx(ce + 0.3 * ntl, abs=2e-4)
+    assert (int(said[4]), int(said[5])) == (done["num_tokens"], done["num_numbers"])
 
 
 def test_the_trainer_snippet_logs_ce_and_ntl_and_undoes_its_patch():

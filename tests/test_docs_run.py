@@ -1,4 +1,5 @@
-"""The commands and YAML blocks in README.md and docs/*.md are the ones the code takes (issue 42: docs that run).
+"""The commands and YAML blocks in README.md, docs/*.md and docs/archive/*.md are the ones the code takes (issue 42:
+docs that run).
 
 - Every `ntl-pretrain ...` command line in a code block parses with the CLI's own parser (the command, its options
   and their values); a `train` command's recipe and overrides also load and validate, with the user's files that a
@@ -20,13 +21,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.docs import doc_pages
 
 from ntl_pretrain import cli
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.config.recipe import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = doc_pages()
 BLOCK = re.compile(r"^ *```(\w*)\n(.*?)^ *```", re.S | re.M)  # indented too: a block inside a list item
 # What marks a line as a pattern, not a command: `[key.path=value ...]`, `[--option]`, `step_N`, `<folder>`, and the
 # upper-case names the docs give arguments (RUN_DIR, RECIPE, N ...).
@@ -141,8 +143,9 @@ def test_every_documented_yaml_block_parses_and_a_recipe_fragment_validates(wher
     for source in fragment.get("data", {}).get("sources", []):  # a user's own files, as one-record stand-ins
         if not source["path"].startswith("pkg:") and source.get("format") != "hub":
             source["path"] = str(stand_in(tmp_path, source["path"], source.get("text_field", "text")))
+    base = "smollm2-135m-cpt.yaml" if "init_from" in fragment else "tiny-cpu.yaml"  # a pretrained model's, or not
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"base": str(REPO / "recipes" / "tiny-cpu.yaml"), **fragment}))
+    recipe.write_text(yaml.safe_dump({"base": str(REPO / "recipes" / base), **fragment}))
     load_recipe(recipe)
 
 
@@ -151,10 +154,15 @@ def test_every_documented_yaml_block_parses_and_a_recipe_fragment_validates(wher
 # name: (file, heading, how each `train` starts): the first bash block after the heading of a doc, or with no
 # heading the `#   ntl-pretrain ...` lines of a recipe's header.
 SMOLLM2_START = "starts from the weights of init_from {checkout}/runs/smollm2-135m-hf and trains 200 steps"
+SMOLLM2_CPU_START = SMOLLM2_START.replace("200 steps", "60 steps")
 WALK_THROUGHS = {
-    "docs/recipes.md, SmolLM2 walk-through": ("docs/recipes.md", "### Walk-through: continued pretraining of SmolLM2",
-                                              SMOLLM2_START),
+    "docs/continued-pretraining.md, SmolLM2 on a CPU": ("docs/continued-pretraining.md", "## On a CPU in minutes",
+                                                         SMOLLM2_CPU_START),
+    "docs/continued-pretraining.md, SmolLM2 walk-through": ("docs/continued-pretraining.md",
+                                                            "## Walk-through: continued pretraining of SmolLM2",
+                                                            SMOLLM2_CPU_START),
     "recipes/smollm2-135m-cpt.yaml, header": ("recipes/smollm2-135m-cpt.yaml", None, SMOLLM2_START),
+    "recipes/smollm2-135m-cpt-cpu.yaml, header": ("recipes/smollm2-135m-cpt-cpu.yaml", None, SMOLLM2_CPU_START),
     "recipes/tiny-cpu.yaml, header": ("recipes/tiny-cpu.yaml", None, "starts from scratch and trains 300 steps"),
 }  # fmt: skip
 USER_RECORDS = [{"text": f"{n} plus {n + 1} is {2 * n + 1}"} for n in range(8)]  # the walk-through's own files
@@ -188,7 +196,8 @@ def stand_in_for_convert_gguf(out_dir: Path) -> None:
 @pytest.mark.parametrize("walk_through", WALK_THROUGHS)
 def test_each_walk_through_runs_in_order_from_the_checkout_root(walk_through, tmp_path, monkeypatch, capsys):
     """Every step as written, from a copy of the checkout's recipes: `convert-gguf` by a stand-in of its output,
-    `train` as its `--dry-run` (a launch trains for hours), `export` of a step only a real run writes is left out.
+    `train` as its `--dry-run` (a launch trains for minutes to hours); `export`, `eval` and `plot` of what only a real
+    run writes are left out.
     Each `train` must pass every check and say where it starts: from step 1's folder."""
     from ntl_pretrain.runtime import supervisor
 
@@ -209,8 +218,8 @@ def test_each_walk_through_runs_in_order_from_the_checkout_root(walk_through, tm
             assert code == 0, f"{walk_through}: `ntl-pretrain {shlex.join(argv)}`: {err}"
             plan = out.rstrip("\n").splitlines()[-2]
             assert plan.endswith(start.format(checkout=checkout)), plan
-        else:
-            assert argv[0] == "export" and "step_N" in argv[1], argv  # a placeholder for the step a real run saved
+        else:  # a step only a real run saves (`step_N`), or a run's results read by `eval` and `plot`
+            assert (argv[0] == "export" and "step_N" in argv[1]) or argv[0] in ("eval", "plot"), argv
             continue
         ran.append(argv[0])
     assert "train" in ran, ran

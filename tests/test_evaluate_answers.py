@@ -49,6 +49,28 @@ def test_parse_answer_without_a_number(text: str) -> None:
     assert parse_answer(text) is None
 
 
+@pytest.mark.parametrize(
+    ("prompt", "text", "expected"),
+    [
+        ("f(469,484)=", "(452,229", None),  # study v6: another question begun, read plainly as 452229
+        ("f(10,66)=", "(313,283", None),
+        ("f(452,229)=", "f(452,229)=681", "681"),  # the echo passed over, the answer after it read
+        ("f(452,229)=", ",229)=681", "681"),
+        ("How many? 3 apples", "5 apples", "5"),
+        ("f(0,5)=", "5", "5"),  # a bare number the prompt also holds is an answer
+        ("f(0,5)=", " 5", "5"),
+        ("f(0,5)=", ",5", None),
+        ("What is 40+2?", "42", "42"),
+        ("What is 1,234 + 1?", " 1,235", "1235"),
+        ("What is 1,234 + 1?", "1,234 + 1 is 1,235", "1235"),
+    ],
+)
+def test_a_number_echoed_from_the_prompt_is_not_the_answer(prompt: str, text: str, expected: str | None) -> None:
+    assert parse_answer(text, prompt) == (None if expected is None else Decimal(expected))
+    if expected is not None:
+        assert parse_answer(text) is not None
+
+
 def test_exact_match_is_numeric_not_textual() -> None:
     assert parse_answer(" 12.50") == Decimal("12.5")
     assert parse_answer(" 0.30") == Decimal("0.1") + Decimal("0.2")

@@ -258,7 +258,22 @@ def test_eval_takes_the_chat_template_from_the_flag_else_the_run():
     assert eval_config_from_args(parser.parse_args(["eval", "x"]), run).chat_template == "auto"
     flagged = parser.parse_args(["eval", "x", "--chat-template", "none"])
     assert eval_config_from_args(flagged, run).chat_template == "none"
-    assert eval_config_from_args(parser.parse_args(["eval", "x"])).chat_template == "none"
+    assert eval_config_from_args(parser.parse_args(["eval", "x"])).chat_template is None  # the model's kind decides
+
+
+def test_an_instruct_model_is_asked_in_its_chat_template_unless_told_otherwise(tokenizer, chat_tokenizer):
+    """Issue 71: the shipped SmolLM2 weights are an Instruct model's, which answered a raw prompt with its end-of-turn
+    token at once (scored unparseable) unless given `--chat-template auto`. By default now a model whose EOS ends a
+    turn of its template (an Instruct model's) is asked in the template; one whose template ends turns with another
+    token (a base model's, whose EOS ends a text) gets the text; `none` and `auto` still decide."""
+    instruct = copy.deepcopy(chat_tokenizer)
+    instruct.chat_template = CHAT.replace("<|end|>", tokenizer.eos_token)
+    turn = instruct(f"<|user|>12+7={tokenizer.eos_token}<|bot|>", add_special_tokens=False)["input_ids"]
+    text = [tokenizer.eos_token_id, *tokenizer("12+7=", add_special_tokens=False)["input_ids"]]
+    assert prompt_ids(instruct, "12+7=", None) == turn
+    assert prompt_ids(instruct, "12+7=", "none") == text
+    assert prompt_ids(chat_tokenizer, "12+7=", None) == text  # a base model's template: its EOS is not a turn's end
+    assert prompt_ids(tokenizer, "12+7=", None) == text
 
 
 # ---- validation loss ----------------------------------------------------------------------------------------

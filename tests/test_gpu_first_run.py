@@ -49,9 +49,10 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     out, work, pins = tmp_path / "out", tmp_path / "work", tmp_path / "pins.txt"
     pins.write_text("ntl-toy-wheel==1.0\nliger-kernel==0.8.5  # optional\n")
     command = ["bash", str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(work), "--wheels",
-               str(toy_wheel(tmp_path / "wheels")), "--pins", str(pins), "--budget", "1200"]  # fmt: skip
-    # 20 stages take 5-9 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
-    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=1300, check=False)
+               str(toy_wheel(tmp_path / "wheels")), "--pins", str(pins), "--budget", "1600"]  # fmt: skip
+    # 23 stages take 7-14 minutes on 2 shared cores: the GPU's 480 s budget would cut the last ones
+    reports = {path: path.read_bytes() for path in (REPO / "docs" / "study.md", REPO / "docs" / "study.png")}
+    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=1700, check=False)
     summary = json.loads((out / "summary.json").read_text())
     stages = {stage["name"]: stage for stage in summary["stages"]}
     assert done.returncode == 0 and {stage["status"] for stage in stages.values()} == {"ok"}, done.stdout
@@ -64,8 +65,15 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert re.fullmatch(ROW, heads["head: chunked head CE+NTL-WAS [triton]"])  # interpreted: the rows run before a GPU
     assert float(heads["triton vs torch, digits"]) < 2**-6  # bf16 gradients: within a rounding or two
     assert "target loss, digits over WAS (Triton)" in heads
-    assert heads["kernels"].startswith("4 compiled (sm_90), 0 spilling"), heads["kernels"]  # CE's kernels, offline
+    assert heads["kernels"].startswith("6 compiled (sm_90), 0 spilling"), heads["kernels"]  # CE's kernels, offline
     assert heads["loss: ce_ntl_loss CE+NTL-WAS [triton]"].endswith(" host ops, 2 Triton launches")  # forward, backward
+    # the training loss: the class members' pass and the fused kernel in forward, the scaling in backward
+    assert heads["loss: training loss CE+NTL-WAS [triton]"].endswith(" host ops, 3 Triton launches")
+    assert "target training loss CE+NTL-number, Triton over Liger's CE" not in heads  # no Liger on CPU: no ratio
+    assert stages["heads_50257"]["figures"]["shape"].startswith("N=16 V=2257 ")  # a width 16 does not divide
+    sweep = stages["kernel_sweep"]["figures"]
+    row = r"training loss CE only \[triton\] [\d.]+ ms, training loss CE\+NTL-WAS \[triton\] [\d.]+ ms"
+    assert sweep["liger CE"].startswith("liger-kernel") and re.fullmatch(row, sweep["32768/32"]), sweep
     step = stages["head_step"]["figures"]
     assert step["triton"] == "measured" and step["chunked head CE+NTL-WAS [triton]"].endswith("x")
     assert step["apply_ntl CE+NTL-WAS"].endswith("x")  # the drop-in's patched forward, timed beside the heads
@@ -81,6 +89,9 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
         figures = stages[name]["figures"]
         assert figures["steps"] == 3 and figures["ours_over_plain_step"] > 0 and figures["ours_over_plain_compiled"] > 0
     assert stages["study_probe"]["figures"]["runs_planned"] == 8  # study v6: one seed of its eight arms
+    v7 = stages["study_v7_gpu"]["figures"]  # study v7's GPU arm: one seed of one pair, finished and archived
+    assert v7["runs_done"] == v7["runs_planned"] == 2 and v7["seeds_complete"] == [300]
+    assert all(path.read_bytes() == before for path, before in reports.items())  # its report went to its logs
     plain_1b = stages["plain_1b"]["figures"]  # the 1B stages' commands, at toy sizes
     assert plain_1b["step_seconds"] > 0 and plain_1b["matmul_flops"] > 0 and plain_1b["mfu_of_matmul"] > 0
     for name in ("train_1b_zero2", "train_1b", "train_1b_compiled"):
@@ -102,6 +113,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert {f"logs/{stage}.log" for stage in stages} <= set(names)
     assert "logs/train-125m-profile-steps-2-2.txt" in names
     assert "logs/plain-compiled.json" in names
+    assert {"logs/study-v7-gpu.md", "logs/study-v7-gpu-runs/regression-ce-seed300/study.json"} <= set(names)
     assert runner().marked_processes(summary["marker"].partition("=")[2]) == []  # the probe's runs were killed
 
 

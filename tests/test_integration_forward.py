@@ -8,6 +8,8 @@ the model is transformers' again bit for bit; models and arguments it cannot ser
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers.distributed import run_distributed
@@ -210,17 +212,74 @@ def test_undone_the_model_is_transformers_bit_for_bit():
     [
         ("gptj", {}, "output layer has a bias"),
         ("bart", {}, "not among the architectures"),
-        ("llama", {"kind": "l2"}, "kind must be one of"),
-        ("llama", {"ntl_weight": -1.0}, "ntl_weight must be >= 0"),
+        ("llama", {"kind": "l2"}, r"kind must be one of .*, or None for CE alone, got 'l2' \(a str\)"),
+        ("llama", {"ntl_weight": -1.0}, r"ntl_weight must be a finite number >= 0 \(0 trains on CE alone\), got -1.0$"),
+        ("llama", {"ntl_weight": math.inf}, r"ntl_weight must be a finite number >= 0 .*, got inf$"),
+        ("llama", {"ntl_weight": math.nan}, r"ntl_weight must be a finite number >= 0 .*, got nan$"),
+        ("llama", {"ntl_weight": "0.3"}, r"ntl_weight must be a finite number >= 0 .*, got '0.3' \(a str\)$"),
+        ("llama", {"ntl_weight": True}, r"ntl_weight must be a finite number >= 0 .*, got True \(a bool\)$"),
+        ("llama", {"reweigh": "yes"}, r"reweigh must be True or False, got 'yes' \(a str\)"),
+        ("llama", {"kind": None, "reweigh": True}, "reweigh: weighs the NTL term, and kind None trains without one"),
         ("llama", {"kind": "was", "float_level": True}, "float_level"),
+        ("llama", {"chunk_size": 0}, r"chunk_size must be a whole number of positions >= 1, or None .*, got 0$"),
+        ("llama", {"chunk_size": 64.0}, r"chunk_size must be .*, got 64.0$"),
         ("llama", {"backend": "cuda"}, "backend must be one of"),
+        (
+            "llama",
+            {"tokenizer": None},
+            r"tokenizer must be the model's transformers tokenizer \(NTL of kind 'was' "
+            r"reads its number tokens\), got None; or pass kind=None for CE alone",
+        ),
+        ("llama", {"tokenizer": "gpt2"}, r"tokenizer must be .*, got 'gpt2' \(a str\); or pass kind=None"),
     ],
 )
-def test_what_it_cannot_serve_is_refused_naming_why(model_type, arguments, message):
+def test_what_it_cannot_serve_is_refused_in_one_line_naming_the_argument(model_type, arguments, message):
+    """Each bad argument gets one line in the drop-in's words (Python's None, its own argument names, never a
+    recipe's keys), naming the argument and the way out."""
     lm = tiny_model(model_type, vocab_size=len(TOKENIZER))
-    with pytest.raises(ValueError, match=message):
-        apply_ntl(lm, TOKENIZER, **arguments)
+    with pytest.raises(ValueError, match=message) as refused:
+        apply_ntl(lm, **{"tokenizer": TOKENIZER, **arguments})
+    assert one_line_in_the_drop_ins_words(refused.value)
     assert "forward" not in vars(lm)
+
+
+def one_line_in_the_drop_ins_words(error: Exception) -> bool:
+    text = str(error)
+    return text.startswith("apply_ntl: ") and "\n" not in text and "loss.ntl" not in text and "null" not in text
+
+
+def test_ce_alone_needs_no_tokenizer():
+    lm = tiny_model("llama", vocab_size=len(TOKENIZER))
+    want = lm(**batch()).loss
+    apply_ntl(lm, None, kind=None)
+    assert torch.allclose(lm(**batch()).loss, want, rtol=1e-6, atol=0)
+
+
+def test_a_model_that_is_not_its_types_causal_lm_is_refused_by_its_own_name():
+    """The trunk alone (LlamaModel: no output layer) and a masked LM are refused naming the class given and the
+    causal LM to pass; a tokenizer without number tokens naming kind=None."""
+    from tokenizers import Tokenizer, models
+    from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
+
+    trunk = tiny_model("llama", vocab_size=len(TOKENIZER)).model
+    causal = r"model: LlamaModel is not a causal LM with an output layer; .*pass LlamaForCausalLM, the causal LM of"
+    with pytest.raises(ValueError, match=causal + " model_type 'llama'") as refused:
+        apply_ntl(trunk, TOKENIZER)
+    assert one_line_in_the_drop_ins_words(refused.value)
+    bert = BertForMaskedLM(BertConfig(vocab_size=len(TOKENIZER), hidden_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=32))  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"model: BertForMaskedLM is not a causal LM .*pass BertLMHeadModel"
+    ) as refused:
+        apply_ntl(bert, TOKENIZER)
+    assert one_line_in_the_drop_ins_words(refused.value)
+    words = {word: index for index, word in enumerate(["[UNK]", "a", "b", "plus", "equals"])}
+    letters = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="[UNK]")))
+    lm = tiny_model("llama", vocab_size=len(words))
+    with pytest.raises(ValueError, match=r"tokenizer: NTL needs number tokens, .*; pass kind=None") as refused:
+        apply_ntl(lm, letters)
+    assert one_line_in_the_drop_ins_words(refused.value)
+    assert "forward" not in vars(lm) and "forward" not in vars(trunk) and "forward" not in vars(bert)
 
 
 def test_a_second_patch_is_refused():

@@ -76,6 +76,10 @@ ROWS = [
     ("typo-override", CHILD, ["trian.max_steps=5"], [], ["command-line override", "trian: unknown key", "'train'"]),
     ("typo-override-leaf", CHILD, ["train.max_step=5"], [], ["command-line override", "'max_steps'"]),
     ("section-not-mapping", CHILD + "model: 5\n", [], [], ["r.yaml", "model: expected a mapping"]),
+    # an empty section was a TypeError, exit 1 (issue 71)
+    ("empty-section", CHILD + "train:\n", [], [], ["r.yaml", "train: an empty section", "leave it out"]),
+    ("empty-nested-section", CHILD + "loss:\n  ntl:\n", [], [], ["r.yaml", "loss.ntl: an empty section"]),
+    ("empty-section-override", CHILD, ["train=null"], [], ["command-line override", "train: an empty section"]),
     # YAML 1.1 surprises (issue 42): refused, never read as something else
     (
         "yaml11-base-60",

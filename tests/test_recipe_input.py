@@ -1,10 +1,12 @@
 """What `ntl-pretrain train` accepts as a recipe path, and how it names what is wrong in one (issue 50): a pipe no
 program writes to is refused in seconds (an open waited forever), a process substitution `<(...)` is read once and
-handed to the ranks as a file, a YAML error names the file and line (not PyYAML's "<unicode string>"), and a bad
-field name given as an override is blamed on the override and the key it set."""
+handed to the ranks as a file, and so is a recipe on stdin (`train -`, issue 71), a YAML error names the file and
+line (not PyYAML's "<unicode string>"), and a bad field name given as an override is blamed on the override and the
+key it set."""
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
@@ -84,3 +86,36 @@ def test_a_field_name_given_as_an_override_is_blamed_on_the_override(tmp_path):
     with pytest.raises(RecipeError, match=r"^command-line override: data\.sources\.0\.text_field: .*fields 'body'"):
         load_recipe(recipe, ["data.sources.0.text_field=body"])
     assert load_recipe(recipe, ["data.sources.0.text_field=content"]).data.sources[0].text_field == "content"
+
+
+class Stdin:
+    """`sys.stdin` as the shell gives it: a pipe or a redirected file (its bytes), or a terminal."""
+
+    def __init__(self, data: bytes, terminal: bool = False):
+        self.buffer, self.terminal = io.BytesIO(data), terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_a_recipe_on_stdin_is_read_once_as_a_piped_one(tmp_path, monkeypatch, capsys):
+    """`train -` (issue 71: it was refused, "cannot read recipe .../-"): the recipe's relative `base:` is the working
+    directory's, as for `<(...)`, and the ranks get it resolved, overrides applied, from a file."""
+    handed = []
+    monkeypatch.setattr(supervisor, "supervise", lambda command, *a, **k: handed.append(load_recipe(command[-1])) or 0)
+    monkeypatch.setattr(loading, "_PIPED", {})
+    monkeypatch.chdir(TINY.parent)
+    monkeypatch.setattr("sys.stdin", Stdin(f"base: {TINY.name}\ntrain: {{max_steps: 3}}\n".encode()))
+    output_dir = tmp_path / "run"
+    assert cli.main(["train", "-", "--nproc", "1", f"train.output_dir={output_dir}"]) == 0
+    assert handed == [load_run(TINY, [f"train.output_dir={output_dir}", "train.max_steps=3"], world_size=1)[0]]
+    assert f"training /dev/stdin into {output_dir}" in capsys.readouterr().err
+
+
+def test_a_terminal_on_stdin_is_refused_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", Stdin(b"", terminal=True))
+    assert cli.main(["train", "-", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "ntl-pretrain train: recipe error: -: stdin is a terminal, not a recipe; pipe one in "
+        "(cat my.yaml | ntl-pretrain train -) or name the recipe file\n"
+    )

@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from ntl_pretrain.config.loading import load_recipe
 from ntl_pretrain.data.encoding import DocumentEncoder
 from ntl_pretrain.evaluation.answers import read_qa_file
@@ -143,3 +145,46 @@ def test_a_single_digit_example_is_1_616_times_the_tokens_of_a_1_3_digit_one() -
         means.append(sum(len(document) for document in documents) / len(documents))
     assert means[0] == 9.0  # every operand and answer one token: "f", "(", a, ",", b, ")", "=", answer, EOS
     assert abs(means[1] / means[0] - STEPS_PER_EXAMPLE) < 0.0005
+
+
+V7 = STUDY / "v7"
+
+
+def test_study_v7_arms_are_v6s_with_only_the_training_set_swapped() -> None:
+    """docs/study-v7-pilot-plan.md: recipes/study/v7/<folder>/<arm> is recipes/study/v6/<folder>/<arm> with only the
+    training file changed, to the all-questions set of the same noise (regression-all/, regression-all-exact/), so
+    the arms differ from each other as v6's did; the number-level arms are the NTL-WAS arms with only the kind
+    changed."""
+    for folder in V6_FOLDERS:
+        for arm in ("ce", "ntl-was-answer"):
+            v7, v6 = (load_recipe(root / folder / f"{arm}.yaml") for root in (V7, V6))
+            assert without(v7, "data.sources", "train.output_dir") == without(v6, "data.sources", "train.output_dir")
+            assert written_output_dir(V7 / folder / f"{arm}.yaml") == f"runs/study-v7/{folder}/{arm}"
+            (old,), (new,) = v6.data.sources, v7.data.sources
+            noise = "regression-exact" if "exact" in folder else "regression"
+            assert old.path == f"{CORPUS}{noise}/train.jsonl"
+            assert new.path == f"{CORPUS}{noise.replace('regression', 'regression-all')}/train.jsonl.gz"
+            assert dataclasses.asdict(new) == dataclasses.asdict(old) | {"path": new.path}
+    for folder in ("regression", "regression-exact"):
+        number, was = (load_recipe(V7 / folder / f"{arm}.yaml") for arm in ("ntl-number-answer", "ntl-was-answer"))
+        assert (was.loss.ntl.kind, number.loss.ntl.kind) == ("was", "number")
+        assert number.loss.ntl.weight == was.loss.ntl.weight == 0.3
+        assert without(number, "loss.ntl.kind", "train.output_dir") == without(was, "loss.ntl.kind", "train.output_dir")
+
+
+def test_study_v7_gpu_arms_are_v7s_with_a_ten_times_larger_model() -> None:
+    """recipes/study/v7-gpu/<folder>/<arm> (bench/gpu_first_run.py, stage study_v7_gpu) is v7's recipe with only the
+    model's width and depth changed: 10.4x the parameters (16.6M against 1.6M under 1–3-digit tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = {}
+    for folder in ("regression", "regression-exact"):
+        for arm in ("ce", "ntl-was-answer"):
+            gpu, cpu = (load_recipe(root / folder / f"{arm}.yaml") for root in (STUDY / "v7-gpu", V7))
+            assert without(gpu, "model.config", "train.output_dir") == without(cpu, "model.config", "train.output_dir")
+            assert written_output_dir(STUDY / "v7-gpu" / folder / f"{arm}.yaml") == f"runs/study-v7-gpu/{folder}/{arm}"
+            for recipe in (gpu, cpu):
+                config = LlamaConfig(vocab_size=3148, **recipe.model.config)  # tiny-tokenizer-3digit's 3,148 tokens
+                with torch.device("meta"):
+                    sizes[recipe is gpu] = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert 10 <= sizes[True] / sizes[False] < 11

@@ -122,6 +122,42 @@ def test_the_supervisor_exits_with_what_the_ranks_reported(outcome, code):
     assert supervisor.supervise([sys.executable, "-c", script], grace_seconds=5) == code
 
 
+class FailingSave(ScriptedTrainer):
+    """The loop of `ScriptedTrainer`, whose save at step 2 fails as a full disk or `ulimit -f` fails it."""
+
+    def __init__(self, output_dir: Path, resumed: Path | None):
+        super().__init__(max_steps=4, stop_from=100)
+        self.recipe.checkpoint = types.SimpleNamespace(keep_last=2)
+        self.output_dir, self.rank, self.world_size, self.engine = output_dir, 0, 1, None
+        self.tokens_seen, self.skipped_steps = 0, 0
+        self.last_saved_step, self.last_checkpoint = (None, None) if resumed is None else (1, resumed)
+
+    def _save_and_evaluate_when_due(self) -> None:
+        if self.step == 2:
+            self.save()
+
+
+def test_a_failed_save_is_never_named_as_an_intact_checkpoint(tmp_path, monkeypatch, capsys):
+    """`ulimit -f 3000` on the first save ended with "there is no earlier checkpoint; ... checkpoints (step_2) ...
+    are intact" though no step folder existed; a full disk with "step_4 ... intact" right after "step_4 was not
+    saved" (issue 72). The line names the checkpoint the run wrote or resumed from, by its folder's name."""
+    from ntl_pretrain.train import main as rank_main
+
+    def no_room(engine, root, step, *args):
+        raise checkpoint.CheckpointWriteError(f"checkpoint step_{step} was not saved: rank 0: the disk is full")
+
+    monkeypatch.setattr(checkpoint, "save", no_room)
+    monkeypatch.setattr(rank_main.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    resumed = checkpoint.checkpoints_root(tmp_path) / "step_7"  # a checkpoint of step 1 under another label
+    for before, named in ((None, "none saved yet"), (resumed, "step_7")):
+        with pytest.raises(SystemExit):
+            rank_main.train_reporting_failures(FailingSave(tmp_path, before))
+        line = capsys.readouterr().err.strip()
+        assert line.startswith("ntl-pretrain: rank 0: after step 2: CheckpointWriteError: checkpoint step_2 was not "
+                               "saved: rank 0: the disk is full; traceback in "), line  # fmt: skip
+        assert line.endswith(f"; checkpoints ({named}) and metrics.jsonl are intact"), line
+
+
 def test_a_failed_write_on_an_almost_full_disk_is_called_a_full_disk(tmp_path, monkeypatch):
     """torch's zip writer with 1 MiB left says only "unexpected pos"; the save's message must say why."""
     error = RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "

@@ -95,7 +95,7 @@ def trained_checkpoint(output_dir: Path, step: int, overrides: list[str]) -> Pat
     (folder / "recipe.yaml").write_text(dump_recipe(recipe))
     resume_guard.write_data_fingerprint(folder, recipe)
     (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
-    manifest.write(folder, manifest.describe(folder, manifest.all_files(folder)))  # the last file a save writes
+    manifest.write(folder, manifest.describe(folder, manifest.all_files(folder)), step)  # the last file a save writes
     return folder
 
 
@@ -152,6 +152,61 @@ def test_the_dry_run_passes_over_a_damaged_checkpoint_as_the_ranks_do_and_refuse
     assert code == 1 and said_beyond_progress(err) == [f"ntl-pretrain train: train.resume: checkpoint {intact} is "
                                                        f"damaged, nothing was loaded from it: {intact}/tokenizer/"
                                                        "notes.txt: not in the manifest"]  # fmt: skip
+
+
+def test_a_checkpoint_is_judged_by_the_step_its_manifest_records_not_its_folders_name(tmp_path, monkeypatch,
+                                                                                      capsys):  # fmt: skip
+    """`step_5` renamed `step_12` with `train.max_steps=12` gave "already at step 12; nothing to train", exit 0;
+    renamed `step_9`, the dry run said "resumes step 9" where the ranks resume step 5 (issue 72). The name is a
+    label: the manifest's step decides, in the dry run and at launch."""
+    output_dir = tmp_path / "run"
+    saved = trained_checkpoint(output_dir, 5, [])
+    argv = ["train", str(TINY), "--nproc", "2", f"train.output_dir={output_dir}"]
+    for label, max_steps in (("step_12", 12), ("step_9", 30)):
+        folder = saved.rename(saved.with_name(label))
+        code, out, err, launches = run_cli([*argv, f"train.max_steps={max_steps}", "--dry-run"], monkeypatch, capsys)
+        assert code == 0 and not launches, err
+        assert f"# {output_dir}: resumes {folder} (step 5) and trains to step {max_steps}\n# " in out
+        code, out, err, launches = run_cli([*argv, f"train.max_steps={max_steps}"], monkeypatch, capsys)
+        assert (code, len(launches)) == (0, 1), err
+        assert "nothing to train" not in out + err
+        saved = folder
+    assert cli.main(["verify", str(saved)]) == 0
+    assert capsys.readouterr().out == f"{saved}: intact (holds step 5, which a resume continues from)\n"
+
+
+def test_a_finished_runs_folder_is_refused_to_another_recipe_before_nothing_to_train(tmp_path, monkeypatch, capsys):
+    """With the same `train.max_steps`, a finished run's folder given to a recipe of another `data.seq_len` got
+    "already at step 10; nothing to train", exit 0 (issue 72): it is refused as a run of another recipe, as it is
+    with more steps to train."""
+    output_dir = tmp_path / "run"
+    trained_checkpoint(output_dir, 10, ["train.max_steps=10"])
+    argv = ["train", str(TINY), "--nproc", "2", f"train.output_dir={output_dir}", "train.max_steps=10"]
+    code, out, err, launches = run_cli(argv, monkeypatch, capsys)
+    assert (code, launches) == (0, []) and "already at step 10 of train.max_steps=10; nothing to train" in out, err
+    for steps in ("train.max_steps=10", "train.max_steps=20"):
+        line = refused_alike([*argv, steps, "data.seq_len=64"], monkeypatch, capsys)
+        assert line.endswith("holds a run of another recipe (saved → now): data.seq_len: 128 → 64; keep that recipe "
+                             "or use another train.output_dir"), line  # fmt: skip
+
+
+def test_every_refusal_of_a_command_line_value_names_the_override(tmp_path, monkeypatch, capsys):
+    """The checks before launch refused `model.config.hidden_size=64.0` or a `train.output_dir` that is a file
+    without saying that the value came from the command line, as the loader's own refusals do (issue 72)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder")
+    head = "ntl-pretrain train: recipe error: command-line override: "
+    argv = ["train", str(TINY), "--nproc", "1"]
+    assert refused_alike([*argv, "model.config.hidden_size=64.0"], monkeypatch, capsys) == head + (
+        "model.config.hidden_size: expected int (LlamaConfig's hidden_size is a whole number), got 64.0"
+    )
+    assert refused_alike([*argv, f"train.output_dir={a_file}"], monkeypatch, capsys) == head + (
+        f"train.output_dir: {a_file} is a file, not a folder"
+    )
+    recipe = tmp_path / "mine.yaml"  # the same value set in a file: named by the file, as before
+    recipe.write_text(yaml.safe_dump({"base": str(TINY), "train": {"output_dir": str(a_file)}}))
+    line = refused_alike(["train", str(recipe), "--nproc", "1"], monkeypatch, capsys)
+    assert line == f"ntl-pretrain train: recipe error: train.output_dir: {a_file} is a file, not a folder"
 
 
 def test_the_dry_run_prints_absolute_paths_and_how_the_run_starts(tmp_path, monkeypatch, capsys):

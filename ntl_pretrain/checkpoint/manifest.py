@@ -3,7 +3,8 @@ short, a disk that filled up, bit rot) is found before anything loads.
 
 `manifest.json` is the last file written into `step_<N>.tmp` before the folder is renamed. Each rank checksums the
 files it wrote (`writer`); rank 0 also those every rank shares (config, tokenizer, recipe) and writes the
-manifest. Verification is a pure function of the folder, one judgement for every command that reads a checkpoint:
+manifest, with the step the checkpoint holds (`saved_step`: the folder's name is only a label, which a user may
+change). Verification is a pure function of the folder, one judgement for every command that reads a checkpoint:
 `verify(folder, mode, rank, world_size)` lists what is wrong with the share of it that `rank` checks.
 
 Checksum: xxHash3 (64-bit) over the file in 8 MiB blocks, several GB/s on one core (docs/benchmarks.md).
@@ -107,8 +108,10 @@ class HashingWriter:
         return {"size": self.size, "xxh3_64": self.digest.hexdigest()}
 
 
-def write(folder: Path, entries: dict[str, dict]) -> None:
-    document = {"version": VERSION, "files": dict(sorted(entries.items()))}
+def write(folder: Path, entries: dict[str, dict], step: int | None = None) -> None:
+    """`step`: the training step the checkpoint holds (what a resume continues from, whatever the folder is named);
+    None for a manifest of derived files (the universal copy)."""
+    document = {"version": VERSION, **({} if step is None else {"step": step}), "files": dict(sorted(entries.items()))}
     (folder / MANIFEST).write_text(json.dumps(document, indent=1) + "\n")
 
 
@@ -126,7 +129,20 @@ class ManifestError(ValueError):
 
 def read(folder: Path) -> dict[str, dict] | None:
     """The manifest's file entries; None for a folder without one. A manifest that cannot be read, or whose
-    content is not `{"version": 1, "files": {path: {"size": bytes, "xxh3_64": digest}}}`, raises ManifestError."""
+    content is not `{"version": 1, ["step": N,] "files": {path: {"size": bytes, "xxh3_64": digest}}}`, raises
+    ManifestError."""
+    document = _document(folder)
+    return None if document is None else document["files"]
+
+
+def saved_step(folder: Path) -> int | None:
+    """The step the checkpoint in `folder` holds, as its save recorded it; None without a manifest, or for one
+    written before manifests recorded the step. A malformed manifest raises ManifestError."""
+    document = _document(folder)
+    return None if document is None else document.get("step")
+
+
+def _document(folder: Path) -> dict | None:
     path = folder / MANIFEST
     if not path.exists():
         return None
@@ -136,17 +152,22 @@ def read(folder: Path) -> dict[str, dict] | None:
         raise ManifestError(path, f"unreadable ({error.strerror or error})") from error
     except ValueError as error:  # not JSON, or not UTF-8
         raise ManifestError(path, f"unreadable ({error})") from error
-    return _entries(document, path)
+    _check_document(document, path)
+    return document
 
 
-def _entries(document: object, path: Path) -> dict[str, dict]:
-    """The `files` of a manifest document, each entry checked, so that no later step meets a surprise type."""
+def _check_document(document: object, path: Path) -> None:
+    """A manifest document's `version`, `step` and each entry of its `files`, so that no later step meets a
+    surprise type."""
     files = document.get("files") if isinstance(document, dict) else None
     if not isinstance(files, dict):
         raise ManifestError(path, f'not a checkpoint manifest (no "files" object in {_shown(document)})')
     if document.get("version") != VERSION:
         raise ManifestError(path, f"manifest version {_shown(document.get('version'))}; this ntl_pretrain reads "
                                   f"version {VERSION}")  # fmt: skip
+    step = document.get("step", 0)
+    if not (type(step) is int and step >= 0):
+        raise ManifestError(path, f"not a checkpoint manifest (its step is {_shown(step)}, not a step number)")
     for relative, entry in files.items():
         if Path(relative).is_absolute() or ".." in Path(relative).parts:
             raise ManifestError(path, f"not a checkpoint manifest ({relative!r} is not a path inside the checkpoint)")
@@ -154,7 +175,6 @@ def _entries(document: object, path: Path) -> dict[str, dict]:
         if not (type(size) is int and size >= 0 and isinstance(digest, str)):
             raise ManifestError(path, f"not a checkpoint manifest (the entry of {relative} is {_shown(entry)}, not "
                                       f"{{\"size\": bytes, \"xxh3_64\": digest}})")  # fmt: skip
-    return files
 
 
 def _shown(value: object) -> str:

@@ -150,13 +150,13 @@ def save(
     if failure is None:
         written = manifest.files_written_by(temp, rank)
         failure = _attempt(lambda: entries.update(manifest.describe(temp, written, hashed)), root)
-    failure = _write_manifest(temp, failure, entries)
+    failure = _write_manifest(temp, failure, entries, step)
     if failure is not None:
         if rank == 0:
             shutil.rmtree(temp, ignore_errors=True)
         raise CheckpointWriteError(f"checkpoint {tag} was not saved: {failure}; {_previous(root)}")
     if rank == 0:
-        _publish(root, temp.name, tag)
+        _publish(root, temp.name, tag, step)
         _pruning.start(lambda: _prune(root, root / tag, keep_last))
         _replace_recovery_scripts(root)
     dist.barrier()
@@ -258,9 +258,9 @@ def _describe_write_error(error: Exception, folder: Path) -> str:
     return raw
 
 
-def _write_manifest(temp: Path, failure: str | None, entries: dict) -> str | None:
-    """Rank 0 gathers every rank's file entries (or failure) and writes the manifest; returns the save's failure,
-    the same on every rank."""
+def _write_manifest(temp: Path, failure: str | None, entries: dict, step: int) -> str | None:
+    """Rank 0 gathers every rank's file entries (or failure) and writes the manifest (with the `step` saved);
+    returns the save's failure, the same on every rank."""
     rank = dist.get_rank()
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((failure, entries), gathered, dst=0)
@@ -269,7 +269,7 @@ def _write_manifest(temp: Path, failure: str | None, entries: dict) -> str | Non
         failures = [found for found, _ in gathered if found is not None]
         if not failures:
             merged = {relative: entry for _, found in gathered for relative, entry in found.items()}
-            written = _attempt(lambda: manifest.write(temp, merged), temp.parent)
+            written = _attempt(lambda: manifest.write(temp, merged, step), temp.parent)
             failures = [written] if written is not None else []
         outcome = ["; ".join(failures) if failures else None]
     dist.broadcast_object_list(outcome, src=0)
@@ -277,9 +277,12 @@ def _write_manifest(temp: Path, failure: str | None, entries: dict) -> str | Non
 
 
 def _previous(root: Path) -> str:
+    """What a failed save left to resume from: the checkpoint `latest` names, untouched."""
     previous = latest(root)
     if previous is None:
         return "there is no earlier checkpoint"
+    if pointer_problem(root) is not None:
+        return f"the newest checkpoint {previous.name} is untouched"
     return f"the previous checkpoint {previous.name} is untouched and `latest` still names it"
 
 
@@ -292,12 +295,33 @@ def _replace_recovery_scripts(root: Path) -> None:
         (root / name).chmod(0o755)
 
 
-def _publish(root: Path, temp_tag: str, tag: str) -> None:
+def _publish(root: Path, temp_tag: str, tag: str, step: int) -> None:
+    """Rename the whole save into `tag` and point `latest` at it. A folder of that name is replaced only when it
+    holds this step (re-saving a step after a resume from an earlier one); anything else there (a checkpoint of
+    another step renamed to it, a folder that is no checkpoint) is no save of this step, and is kept aside."""
     final = root / tag
-    if final.exists():  # re-saving a step after a resume: the new copy replaces it
+    if is_checkpoint(final) and step_held(final) == step:
         shutil.rmtree(final)
+    elif final.exists():
+        kept = moved_aside(final, "kept")
+        logger.warning("checkpoint %s: the folder there held %s, not this save's step: moved it to %s", tag,
+                       _held(kept), kept)  # fmt: skip
     os.replace(root / temp_tag, final)
     write_pointer(root, tag)
+
+
+def _held(folder: Path) -> str:
+    return f"the checkpoint of step {step_held(folder)}" if holds_checkpoint(folder) else "no checkpoint"
+
+
+def moved_aside(folder: Path, suffix: str) -> Path:
+    """Rename `folder` to `<name>.<suffix>` (`-2`, `-3`, ... when taken), never over anything; the new path."""
+    kept, number = folder.with_name(f"{folder.name}.{suffix}"), 1
+    while kept.exists():
+        number += 1
+        kept = folder.with_name(f"{folder.name}.{suffix}-{number}")
+    os.replace(folder, kept)
+    return kept
 
 
 def write_pointer(root: Path, tag: str) -> None:
@@ -329,7 +353,21 @@ def _prune(root: Path, published: Path, keep_last: int) -> None:
 
 
 def step_of(folder: Path) -> int:
+    """The number in a `step_<N>` folder's name: a label, ordering the folders; `step_held` is the step."""
     return int(STEP_DIR.match(folder.name).group(1))
+
+
+def step_held(folder: Path) -> int | None:
+    """The step a checkpoint continues from: the one its manifest records (`manifest.saved_step`), whatever the
+    folder is named; for a checkpoint saved before manifests recorded it (or with a manifest that verification
+    calls damaged) the number in its name; None for a folder of another name without one."""
+    try:
+        recorded = manifest.saved_step(folder)
+    except manifest.ManifestError:
+        recorded = None
+    if recorded is not None:
+        return recorded
+    return step_of(folder) if STEP_DIR.match(folder.name) else None
 
 
 def published_steps(root: Path) -> list[Path]:
@@ -357,8 +395,8 @@ def holds_checkpoint(folder: Path) -> bool:
 
 
 def checkpoint_steps(root: Path) -> list[Path]:
-    """The published step folders that are checkpoints (`is_checkpoint`), oldest first."""
-    return [folder for folder in published_steps(root) if is_checkpoint(folder)]
+    """The published step folders that are checkpoints (`is_checkpoint`), oldest first by the step each holds."""
+    return sorted((folder for folder in published_steps(root) if is_checkpoint(folder)), key=step_held)
 
 
 def pointer_problem(root: Path) -> str | None:
@@ -463,11 +501,7 @@ def set_aside(skipped: list[dict]) -> None:
     `kept_as`. Rank 0 only (it publishes every save), once the run has passed its checks: no rank reads them."""
     for entry in skipped:
         damaged = Path(entry["checkpoint"])
-        kept, suffix = damaged.with_name(f"{damaged.name}.damaged"), 1
-        while kept.exists():
-            suffix += 1
-            kept = damaged.with_name(f"{damaged.name}.damaged-{suffix}")
-        os.replace(damaged, kept)
+        kept = moved_aside(damaged, "damaged")
         entry["kept_as"] = str(kept)
         logger.warning("train.resume: auto: moved the damaged checkpoint %s to %s (delete it when done)", damaged, kept)
 

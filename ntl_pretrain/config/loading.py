@@ -16,6 +16,7 @@ import functools
 import os
 import select
 import stat
+import sys
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -54,7 +55,7 @@ def load_recipe_with_origins(path: str | Path, overrides: Iterable[str] = ()) ->
         key, value = _parse_override(item)
         _apply_override(raw, key, value, by_key)
     written_in = by_key.get("train.output_dir")
-    if written_in in relative_output_dirs:
+    if written_in in relative_output_dirs and isinstance(raw.get("train"), Mapping):  # else `_build` says why
         _check_output_dir_reading(raw["train"]["output_dir"], relative_output_dirs[written_in], written_in)
     _anchor_relative_paths(raw, Path.cwd())  # the overrides' paths (the files' are absolute by now)
     _anchor_default_output_dir(raw, _anchor_folder(Path(path).expanduser()))
@@ -207,8 +208,24 @@ def _read_pipe(path: Path) -> bytes:
         os.close(handle)
 
 
+STDIN = "/dev/stdin"
+
+
+def read_stdin_recipe() -> str:
+    """`train -`: the recipe on stdin (a pipe, a here-document, a redirected file), read once and from then on a
+    piped recipe like `<(...)`, whatever stdin is: its relative paths are the working directory's and the ranks get
+    it resolved, from a file. Its name in messages and its key among the piped recipes is `/dev/stdin`."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise RecipeError("-: stdin is a terminal, not a recipe; pipe one in (cat my.yaml | ntl-pretrain train -) "
+                          "or name the recipe file")  # fmt: skip
+    _PIPED[STDIN] = sys.stdin.buffer.read(MAX_YAML_BYTES + 1)
+    return STDIN
+
+
 def is_pipe(path: str | Path) -> bool:
-    """A named pipe, or a process substitution's `/dev/fd/N`."""
+    """A named pipe, a process substitution's `/dev/fd/N`, or stdin once read as a recipe (`read_stdin_recipe`)."""
+    if str(path) in _PIPED:
+        return True
     try:
         return stat.S_ISFIFO(os.stat(path).st_mode)
     except OSError:
@@ -395,6 +412,15 @@ class Origins:
             named, message = file_key, f"{file_key}: {message}"
         return RecipeError(f"{self.of(tuple(named.split('.')))}: {message}")
 
+    def overridden(self, error: RecipeError) -> RecipeError:
+        """A refusal made after loading (the checks before launch) about a key a command-line override set, with
+        that origin first as the loader's own refusals have it (`command-line override: train.output_dir: ...`);
+        any other refusal as it is."""
+        named = str(error).split(":", 1)[0].strip()
+        if not _is_recipe_key(named) or self.of(tuple(named.split("."))) != OVERRIDE_ORIGIN:
+            return error
+        return type(error)(f"{OVERRIDE_ORIGIN}: {error}")
+
     def of(self, key_path: tuple[str, ...]) -> str:
         inside = ".".join(key_path) + "."
         if key_path and any(key.startswith(inside) and by == OVERRIDE_ORIGIN for key, by in self.by_key.items()):
@@ -408,6 +434,9 @@ class Origins:
 
 def _build(cls: type, raw: object, key_path: tuple[str, ...], origins: Origins):
     where = ".".join(key_path) or "<recipe>"
+    if raw is None:  # `train:` with nothing under it, or the override `train=null`
+        raise RecipeError(f"{origins.of(key_path)}: {where}: an empty section; give its keys, or leave it out for "
+                          f"its defaults")  # fmt: skip
     if not isinstance(raw, Mapping):
         raise RecipeError(f"{origins.of(key_path)}: {where}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)

@@ -78,11 +78,12 @@ class NtlConfig:
     float_level: bool = False
     """kind number: one decimal point between two runs of digits joins them into one number (12.34 is 1234)."""
 
-    def check(self) -> None:
+    def check(self, none: str = "null") -> None:
+        """`none`: how the caller writes a missing kind (a recipe `null`, `apply_ntl` Python's `None`)."""
         if self.weight < 0:
             raise ValueError("weight: must be >= 0")
         if self.kind is None and self.reweigh:
-            raise ValueError("reweigh: weighs the NTL term, and kind null trains without one")
+            raise ValueError(f"reweigh: weighs the NTL term, and kind {none} trains without one")
         if self.kind == "number" and self.reweigh:
             raise ValueError("reweigh: not defined for kind number (it weighs single tokens)")
         if self.kind == "digits" and self.reweigh:

@@ -85,12 +85,18 @@ def _add_make_regression(commands: argparse._SubParsersAction) -> None:
         "--noise-sd", type=float, default=NOISE_SD, help="sd of the Gaussian noise on train and validation answers"
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every split size")
+    parser.add_argument(
+        "--all-questions",
+        action="store_true",
+        help="write only <name>/train.jsonl.gz: every question the seed's validation and interpolation splits do not "
+        "hold, shuffled (study v7's training set)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     parser.set_defaults(func=run_make_regression)
 
 
 def run_make_regression(args: argparse.Namespace) -> None:
-    from ntl_pretrain.data.regression import OPERAND_MAX, make_regression
+    from ntl_pretrain.data.regression import OPERAND_MAX, make_all_questions, make_regression
 
     sizes = scaled_sizes(REGRESSION_SIZES, args.scale)
     if sum(sizes.values()) > (OPERAND_MAX + 1) ** 2:
@@ -99,6 +105,10 @@ def run_make_regression(args: argparse.Namespace) -> None:
         raise InputError(f"--noise-sd: must be finite and >= 0, got {args.noise_sd}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.name):
         raise InputError(f"--name: a folder name (letters, digits, '-', '_', '.'), got {args.name!r}")
+    if args.all_questions:
+        check_outputs_in("--out", args.out, [f"{args.name}/train.jsonl.gz"], args.overwrite)
+        print(make_all_questions(args.out, sizes, args.seed, args.noise_sd, args.name))
+        return
     check_outputs_in("--out", args.out, [f"{args.name}/{split}.jsonl" for split in sizes], args.overwrite)
     for path in make_regression(args.out, sizes, args.seed, args.noise_sd, args.name):
         print(path)

@@ -18,15 +18,22 @@ which tokens are near should matter; its mean absolute deviation, 8, is the erro
 
 Generation is a pure function of the seed, the noise and the split sizes (`ntl-pretrain data make-regression`); as in
 `arithmetic.py`, no question appears in two splits.
+
+Study v7 asks the question in a pretraining regime, where each training example is seen about once: its training set
+(`make-regression --all-questions`) is every one of the 250,000 questions that the seed's validation and
+interpolation splits do not hold (248,500), in a fixed shuffled order, the same order at every noise level.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import random
 from pathlib import Path
 
 from ntl_pretrain.data.arithmetic import Example, split_rng, write_jsonl
+from ntl_pretrain.outputs import write_file
 
 SET_NAME = "regression"
 OPERAND_MAX = 499
@@ -36,6 +43,7 @@ ANSWER_MIN, ANSWER_MAX = 0, 999
 NOISE_SD = 10.0
 """Standard deviation of the Gaussian noise on training and validation answers (1% of the answer range)."""
 SPLITS = ("train", "validation", "interpolation")
+HELD_OUT_SPLITS = ("validation", "interpolation")
 NOISY_SPLITS = ("train", "validation")
 """Splits whose answers carry noise; interpolation answers are the noise-free value."""
 
@@ -92,3 +100,24 @@ def make_regression(
         write_jsonl(path, examples)
         written.append(path)
     return written
+
+
+def every_other_question(sizes: dict[str, int], seed: int, noise_sd: float = NOISE_SD) -> list[Example]:
+    """Every question that `make_splits(sizes, seed)` puts in no held-out split, each once, in an order shuffled by
+    the seed alone; answered like the train split (`noise_sd` 0: noise-free), with the noise drawn in that order from
+    a stream of its own, so two noise levels ask the same questions in the same order."""
+    splits = make_splits(sizes, seed, noise_sd)
+    held_out = {example["question"] for split in HELD_OUT_SPLITS for example in splits[split]}
+    pairs = [(a, b) for a in range(OPERAND_MAX + 1) for b in range(OPERAND_MAX + 1) if question(a, b) not in held_out]
+    split_rng(seed, SET_NAME, "all-questions").shuffle(pairs)
+    noise = split_rng(seed, SET_NAME, "all-questions-noise")
+    answers = (noisy(target(a, b), noise, noise_sd) if noise_sd else target(a, b) for a, b in pairs)
+    return [{"question": question(a, b), "answer": str(answer)} for (a, b), answer in zip(pairs, answers, strict=True)]
+
+
+def make_all_questions(out_dir: Path, sizes: dict[str, int], seed: int, noise_sd: float, folder: str) -> Path:
+    """Write `every_other_question` as `<out_dir>/<folder>/train.jsonl.gz` (gzip without a time stamp or a name, so
+    the file is the same byte for byte whenever it is made); the held-out splits are the regular set's files."""
+    text = "".join(json.dumps(example) + "\n" for example in every_other_question(sizes, seed, noise_sd))
+    packed = gzip.compress(text.encode(), compresslevel=9, mtime=0)
+    return write_file(out_dir / folder / "train.jsonl.gz", lambda partial: partial.write_bytes(packed))

@@ -53,7 +53,10 @@ class SourceConfig:
         if self.weight <= 0:
             raise ValueError(f"weight: must be > 0, got {self.weight}")
         if self.template is not None:
-            fields = [name for _, name, _, _ in string.Formatter().parse(self.template) if name]
+            try:
+                fields = self.template_fields
+            except ValueError as error:  # `{question {answer}`: str.format's own words, under the key's name
+                raise ValueError(f"template: {self.template!r}: {error}") from error
             if not fields:
                 raise ValueError(f"template: {self.template!r} names no field (write fields as {{name}})")
         if self.format != "hub" and self.hub_config is not None:

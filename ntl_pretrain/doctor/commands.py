@@ -112,10 +112,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         dist.all_gather_object(per_rank, checks)
         merged = merge_ranks(per_rank)
         failed = any(check.ok is False for check in merged)
-        if dist.get_rank() == 0:
-            print(table(merged), flush=True)
+        if dist.get_rank() == 0:  # the file first: a console that fails costs the table, never the report
             if args.out is not None:
                 write_json(merged, args.out, dist.get_world_size())
+            print(table(merged), flush=True)
         if failed and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # the rank that ran the training checks
             print(f"ntl-pretrain doctor: rank {dist.get_rank()}: the training checks' files are in {work_dir}",
                   file=sys.stderr, flush=True)  # fmt: skip

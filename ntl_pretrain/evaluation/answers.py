@@ -1,7 +1,10 @@
 """Reading a numeric answer out of generated text, scoring it digit by digit, and profiling how answers were wrong.
 
 A model's continuation may carry a sign, a decimal point, thousands separators and trailing words
-("-1,234.50 apples."). The answer is the first number in the text; everything after it is ignored.
+("-1,234.50 apples."). The answer is the first number in the text; everything after it is ignored. A number
+inside a fragment in the prompt's shape is an echo, not an answer, and is passed over: after `f(469,484)=` the
+continuation `(452,229` (the model began another question) holds no answer, where a plain reading takes the
+thousands-grouped 452229; `f(469,484)=953` answers 953, and a bare `5` after `f(0,5)=` answers 5 (`_echoes`).
 A Q/A file's reference answers are read by the same rules, but must be one number and nothing else ("62,417",
 "-3.5", "+7"); anything else ("1e3", "about 5", "") is refused, naming the file, line and value, before any run
 or evaluation starts (`check_qa_file`).
@@ -30,13 +33,30 @@ NUMBER = re.compile(
 MINUS_SIGNS = ("-", "\u2212")
 
 
-def parse_answer(text: str) -> Decimal | None:
-    """The first number in `text`, or None when there is none."""
+def parse_answer(text: str, prompt: str = "") -> Decimal | None:
+    """The first number in `text` that is not an echo of `prompt`, or None when there is none."""
     for match in NUMBER.finditer(text):
         value = _value(match)
-        if value is not None:
+        if value is not None and not _echoes(text, match, prompt):
             return value
     return None
+
+
+def _echoes(text: str, match: re.Match, prompt: str) -> bool:
+    """Whether the number is part of a fragment in the shape of the prompt: the continuation from its first visible
+    character through the number, with every run of digits read as one placeholder, has text before the number and
+    is in the prompt's shape (`(313,283` after `f(10,66)=`: the model began another question); or the number alone
+    starts a literal copy of the prompt (`1,234 + 1 is 1,235` after `What is 1,234 + 1?`). A bare number is an
+    answer, also one the prompt holds (`5` after `f(0,5)=`)."""
+    start = len(text) - len(text.lstrip())
+    lead = text[start : match.end()]
+    if _shape(lead) != _shape(match.group(0)):
+        return _shape(lead) in _shape(prompt)
+    return match.end() < len(text) and text[start : match.end() + 1] in prompt
+
+
+def _shape(text: str) -> str:
+    return re.sub("[0-9]+", "#", text)
 
 
 def parse_reference(text: str) -> Decimal:

@@ -26,8 +26,9 @@ def register(subparsers: argparse._SubParsersAction, summary: str | None = None)
     parser.add_argument("--prompt-template", default=None,
                         help=f"default: the run's eval.prompt_template, else {defaults.prompt_template!r}")  # fmt: skip
     parser.add_argument("--chat-template", choices=["auto", "none"], default=None,
-                        help="auto: prompts as user messages in the tokenizer's chat template (Instruct models); "
-                        "default: the run's eval.chat_template, else none")  # fmt: skip
+                        help="auto: prompts as user messages in the tokenizer's chat template; none: as text; "
+                        "default: the run's eval.chat_template, else auto for an Instruct model (its "
+                        "end-of-sequence token ends a turn of its chat template), else none")  # fmt: skip
     parser.add_argument("--validation", action="append", default=None, metavar="PATH",
                         help="held-out source (repeatable); default: the run's data.validation")  # fmt: skip
     parser.add_argument(

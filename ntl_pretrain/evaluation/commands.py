@@ -27,7 +27,13 @@ from ntl_pretrain.data.probe import check_source_files
 from ntl_pretrain.data.source_config import SourceConfig
 from ntl_pretrain.errors import InputError
 from ntl_pretrain.evaluation.config import EvalConfig, QaSetConfig
-from ntl_pretrain.evaluation.generation import answer_records, answer_sets, gather_answers, summarise_sets
+from ntl_pretrain.evaluation.generation import (
+    answer_records,
+    answer_sets,
+    gather_answers,
+    summarise_sets,
+    uses_chat_template,
+)
 from ntl_pretrain.evaluation.model_folder import (
     Target,
     check_seq_len,
@@ -46,6 +52,8 @@ from ntl_pretrain.runtime.process_group import bind_local_device, default_backen
 from ntl_pretrain.tokenizer import resolve_path
 
 EVAL_PREFIX = "ntl-pretrain eval: "
+INSTRUCT_MODEL = ("an Instruct model (its end-of-sequence token {eos} ends a turn of its chat template): the questions "
+                  "go in as user messages in that template; --chat-template none sends them as text")  # fmt: skip
 
 
 def evaluate_target(
@@ -72,6 +80,8 @@ def evaluate_target(
             target = _export_on_rank0(target, Path(scratch), stage)
         stage("loading the model", say=True)
         model, tokenizer = _load(target.hf_folder)
+        if cfg.chat_template is None and uses_chat_template(tokenizer, None):
+            stage(INSTRUCT_MODEL.format(eos=tokenizer.eos_token), say=True)
         record: dict = {"step": target.step, "split": "eval", "model": str(path)}
         data = _validation_data(target, cfg, seq_len, per_document_attention)
         if data is not None:
@@ -225,11 +235,12 @@ def run_eval(args: argparse.Namespace, checked: tuple[Target, EvalConfig] | None
 
 
 def _publish(record: dict, args: argparse.Namespace) -> None:
+    """The record into its files first, then onto stdout: a console that fails costs the line, never the result."""
     text = json.dumps(record)
-    print(text)
     if args.out is not None:
         write_text(args.out, json.dumps(record, indent=1) + "\n")
     if args.log_metrics:
         run_dir = resolve_target(args.target).run_dir
         with open_for_append(run_dir / "metrics.jsonl") as metrics:
             metrics.write(text + "\n")
+    print(text, flush=True)

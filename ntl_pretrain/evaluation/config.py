@@ -59,11 +59,13 @@ class EvalConfig:
     prompt_template: str = "{question}"
     """Prompt built from a record; must be the training template's text before the answer (the model writes the
     separating space itself, as it learned to)."""
-    chat_template: Literal["none", "auto"] = "none"
+    chat_template: Literal["none", "auto"] | None = None
     """`auto`: each prompt goes to the model as a user message in its tokenizer's chat template, where the tokenizer
-    has one (an Instruct or chat model: raw text, it answers with its end-of-turn token at once); `none`: the prompt
-    as text after an EOS, as pretraining showed it. Not `auto` by default: base models' tokenizers often carry a chat
-    template too (Llama 3, Qwen 2.5, SmolLM2), and a base model answers the raw prompt."""
+    has one (an Instruct or chat model: asked raw text, it often ends its turn at once); `none`: the prompt
+    as text after an EOS, as pretraining showed it; null (the default): `auto` for an Instruct or chat model, one
+    whose end-of-sequence token ends a turn of its chat template (SmolLM2-Instruct's `<|im_end|>`), else `none`:
+    base models' tokenizers often carry a chat template too (Llama 3, Qwen 2.5, SmolLM2), but their end-of-sequence
+    token ends a text, not a turn, and a base model answers the raw prompt."""
     max_examples: int | None = 256
     """First N records of each set (in file order, so every evaluation sees the same ones); null = all."""
     max_new_tokens: int = 16

@@ -127,11 +127,20 @@ def summarise(sums: torch.Tensor, total_variance: float) -> dict[str, float]:
     }
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: str = "none") -> list[int]:
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> bool:
+    """Whether prompts go in the tokenizer's chat template (`EvalConfig.chat_template`): never without one; with
+    `auto` always; by default (None) for an Instruct or chat model, whose end-of-sequence token ends a turn of its
+    template (a base model's ends a text: SmolLM2's `<|endoftext|>` against its Instruct model's `<|im_end|>`)."""
+    if chat_template == "none" or not tokenizer.chat_template:
+        return False
+    return chat_template == "auto" or (bool(tokenizer.eos_token) and tokenizer.eos_token in tokenizer.chat_template)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: str | None = "none") -> list[int]:
     """EOS first: in packed training every document follows the previous one's EOS, so that is the context the
-    model learned to start a question in. With `chat_template: auto` and a tokenizer that has one, the prompt is
-    a user message and the model's turn is opened (`EvalConfig.chat_template`)."""
-    if chat_template == "auto" and tokenizer.chat_template:
+    model learned to start a question in. In the chat template (`uses_chat_template`) the prompt is a user message
+    and the model's turn is opened."""
+    if uses_chat_template(tokenizer, chat_template):
         message = [{"role": "user", "content": prompt}]
         return list(tokenizer.apply_chat_template(message, add_generation_prompt=True, return_dict=False))
     return [tokenizer.eos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
@@ -190,7 +199,8 @@ def answer_rank_share(
         batch = padded[start : start + cfg.batch_size]
         prompts = [cfg.prompt_template.format(question=example.question) for example in batch]
         generated += generate_batch(model, tokenizer, prompts, cfg, synced=world > 1)
-    return [Answered(example, text, parse_answer(text)) for example, text in zip(mine, generated, strict=False)]
+    return [Answered(example, text, parse_answer(text, cfg.prompt_template.format(question=example.question)))
+            for example, text in zip(mine, generated, strict=False)]  # fmt: skip
 
 
 def generation_metrics(

@@ -35,9 +35,9 @@ class Target:
 
     @property
     def step(self) -> int | None:
-        """From the folder's name (`step_<N>`); None for a checkpoint copied to a folder of another name."""
-        found = None if self.checkpoint is None else checkpoint.STEP_DIR.match(self.checkpoint.name)
-        return None if found is None else int(found.group(1))
+        """The step the checkpoint holds (`checkpoint.step_held`: its manifest's, whatever the folder is named);
+        None for an HF folder, or a copy of an older checkpoint in a folder of another name."""
+        return None if self.checkpoint is None else checkpoint.step_held(self.checkpoint)
 
     @property
     def run_dir(self) -> Path | None:

@@ -1,7 +1,8 @@
 """`loss.head: dense`: the output layer materialises the [B, T, V] logits, then the fused CE + NTL runs on them.
 
 The projection is the model's own `lm_head` module, called as a submodule so that ZeRO-3 gathers its weight (and
-bias) as usual; autograd keeps the logits and their gradient, B·T·V elements each. The choice for tiny
+bias) as usual; autograd keeps the logits and their gradient, B·T·V elements each (the Triton backend forms the
+gradient in forward and keeps it instead of the logits: `ce_ntl_training_loss`). The choice for tiny
 vocabularies and for debugging (docs/recipes.md); `chunked` never holds them.
 """
 
@@ -12,8 +13,8 @@ from torch import nn
 
 from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.heads.base import HeadOutput, OutputHead
-from ntl_pretrain.loss import ce_ntl_loss
 from ntl_pretrain.loss.backend import resolve_backend
+from ntl_pretrain.loss.ce_ntl import ce_ntl_training_loss
 from ntl_pretrain.loss.logit_transform import IDENTITY, LogitTransform
 from ntl_pretrain.numbers import NumberVocab
 
@@ -44,21 +45,17 @@ class DenseHead(OutputHead):
     ) -> HeadOutput:
         logits_BTV = self.transform(self.projection(hidden_BTH))
         backend = resolve_backend(self.backend, logits_BTV.device, logits_BTV.dtype, "loss.backend")
-        out = ce_ntl_loss(
+        out = ce_ntl_training_loss(
             logits_BTV,
             labels_BT,
             self.number_vocab,
             kind=self.ntl.kind,
             ntl_weight=self.ntl.weight,
             reweigh=self.ntl.reweigh,
-            reduction="sum",
             float_level=self.ntl.float_level,
             ntl_labels=ntl_labels_BT,
+            num_tokens=num_tokens,
+            num_number_tokens=num_number_tokens,
             backend=backend,
         )
-        if num_tokens is None:
-            loss = out.ce + self.ntl.weight * out.ntl
-        else:
-            loss = out.ce / num_tokens + self.ntl.weight * out.ntl / num_number_tokens
-        return HeadOutput(loss, out.ce.detach(), out.ntl.detach(), out.num_tokens, out.num_number_tokens,
-                          out.number_ce)  # fmt: skip
+        return HeadOutput(out.loss, out.ce, out.ntl, out.num_tokens, out.num_number_tokens, out.number_ce)

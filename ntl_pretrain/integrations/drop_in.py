@@ -3,6 +3,8 @@ CE + λ·NTL through the chunked head, and `NtlPatch.undo` that gives transforme
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from dataclasses import dataclass
 
@@ -10,6 +12,7 @@ from transformers import PreTrainedModel, Trainer
 
 from ntl_pretrain.config.recipe import NtlConfig
 from ntl_pretrain.heads.architectures import OUTPUT_BIAS, checked_rule, logit_transform
+from ntl_pretrain.heads.forward_rules import ForwardRule
 from ntl_pretrain.heads.router_aux import router_balancing
 from ntl_pretrain.integrations.causal_lm import NtlForward, NtlObjective
 from ntl_pretrain.integrations.trainer_hooks import TrainerHooks
@@ -75,14 +78,18 @@ def apply_ntl(
     """
     trainer = model_or_trainer if isinstance(model_or_trainer, Trainer) else None
     model = language_model(model_or_trainer.model if trainer is not None else model_or_trainer)
-    ntl = NtlConfig(kind, ntl_weight, reweigh, float_level)
-    _check_arguments(model, ntl, backend)
-    rule = checked_rule(model.config)
+    _check_model(model)
+    ntl = _checked_ntl(kind, ntl_weight, reweigh, float_level)
+    _check_head(tokenizer, ntl, chunk_size, backend)
+    rule = _checked_causal_lm(model)
     weight = model.get_output_embeddings().weight
     vocab_size = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 leaves an empty shard in weight.shape
     number_vocab = None if kind is None else NumberVocab.from_tokenizer(tokenizer, vocab_size=vocab_size)
     if number_vocab is not None:
-        number_vocab.require_numbers()
+        try:
+            number_vocab.require_numbers(way_out="pass kind=None to train on CE alone")
+        except ValueError as error:
+            raise ValueError(f"apply_ntl: tokenizer: {error}") from None
     objective = NtlObjective(ntl, number_vocab, logit_transform(model), chunk_size, backend)
     forward = NtlForward(model, objective, rule, router_balancing(model, None))
     hooks = TrainerHooks(trainer, forward) if trainer is not None else None
@@ -120,25 +127,79 @@ def language_model(model):
     return model.get_base_model()
 
 
-def _check_arguments(model, ntl: NtlConfig, backend: str) -> None:
+def _check_model(model) -> None:
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"apply_ntl: takes a transformers causal LM or Trainer, got {type(model).__name__}")
     if isinstance(model.__dict__.get("forward"), NtlForward):
         raise ValueError("apply_ntl: this model has NTL applied already; undo that patch first")
-    if ntl.kind not in (*KINDS, None):
-        raise ValueError(f"apply_ntl: kind must be one of {KINDS} or None, got {ntl.kind!r}")
-    if not ntl.weight >= 0:
-        raise ValueError(f"apply_ntl: ntl_weight must be >= 0, got {ntl.weight}")
-    if backend not in BACKENDS:
-        raise ValueError(f"apply_ntl: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _checked_ntl(kind, ntl_weight, reweigh, float_level) -> NtlConfig:
+    """The NTL term the arguments ask for; a `ValueError` naming the first argument that cannot be."""
+    if kind not in (*KINDS, None):
+        raise ValueError(f"apply_ntl: kind must be one of {KINDS}, or None for CE alone, got {_described(kind)}")
+    if not _number(ntl_weight) or not (math.isfinite(ntl_weight) and ntl_weight >= 0):
+        raise ValueError(f"apply_ntl: ntl_weight must be a finite number >= 0 (0 trains on CE alone), got "
+                         f"{_described(ntl_weight)}")  # fmt: skip
+    for name, flag in (("reweigh", reweigh), ("float_level", float_level)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"apply_ntl: {name} must be True or False, got {_described(flag)}")
+    ntl = NtlConfig(kind, float(ntl_weight), reweigh, float_level)
     try:
-        ntl.check()
+        ntl.check(none="None")
     except ValueError as error:
-        raise ValueError(f"apply_ntl: {error}") from error
-    if model.config.model_type in OUTPUT_BIAS:
-        raise ValueError(f"apply_ntl: {type(model).__name__}'s output layer has a bias, which the chunked head does "
-                         "not apply")  # fmt: skip
+        raise ValueError(f"apply_ntl: {error}") from None
+    return ntl
+
+
+def _check_head(tokenizer, ntl: NtlConfig, chunk_size, backend) -> None:
+    if ntl.kind is not None and not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise ValueError(f"apply_ntl: tokenizer must be the model's transformers tokenizer (NTL of kind {ntl.kind!r} "
+                         f"reads its number tokens), got {_described(tokenizer)}; or pass kind=None for "
+                         "CE alone")  # fmt: skip
+    if chunk_size is not None and not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
+                                       and chunk_size >= 1):  # fmt: skip
+        raise ValueError(f"apply_ntl: chunk_size must be a whole number of positions >= 1, or None to size chunks "
+                         f"by the vocabulary, got {_described(chunk_size)}")  # fmt: skip
+    if backend not in BACKENDS:
+        raise ValueError(f"apply_ntl: backend must be one of {BACKENDS}, got {_described(backend)}")
+
+
+def _number(value) -> bool:
+    """A real number, not a bool (`True` is an int to Python, and a mistake as a weight)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _described(value) -> str:
+    """A value as a refusal shows it: short values with their type where the type is the mistake ('0.3', True),
+    others by their type alone (a whole object's repr is no line)."""
+    if isinstance(value, (str, bool)):
+        return f"{value!r} (a {type(value).__name__})"
+    if value is None or isinstance(value, numbers.Number):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def _checked_causal_lm(model: PreTrainedModel) -> ForwardRule:
+    """The forward rule of `model`, a causal LM of a family the heads train with an output layer they can multiply
+    by; a `ValueError` naming the model's class and why not."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name, model_type = type(model).__name__, model.config.model_type
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    is_causal = causal is not None and any(cls.__name__ == causal for cls in type(model).__mro__)
+    if causal is not None and (not is_causal or model.get_output_embeddings() is None):
+        raise ValueError(f"apply_ntl: model: {name} is not a causal LM with an output layer; apply_ntl replaces the "
+                         f"loss of one: pass {causal}, the causal LM of model_type {model_type!r} "
+                         "(AutoModelForCausalLM)")  # fmt: skip
+    if model_type in OUTPUT_BIAS:
+        raise ValueError(f"apply_ntl: model: {name}'s output layer has a bias, which the chunked head does not apply")
+    try:
+        rule = checked_rule(model.config)
+    except ValueError as error:
+        raise ValueError(f"apply_ntl: model: {name}: {error}") from None
     output_layer = model.get_output_embeddings()
     if type(output_layer).__module__.startswith("peft."):
         raise ValueError(f"apply_ntl: the output layer is adapted by PEFT ({type(output_layer).__name__}), which the "
                          "chunked head does not apply; leave it out of target_modules and modules_to_save")  # fmt: skip
+    return rule

@@ -16,7 +16,9 @@
 
 Refused, each with the argument that causes it: a Trainer that computes the loss itself (TRL's trainers but
 `SFTTrainer`, its `loss_type` dft, label smoothing, `compute_loss_func`), that does not pass `num_items_in_batch` to
-the model, or that runs DataParallel replicas (`n_gpu` > 1: one process, several GPUs).
+the model, that runs DataParallel replicas (`n_gpu` > 1: one process, several GPUs), or that would call
+`compute_metrics` on predictions (the patched model forms no logits: at patch time, and at an evaluation when it was
+set after).
 """
 
 from __future__ import annotations
@@ -54,6 +56,19 @@ def check_trainer(trainer) -> None:
     if trainer.args.n_gpu > 1:
         raise ValueError(f"n_gpu {trainer.args.n_gpu}: DataParallel replicas are not supported; launch one process "
                          f"per GPU (torchrun, accelerate launch)")  # fmt: skip
+    check_metrics(trainer)
+
+
+def check_metrics(trainer, prediction_loss_only: bool | None = None) -> None:
+    """Refuse a `compute_metrics` the Trainer would call: the patched model forms no logits (the chunked head is
+    there so that the [B, T, V] logits never exist, and the Trainer would gather them over the whole evaluation), so
+    it would get `predictions=()` and report what that gives. `prediction_loss_only`: an evaluation's own setting,
+    which wins over the Trainer's arguments."""
+    loss_only = trainer.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+    if trainer.compute_metrics is not None and not loss_only:
+        raise ValueError("compute_metrics: the patched model returns no logits (its loss head never forms them), so "
+                         "the Trainer would call it with predictions=(); leave it None (eval_loss, eval_ce and "
+                         "eval_ntl are reported), or evaluate it with the patch undone")  # fmt: skip
 
 
 def check_sft_trainer(trainer) -> None:
@@ -191,6 +206,7 @@ class TrainerHooks:
 
         def evaluation_loop_with_parts(*args, metric_key_prefix: str = "eval", **kwargs):
             nonlocal eval_log
+            check_metrics(trainer, kwargs.get("prediction_loss_only", args[2] if len(args) > 2 else None))
             eval_log = EvalLog(trainer)
             try:
                 output = evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)

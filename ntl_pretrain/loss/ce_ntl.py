@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ntl_pretrain.loss.backend import resolve_backend
-from ntl_pretrain.loss.fused import FusedCeNtl, compute_dtype
+from ntl_pretrain.loss.fused import FusedCeNtl, TritonCeNtlLoss, compute_dtype
 from ntl_pretrain.loss.number_level import find_number_spans
 from ntl_pretrain.loss.targets import make_targets
 from ntl_pretrain.numbers import NumberShard, NumberVocab
@@ -79,16 +79,9 @@ def ce_ntl_loss(
     `weight=` is the old name of `ntl_weight` (deprecated: one name for λ here and in `linear_ce_ntl_loss`).
     """
     ntl_weight = renamed_ntl_weight(ntl_weight, deprecated)
-    check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh, ntl_labels)
-    backend = resolve_backend(backend, logits.device, logits.dtype)
-    num_columns = logits.shape[-1]
-    logits_NV = logits.reshape(-1, num_columns)
-    shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
-    ntl_labels_N = None if ntl_labels is None else ntl_labels.reshape(-1)
-    targets = make_targets(labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns,
-                           compute_dtype(logits), ntl_labels_N, sharded=group is not None)  # fmt: skip
-    number_labels = labels if ntl_labels is None else ntl_labels
-    spans = find_number_spans(number_labels, nv, ignore_index, float_level) if kind == "number" else None
+    logits_NV, targets, shard, spans, backend = _prepared(
+        logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh, ntl_labels, float_level, backend
+    )
     ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, group, spans, backend)
     num_tokens = targets.valid.sum()
     num_number_tokens = targets.is_number.sum() if spans is None else spans.count
@@ -101,6 +94,65 @@ def ce_ntl_loss(
         numbers = num_number_tokens.clamp_min(1)
         ce, ntl, number_ce = ce_N.sum() / num_tokens.clamp_min(1), ntl_N.sum() / numbers, number_ce_N.sum() / numbers
     return LossOutput(ce + ntl_weight * ntl, ce, ntl, num_tokens, num_number_tokens, number_ce)
+
+
+def ce_ntl_training_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    nv: NumberVocab | None,
+    kind: str | None = "was",
+    ntl_weight: float = DEFAULT_NTL_WEIGHT,
+    reweigh: bool = False,
+    ignore_index: int = -100,
+    float_level: bool = False,
+    ntl_labels: torch.Tensor | None = None,
+    num_tokens: torch.Tensor | float | None = None,
+    num_number_tokens: torch.Tensor | float | None = None,
+    backend: str = "auto",
+) -> LossOutput:
+    """`ce_ntl_loss` as a training step takes it: loss = ΣCE / num_tokens + λ·ΣNTL / num_number_tokens (the global
+    batch's counts, each taken as at least 1; None: no division), and only `loss` differentiable; `ce`, `ntl` and
+    `number_ce` are detached sums. The Triton backend forms d loss / d logits in this call, reading the logits once
+    for it, and keeps that gradient instead of the logits (one [N, V] buffer; `TritonCeNtlLoss`); the torch backend
+    computes it in backward, as `ce_ntl_loss` does. The other arguments as in `ce_ntl_loss`."""
+    logits_NV, targets, shard, spans, backend = _prepared(logits, labels, nv, kind, "sum", ignore_index, None, 0,
+                                                          reweigh, ntl_labels, float_level, backend)  # fmt: skip
+    num_ntl_terms = targets.is_number.sum() if spans is None else spans.count
+    dtype = compute_dtype(logits)
+    g_ce_N = _row_weights(1.0, num_tokens, targets.valid, dtype)
+    g_ntl_N = _row_weights(ntl_weight, num_number_tokens, targets.valid, dtype)
+    if backend == "triton":
+        loss, ce_N, ntl_N = TritonCeNtlLoss.apply(logits_NV, targets, shard, kind, reweigh, spans, g_ce_N, g_ntl_N)
+    else:
+        ce_N, ntl_N = FusedCeNtl.apply(logits_NV, targets, shard, kind, reweigh, None, spans, backend)
+        loss = (g_ce_N * ce_N).sum() + (g_ntl_N * ntl_N).sum()
+        ce_N, ntl_N = ce_N.detach(), ntl_N.detach()
+    number_ce = torch.where(targets.is_number, ce_N, 0.0).sum()
+    return LossOutput(loss, ce_N.sum(), ntl_N.sum(), targets.valid.sum(), num_ntl_terms, number_ce)
+
+
+def _row_weights(numerator: float, count, like_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """numerator / count (count at least 1; None: the numerator alone), as the per-row weight [N] of the loss."""
+    weight = torch.as_tensor(numerator, dtype=dtype, device=like_N.device)
+    if count is not None:
+        weight = weight / torch.as_tensor(count, device=like_N.device).clamp_min(1).to(dtype)
+    return weight.expand(like_N.shape)
+
+
+def _prepared(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh, ntl_labels, float_level,
+              backend):  # fmt: skip
+    """The checked arguments as `FusedCeNtl` takes them: (logits [N, V], targets, shard, number spans, backend)."""
+    check_loss_arguments(logits, labels, nv, kind, reduction, ignore_index, group, vocab_start, reweigh, ntl_labels)
+    backend = resolve_backend(backend, logits.device, logits.dtype)
+    num_columns = logits.shape[-1]
+    logits_NV = logits.reshape(-1, num_columns)
+    shard = nv.shard(vocab_start, vocab_start + num_columns, logits.device) if kind else no_number_shard(logits.device)
+    ntl_labels_N = None if ntl_labels is None else ntl_labels.reshape(-1)
+    targets = make_targets(labels.reshape(-1), shard, kind, ignore_index, vocab_start, num_columns,
+                           compute_dtype(logits), ntl_labels_N, sharded=group is not None)  # fmt: skip
+    number_labels = labels if ntl_labels is None else ntl_labels
+    spans = find_number_spans(number_labels, nv, ignore_index, float_level) if kind == "number" else None
+    return logits_NV, targets, shard, spans, backend
 
 
 def renamed_ntl_weight(ntl_weight: float, deprecated: dict) -> float:

@@ -391,7 +391,7 @@ def _fused_chunk(z_RV, softmax_weight_R, target_R, target_grad_R, number_grad, t
     """The chunk's log-sum-exps and target logits, its gradient written over z_RV, by one Triton kernel."""
     from ntl_pretrain.loss import triton_ops
 
-    return triton_ops.chunk_stats_and_grad(z_RV, softmax_weight_R, target_R, target_grad_R, number_grad, transform)
+    return triton_ops.stats_and_grad(z_RV, z_RV, softmax_weight_R, target_R, target_grad_R, number_grad, transform)
 
 
 def _chunk_ce_partials(z_RV, target_R, owned_R, group, transform, backend) -> tuple[torch.Tensor, torch.Tensor]:

@@ -335,42 +335,103 @@ class FusedCeNtl(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce_N, grad_ntl_N):
         (logits_NV,) = ctx.saved_tensors
-        t, stats, numbers, shard, kind, reweigh, spans, backend = ctx.extras
-        dtype = compute_dtype(logits_NV)
-        grad_ce_N, grad_ntl_N = grad_ce_N.to(dtype), grad_ntl_N.to(dtype)
-        if kind == "number":  # a number's loss sits at its first position and depends on all its positions
-            grad_ntl_N = gradient_at_first(grad_ntl_N, spans)
-        softmax_weight, target_grad = softmax_weights(t, grad_ce_N)
-        coefficients = None
-        if kind is not None and shard.local_ids.numel():
-            coefficients = number_coefficients(t, stats.classes, grad_ntl_N, kind, reweigh)
-        if reweigh and kind is not None:
-            softmax_weight = softmax_weight - reweigh_slope(t, stats.classes, grad_ntl_N) * stats.class_mass
-            if coefficients is not None:
-                coefficients = tuple(c * stats.class_mass for c in coefficients)
-        # row-major whatever the logits' strides (the Triton kernel writes rows of contiguous columns)
-        grad_NV = torch.empty(logits_NV.shape, dtype=logits_NV.dtype, device=logits_NV.device)
-        if backend == "triton":
-            from ntl_pretrain.loss import triton_ops
-
-            grad_rows = None
-            if coefficients is not None:
-                grad_rows = triton_ops.NumberGradRows(numbers, stats.classes.class_lse, *coefficients)
-            triton_ops.logits_grad(logits_NV, grad_NV, stats.lse, softmax_weight, t.target, target_grad,
-                                   grad_rows)  # fmt: skip
-            return grad_NV, None, None, None, None, None, None, None
-        number_grad_NK = None
-        if coefficients is not None:
-            number_grad_NK = number_columns_grad(numbers, stats.classes.class_lse, coefficients, t, shard, kind)
-        for rows in _dense_chunks(logits_NV):
-            write_logits_grad(
-                logits_NV[rows].to(dtype),
-                grad_NV[rows],
-                stats.lse[rows],
-                softmax_weight[rows],
-                t.column[rows],
-                target_grad[rows],
-                None if number_grad_NK is None else number_grad_NK[rows],
-                shard.local_ids,
-            )
+        grad_NV = logits_grad_from_stats(logits_NV, *ctx.extras, grad_ce_N, grad_ntl_N)
         return grad_NV, None, None, None, None, None, None, None
+
+
+def logits_grad_from_stats(logits_NV, t: Targets, stats: RowStats, numbers, shard, kind, reweigh, spans, backend,
+                           grad_ce_N, grad_ntl_N) -> torch.Tensor:  # fmt: skip
+    """d (Σ grad_ce·CE + Σ grad_ntl·NTL) / d logits, [N, V] row-major in the logits' dtype, from the rows' stats and
+    what the forward kept for the numbers (`FusedCeNtl`)."""
+    dtype = compute_dtype(logits_NV)
+    grad_ce_N, grad_ntl_N = grad_ce_N.to(dtype), grad_ntl_N.to(dtype)
+    if kind == "number":  # a number's loss sits at its first position and depends on all its positions
+        grad_ntl_N = gradient_at_first(grad_ntl_N, spans)
+    softmax_weight, target_grad = softmax_weights(t, grad_ce_N)
+    coefficients = None
+    if kind is not None and shard.local_ids.numel():
+        coefficients = number_coefficients(t, stats.classes, grad_ntl_N, kind, reweigh)
+    if reweigh and kind is not None:
+        softmax_weight = softmax_weight - reweigh_slope(t, stats.classes, grad_ntl_N) * stats.class_mass
+        if coefficients is not None:
+            coefficients = tuple(c * stats.class_mass for c in coefficients)
+    # row-major whatever the logits' strides (the Triton kernel writes rows of contiguous columns)
+    grad_NV = torch.empty(logits_NV.shape, dtype=logits_NV.dtype, device=logits_NV.device)
+    if backend == "triton":
+        from ntl_pretrain.loss import triton_ops
+
+        grad_rows = None
+        if coefficients is not None:
+            grad_rows = triton_ops.NumberGradRows(numbers, stats.classes.class_lse, *coefficients)
+        triton_ops.logits_grad(logits_NV, grad_NV, stats.lse, softmax_weight, t.target, target_grad, grad_rows)
+        return grad_NV
+    number_grad_NK = None
+    if coefficients is not None:
+        number_grad_NK = number_columns_grad(numbers, stats.classes.class_lse, coefficients, t, shard, kind)
+    for rows in _dense_chunks(logits_NV):
+        write_logits_grad(
+            logits_NV[rows].to(dtype),
+            grad_NV[rows],
+            stats.lse[rows],
+            softmax_weight[rows],
+            t.column[rows],
+            target_grad[rows],
+            None if number_grad_NK is None else number_grad_NK[rows],
+            shard.local_ids,
+        )
+    return grad_NV
+
+
+class TritonCeNtlLoss(torch.autograd.Function):
+    """(logits [N, V], targets, per-row weights g_ce, g_ntl [N]) -> (loss = Σ g_ce·CE + Σ g_ntl·NTL, CE [N], NTL [N])
+    on the Triton backend, d loss / d logits formed in forward (as Liger-Kernel's cross-entropy does): the logits are
+    not kept for backward, their gradient is (one [N, V] buffer in their dtype), and backward scales it by loss's
+    upstream gradient in place, which reads nothing of it when that is 1. Only `loss` is differentiable. Without
+    reweighing one kernel reads each row for its log-sum-exp and writes its gradient, after a pass over the label
+    classes' members alone; reweighing needs every row's log-sum-exp first (the class mass): a pass, then the
+    gradient's."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, t: Targets, shard: NumberShard, kind, reweigh, spans, g_ce_N, g_ntl_N):
+        with without_autocast(logits_NV.device):
+            if reweigh:
+                lse, z_target, class_parts, numbers = _triton_forward(logits_NV, t, shard, kind)
+                ce, ntl, stats = rows_from_partials(lse, z_target, class_parts, t, kind, reweigh, None, spans)
+                extras = (t, stats, numbers, shard, kind, reweigh, spans, "triton")
+                grad_NV = logits_grad_from_stats(logits_NV, *extras, g_ce_N, g_ntl_N)
+            else:
+                ce, ntl, grad_NV = _triton_loss_and_grad(logits_NV, t, shard, kind, spans, g_ce_N, g_ntl_N)
+        ctx.grad_NV = grad_NV  # held, not saved: backward scales it in place and hands it on (one backward pass)
+        ctx.mark_non_differentiable(ce, ntl)
+        return (g_ce_N * ce).sum() + (g_ntl_N * ntl).sum(), ce, ntl
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce_N, _grad_ntl_N):
+        from ntl_pretrain.loss import triton_ops
+
+        if ctx.grad_NV is None:
+            raise RuntimeError("the loss's logit gradient was formed for one backward pass; it ran twice")
+        grad_NV, ctx.grad_NV = ctx.grad_NV, None
+        triton_ops.scale_unless_one(grad_NV, grad_loss.float().reshape(1))
+        return grad_NV, None, None, None, None, None, None, None
+
+
+def _triton_loss_and_grad(logits_NV, t: Targets, shard: NumberShard, kind, spans, g_ce_N, g_ntl_N):
+    """Per-row CE and NTL and d (Σ g_ce·CE + Σ g_ntl·NTL) / d logits without reweighing: the class members' pass
+    gives the NTL and its gradient's coefficients, then one kernel per row its log-sum-exp and its gradient."""
+    from ntl_pretrain.loss import triton_ops
+
+    grad_rows, ntl = None, torch.zeros_like(g_ce_N)
+    if kind is not None and shard.local_ids.numel():
+        tables = triton_ops.number_tables(shard)
+        classes = triton_ops.ClassRows.of(t.number_class, t.value, t.digits, tables, kind, tables.member_columns)
+        _, _, class_lse, feature_mean = triton_ops.row_partials(logits_NV, None, classes)
+        stats = class_stats(class_sums_from_mean(class_lse, feature_mean, t, kind), t, kind, spans)
+        ntl = reweighed_ntl(stats, None, t, False)
+        g_ntl_N = gradient_at_first(g_ntl_N, spans) if kind == "number" else g_ntl_N
+        coefficients = number_coefficients(t, stats, g_ntl_N, kind, False)
+        grad_rows = triton_ops.NumberGradRows(classes, stats.class_lse, *coefficients)
+    softmax_weight, target_grad = softmax_weights(t, g_ce_N)
+    grad_NV = torch.empty(logits_NV.shape, dtype=logits_NV.dtype, device=logits_NV.device)
+    lse, z_target = triton_ops.stats_and_grad(logits_NV, grad_NV, softmax_weight, t.target, target_grad, grad_rows)
+    return torch.where(t.valid, lse - z_target, 0.0), ntl, grad_NV

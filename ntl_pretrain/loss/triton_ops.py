@@ -141,7 +141,8 @@ def row_partials(
         transform.scale, transform.softcap or 1.0,
         CE=ce, CLASSES=with_classes, FEATURE=c.feature, DIGITS=c.digits,
         SCALED=transform.scale != 1.0, SOFTCAPPED=transform.softcap is not None,
-        BLOCK_V=block_v, BLOCK_M=_block(c.tables.largest_class, MAX_BLOCK_M), num_warps=_warps(block_v),
+        BLOCK_V=block_v, BLOCK_M=_block(c.tables.largest_class, MAX_BLOCK_M), VECTOR=_vector(logits_NV),
+        num_warps=_warps(block_v),
     )  # fmt: skip
     return lse, target_logit, class_lse, feature_mean
 
@@ -168,53 +169,103 @@ def logits_grad(
     numbers: NumberGradRows | None,
     transform: LogitTransform = IDENTITY,
 ) -> None:
-    """Write d loss / d (raw logits) into `grad_NV` (row-major; may be `logits_NV` itself): softmax_weight·p_j,
-    plus target_grad at column target (-1: none here), plus the NTL term of `numbers` (None: CE only), then the
-    transform's chain rule."""
+    """Write d loss / d (raw logits) into `grad_NV` (row-major; may be `logits_NV` itself, and a buffer sharing some
+    of their memory otherwise is refused): softmax_weight·p_j, plus target_grad at column target (-1: none here),
+    plus the NTL term of `numbers` (None: CE only), then the transform's chain rule."""
     _launch_grad(logits_NV, grad_NV, lse_N, None, softmax_weight_N, target_N, target_grad_N, numbers, transform)
 
 
-def chunk_stats_and_grad(
-    logits_RV: torch.Tensor,
-    softmax_weight_R: torch.Tensor,
-    target_R: torch.Tensor,
-    target_grad_R: torch.Tensor,
+def stats_and_grad(
+    logits_NV: torch.Tensor,
+    grad_NV: torch.Tensor,
+    softmax_weight_N: torch.Tensor,
+    target_N: torch.Tensor,
+    target_grad_N: torch.Tensor,
     numbers: NumberGradRows | None,
     transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`row_partials`' log-sum-exps and target logits and `logits_grad` over the logits in place, in one kernel:
-    for a chunk whose per-row weights do not depend on its own log-sum-exps (no group to combine them over, no
-    reweighing). Returns (lse, target_logit)."""
-    rows = logits_RV.shape[0]
-    lse_R, target_logit_R = (logits_RV.new_empty(rows, dtype=torch.float32) for _ in range(2))
-    _launch_grad(logits_RV, logits_RV, lse_R, target_logit_R, softmax_weight_R, target_R, target_grad_R, numbers,
+    """`row_partials`' log-sum-exps and target logits and `logits_grad` into `grad_NV` (a buffer of its own, or the
+    logits themselves), in one kernel: for rows whose per-row weights do not depend on their own log-sum-exps (no
+    group to combine them over, no reweighing). Returns (lse, target_logit)."""
+    rows = logits_NV.shape[0]
+    lse_N, target_logit_N = (logits_NV.new_empty(rows, dtype=torch.float32) for _ in range(2))
+    _launch_grad(logits_NV, grad_NV, lse_N, target_logit_N, softmax_weight_N, target_N, target_grad_N, numbers,
                  transform)  # fmt: skip
-    return lse_R, target_logit_R
+    return lse_N, target_logit_N
+
+
+def scale_unless_one(x_NV: torch.Tensor, factor_1: torch.Tensor) -> None:
+    """x *= factor (fp32 [1] on x's device) in place, without a host sync: a factor of exactly 1 reads and writes
+    nothing of x."""
+    if x_NV.numel() == 0:
+        return
+    block_v = _block(x_NV.shape[1], MAX_BLOCK_V)
+    kernels.scale_unless_one_kernel[(x_NV.shape[0],)](
+        x_NV, x_NV.stride(0), x_NV.shape[1], factor_1, BLOCK_V=block_v, VECTOR=_vector(x_NV), num_warps=_warps(block_v)
+    )
 
 
 def _launch_grad(logits_NV, grad_NV, lse_N, target_logit_N, softmax_weight_N, target_N, target_grad_N, numbers,
                  transform) -> None:  # fmt: skip
     """The gradient kernel; with `target_logit_N` (an output) it computes the log-sum-exps into `lse_N` first."""
+    in_place = _same_view(grad_NV, logits_NV)
+    if not in_place and _overlap(grad_NV, logits_NV):
+        raise ValueError("logits_grad: the gradient buffer shares memory with the logits; pass a separate buffer, or "
+                         "the logits tensor itself to write the gradient over them")  # fmt: skip
+    if grad_NV.stride(1) != 1 or grad_NV.shape != logits_NV.shape:
+        raise ValueError("logits_grad writes rows of contiguous columns, shaped as the logits")
     logits_NV = _columns_contiguous(logits_NV)
     rows = logits_NV.shape[0]
     if rows == 0:
         return
-    if grad_NV.stride(1) != 1:
-        raise ValueError("logits_grad writes rows of contiguous columns")
     unused = _unused(logits_NV.device)
     n = numbers or NumberGradRows(_no_classes(unused), unused, unused, unused)
     c = n.classes
-    block_v = _block(logits_NV.shape[1], MAX_BLOCK_V)
+    stash = unused
+    if in_place and numbers is not None:  # the class members' logits, kept from the pass that overwrites them
+        stash = torch.empty(rows, max(c.tables.largest_class, 1), dtype=torch.float32, device=logits_NV.device)
+    block_v, vector = _block(logits_NV.shape[1], MAX_BLOCK_V), _vector(logits_NV)
     kernels.logits_grad_kernel[(rows,)](
         logits_NV, logits_NV.stride(0), grad_NV, grad_NV.stride(0), logits_NV.shape[1],
         lse_N, _or(target_logit_N, unused), _f32(softmax_weight_N), target_N, _f32(target_grad_N),
         c.lo, c.hi, _f32(n.class_lse), _f32(n.alpha), _f32(n.beta), c.label_value, c.label_digits,
-        c.members, c.tables.member_values, c.tables.member_digits, c.members.numel(),
+        c.members, c.tables.member_values, c.tables.member_digits, c.members.numel(), stash, stash.stride(0),
         transform.scale, transform.softcap or 1.0,
         ROW_LSE=target_logit_N is not None, NUMBERS=numbers is not None, FEATURE=c.feature, DIGITS=c.digits,
-        SCALED=transform.scale != 1.0, SOFTCAPPED=transform.softcap is not None,
-        BLOCK_V=block_v, BLOCK_M=triton.next_power_of_2(max(c.tables.largest_class, 1)), num_warps=_warps(block_v),
+        SCALED=transform.scale != 1.0, SOFTCAPPED=transform.softcap is not None, IN_PLACE=in_place,
+        GRAD_ALIGNED=_aligned_alike(grad_NV, logits_NV, vector), BLOCK_V=block_v,
+        BLOCK_M=_block(c.tables.largest_class, MAX_BLOCK_M), VECTOR=vector, num_warps=_warps(block_v),
     )  # fmt: skip
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements in the same layout (the gradient written over the logits)."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of `a` and `b` (first to last byte they can address) intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    spans = []
+    for x in (a, b):
+        last = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride(), strict=True))
+        spans.append((x.data_ptr(), x.data_ptr() + (last + 1) * x.element_size()))
+    (a_start, a_end), (b_start, b_end) = spans
+    return a_start < b_end and b_start < a_end
+
+
+def _vector(x_NV: torch.Tensor) -> int:
+    """Elements of x's dtype in a 16-byte vector: the widest load a thread issues."""
+    return 16 // x_NV.element_size()
+
+
+def _aligned_alike(grad_NV: torch.Tensor, logits_NV: torch.Tensor, vector: int) -> bool:
+    """Whether every row of grad starts at the same offset modulo a vector as the logits' row does, so that the
+    columns the kernel reads in whole vectors are whole vectors of grad too (Triton's launch checks both tensors'
+    16-byte alignment)."""
+    same_size = grad_NV.element_size() == logits_NV.element_size()
+    return same_size and (grad_NV.stride(0) - logits_NV.stride(0)) % vector == 0
 
 
 def _no_classes(unused: torch.Tensor) -> ClassRows:

@@ -37,6 +37,8 @@ ARCHS = {"sm_80": 80, "sm_90": 90}
 """The GPU architectures checked: A100 and H100/H200."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LLAMA3_VOCAB = 128_256
+RAGGED_VOCABS = (30_522, 50_257, 199_999)
+"""Widths that are not multiples of 16 (BERT, GPT-2, o200k): rows then start off a 16-byte boundary."""
 CAPPED = LogitTransform(scale=0.5, softcap=30.0)
 """A transform with both steps, so that the kernels' transform code is compiled too."""
 ROWS = 4  # rows of the recorded calls: enough for labels of every class, the launches do not depend on it
@@ -58,6 +60,10 @@ class KernelResources:
     """The kernel and the flags it was specialised with (those that are set)."""
     kinds: tuple[str, ...]
     """The NTL kinds whose calls launch it ("None": CE only)."""
+    vocab_sizes: tuple[int, ...]
+    """The vocabulary widths whose calls launch it: Triton specialises a width only by whether 16 divides it."""
+    dtype: str
+    """The logits' dtype."""
     arch: str
     registers: int
     """Registers a thread."""
@@ -75,35 +81,61 @@ def offline_compile_unavailable() -> str | None:
 
 
 def loss_kernel_resources(
-    kinds, vocab_size: int = LLAMA3_VOCAB, archs=tuple(ARCHS), dtype: str = "bf16"
+    kinds, vocab_sizes=(LLAMA3_VOCAB,), archs=tuple(ARCHS), dtypes=("bf16",)
 ) -> list[KernelResources]:
-    """Every distinct kernel that `ce_ntl_loss` (forward and backward) and `linear_ce_ntl_loss` (plain, and with a
-    scaled, soft-capped transform) launch for each NTL kind of `kinds` (None: CE only), on `dtype` logits over a
-    Llama-3-like vocabulary of `vocab_size` tokens (the kernels' blocks follow it), compiled for each of `archs`, in a
-    child process per architecture (they run side by side); kinds that launch the same kernel share its entry."""
+    """Every distinct kernel that `ce_ntl_loss` (forward and backward), `ce_ntl_training_loss` and
+    `linear_ce_ntl_loss` (plain, and with a scaled, soft-capped transform) launch for each NTL kind of `kinds` (None:
+    CE only), on logits of each of `dtypes` over Llama-3-like vocabularies of each of `vocab_sizes` tokens (the
+    kernels' blocks and specialisations follow them), compiled for each of `archs`, in a child process per
+    architecture (they run side by side); calls that launch the same kernel share its entry."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", __name__, "--kinds", *map(str, kinds), "--vocab-size", str(vocab_size)]
+    command = [sys.executable, "-m", __name__, "--kinds", *map(str, kinds), "--vocab-sizes", *map(str, vocab_sizes),
+               "--dtypes", *dtypes]  # fmt: skip
     pipes = {"env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    children = [subprocess.Popen([*command, "--archs", arch, "--dtype", dtype], **pipes) for arch in archs]
+    children = [subprocess.Popen([*command, "--archs", arch], **pipes) for arch in archs]
     found = []
     for child in children:
         stdout, stderr = child.communicate(timeout=COMPILE_TIMEOUT_S)
         if child.returncode != 0:
             raise RuntimeError(f"compiling the kernels offline failed: {stderr.strip()[-2000:]}")
-        found += [KernelResources(**{**entry, "kinds": tuple(entry["kinds"])}) for entry in json.loads(stdout)]
+        for entry in json.loads(stdout):
+            found.append(KernelResources(**{**entry, "kinds": tuple(entry["kinds"]),
+                                            "vocab_sizes": tuple(entry["vocab_sizes"])}))  # fmt: skip
     return found
 
 
-def _resources_here(kinds, nv: NumberVocab, archs, dtype: torch.dtype) -> list[KernelResources]:
-    unique: dict[tuple, tuple[Launch, dict[str, None]]] = {}  # each launch, and the kinds that make it (in order)
-    for kind in kinds:
-        for launch in recorded_launches(lambda kind=kind: _loss_calls(kind, nv, dtype)):
-            unique.setdefault(_launch_key(launch), (launch, {}))[1][str(kind)] = None
+def _resources_here(kinds, vocab_sizes, archs, dtypes) -> list[KernelResources]:
+    unique: dict[tuple, tuple[Launch, dict, dict]] = {}  # each launch, and the kinds and widths that make it (in order)
+    for dtype in dtypes:
+        for vocab_size in vocab_sizes:
+            for kind in kinds:
+                for launch in distinct_launches(kind, vocab_size, DTYPES[dtype]):
+                    _, by_kind, by_width = unique.setdefault(_launch_key(launch), (launch, {}, {}))
+                    by_kind[str(kind)] = by_width[vocab_size] = None
     return [
-        KernelResources(_described(launch), tuple(by), arch, *compile_resources(launch, ARCHS[arch]))
-        for launch, by in unique.values()
+        KernelResources(
+            _described(launch),
+            tuple(by_kind),
+            tuple(by_width),
+            _dtype_name(launch),
+            arch,
+            *compile_resources(launch, ARCHS[arch]),
+        )
+        for launch, by_kind, by_width in unique.values()
         for arch in archs
     ]
+
+
+def distinct_launches(kind: str | None, vocab_size: int, dtype: torch.dtype) -> list[Launch]:
+    """The launches the loss calls of one kind make at one width and dtype, one per compiled kernel."""
+    nv = llama3_like_vocab(vocab_size)
+    launches = recorded_launches(lambda: _loss_calls(kind, nv, dtype))
+    return list({_launch_key(launch): launch for launch in launches}.values())
+
+
+def _dtype_name(launch: Launch) -> str:
+    """The dtype of the launch's first argument (the logits, or what the kernel scales)."""
+    return next(name for name, dtype in DTYPES.items() if dtype == launch.args[0].dtype)
 
 
 def llama3_like_vocab(vocab_size: int) -> NumberVocab:
@@ -114,13 +146,14 @@ def llama3_like_vocab(vocab_size: int) -> NumberVocab:
 
 def _loss_calls(kind: str | None, nv: NumberVocab, dtype: torch.dtype) -> None:
     from ntl_pretrain.loss import ce_ntl_loss
-    from ntl_pretrain.loss.ce_ntl import VALUE_KINDS
+    from ntl_pretrain.loss.ce_ntl import VALUE_KINDS, ce_ntl_training_loss
     from ntl_pretrain.loss.chunked import linear_ce_ntl_loss
 
     generator = torch.Generator().manual_seed(0)
     labels = nv.number_ids[torch.randint(len(nv.number_ids), (ROWS,), generator=generator)]
     logits = torch.randn(ROWS, nv.vocab_size, generator=generator).to(dtype).requires_grad_()
     ce_ntl_loss(logits, labels, nv, kind=kind, backend="triton").loss.backward()
+    (2 * ce_ntl_training_loss(logits, labels, nv, kind=kind, backend="triton").loss).backward()
     hidden = torch.randn(ROWS, 16, generator=generator).to(dtype).requires_grad_()
     weight = torch.randn(nv.vocab_size, 16, generator=generator).to(dtype).requires_grad_()
     # reweighing takes the head's unfused path (a chunk's statistics, then its gradient), as a group does
@@ -241,12 +274,12 @@ def _tool_path(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Registers and spill bytes of the loss's Triton kernels, as JSON.")
     parser.add_argument("--kinds", nargs="+", required=True, help="NTL kinds; None for CE only")
-    parser.add_argument("--vocab-size", type=int, default=LLAMA3_VOCAB)
+    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=[LLAMA3_VOCAB])
     parser.add_argument("--archs", nargs="+", choices=sorted(ARCHS), default=sorted(ARCHS))
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"])
     args = parser.parse_args(argv)
     kinds = [None if kind == "None" else kind for kind in args.kinds]
-    found = _resources_here(kinds, llama3_like_vocab(args.vocab_size), args.archs, DTYPES[args.dtype])
+    found = _resources_here(kinds, args.vocab_sizes, args.archs, args.dtypes)
     print(json.dumps([asdict(entry) for entry in found]))
     return 0
 

@@ -1,9 +1,10 @@
 """Pre-flight of how the run starts, decided as its ranks will decide it: which checkpoint it resumes (passing over
-damaged ones as `auto` does, judged by what can be told without reading them) and whether the recipe may resume it
-(the ranks' resume guard, `train/resume_guard.py`, run here on one process), or whether it starts from `init_from`'s
-weights or from scratch; and whether NTL has anything to learn: a tokenizer without number tokens is refused, and a
-corpus whose first records hold no number label is said (a note, not a refusal: numbers may come later in the
-stream)."""
+damaged ones as `auto` does, verified as the ranks verify them) and at which step (the one its manifest records,
+whatever the folder is named), and whether the recipe may resume it (the ranks' resume guard,
+`train/resume_guard.py`, run here on one process, also for a run that has nothing left to train), or whether it
+starts from `init_from`'s weights or from scratch; and whether NTL has anything to learn: a tokenizer without number
+tokens is refused, and a corpus whose first records hold no number label is said (a note, not a refusal: numbers
+may come later in the stream)."""
 
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ class RunStart:
 def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -> RunStart:
     """The run's start; refuses what its ranks would refuse before step 1: a tokenizer without number tokens while
     NTL is on, a checkpoint trained with another recipe (the resume guard), output-layer slices of another layout.
-    A finished run is not launched, so nothing is checked. `tokenizer`: the one `preflight.world.check_tokenizer`
-    loaded (None: the checkpoint's)."""
+    A finished run is not launched, but its folder is still refused to another recipe: "nothing to train" would
+    say that this recipe's run is done. `tokenizer`: the one `preflight.world.check_tokenizer` loaded (None: the
+    checkpoint's)."""
     from ntl_pretrain.model.build import number_vocabulary
     from ntl_pretrain.train import resume_guard
 
@@ -72,10 +74,8 @@ def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -
     folder = point.folder
     passed_over = tuple((entry["checkpoint"], entry["problems"][0]) for entry in point.skipped)
     start = RunStart(recipe.train.output_dir, recipe.train.max_steps, folder,
-                     None if folder is None else checkpoint.step_of(folder), recipe.init_from,
+                     None if folder is None else checkpoint.step_held(folder), recipe.init_from,
                      passed_over=passed_over)  # fmt: skip
-    if start.finished:  # nothing is launched (`ntl-pretrain train` says so), so nothing would be refused
-        return start
     if tokenizer is None and folder is not None:
         tokenizer = _checkpoint_tokenizer(folder, recipe)
     if tokenizer is None:
@@ -85,20 +85,23 @@ def check_start(recipe: Recipe, global_batch: int, world_size: int, tokenizer) -
         found = resume_guard.resume_differences(folder, recipe, tokenizer, global_batch)
         resume_guard.refuse_differences(folder, [(str(difference), difference.key) for difference in found])
         resume_guard.check_head_layout(folder, recipe, world_size)
-    return replace(start, numbers_note=None if numbers is None else no_number_labels_note(recipe, tokenizer, numbers))
+    if numbers is None or start.finished:  # nothing is launched (`ntl-pretrain train` says so): no data is read
+        return start
+    return replace(start, numbers_note=no_number_labels_note(recipe, tokenizer, numbers))
 
 
 def resume_point(recipe: Recipe) -> checkpoint.ResumePoint:
-    """The checkpoint the ranks will resume, judged as they judge it (`checkpoint.choose_resume`) on what can be told
-    without reading the files (`checkpoint.verify: size`): files missing, added, cut short or grown, a manifest
-    lost or malformed. Damage only checksums find is the ranks' to find: reading the checkpoint here would double
-    a resume's reading. A damaged explicit resume, or an `auto` with no intact checkpoint, is refused here."""
+    """The checkpoint the ranks will resume, judged as they judge it (`checkpoint.choose_resume`, verified in the
+    recipe's `checkpoint.verify` mode: checksums unless `size`), so that what is read here (its recipe, config,
+    tokenizer, data fingerprint) is what its manifest vouches for, and the dry run names the checkpoint the ranks
+    will load. That reads the checkpoint once before launch, as the ranks do again. A damaged explicit resume, or
+    an `auto` with no intact checkpoint, is refused here."""
     existing_checkpoint(recipe)  # a train.resume that names no checkpoint: refused as the recipe's error
 
-    def sizes_problems(folder: Path) -> list[str]:
-        return [str(problem) for problem in manifest.verify(folder, "size") or []]
+    def problems(folder: Path) -> list[str]:
+        return [str(problem) for problem in manifest.verify(folder, recipe.checkpoint.verify) or []]
 
-    return checkpoint.choose_resume(recipe.train.resume, recipe.train.output_dir, sizes_problems)
+    return checkpoint.choose_resume(recipe.train.resume, recipe.train.output_dir, problems)
 
 
 def _checkpoint_tokenizer(folder: Path, recipe: Recipe):

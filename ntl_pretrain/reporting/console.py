@@ -73,55 +73,6 @@ def write_or_drop(stream: TextIO | None, text: str) -> bool:
         return False
 
 
-class LossyStream(io.TextIOBase):
-    """A console stream that drops what it cannot take: after the first failed write or flush (EPIPE, ENOSPC, EIO)
-    its file descriptor is pointed at /dev/null, so that neither a later line, a child that inherits it, nor
-    Python's flush at exit fails on it again."""
-
-    def __init__(self, stream: TextIO):
-        super().__init__()
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            self.stream.write(text)
-        except (OSError, ValueError):
-            self._give_up()
-        return len(text)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except (OSError, ValueError):
-            self._give_up()
-
-    def isatty(self) -> bool:
-        return is_a_terminal(self.stream)
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    def _give_up(self) -> None:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.stream.fileno())
-            os.close(devnull)
-            self.stream.flush()  # what it held goes to /dev/null now
-        except (OSError, ValueError):
-            pass
-
-
-@contextlib.contextmanager
-def lossy_console() -> Iterator[None]:
-    """Inside, this process's stdout and stderr cost lines, never the command, when the console fails."""
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = LossyStream(sys.stdout), LossyStream(sys.stderr)
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-
-
 def startup_line(parameters: int, world_size: int, micro_batch: int, global_batch: int, grad_accum: int,
                  seq_len: int, precision: str) -> str:  # fmt: skip
     """The run's shape: what a reader of the log needs to judge its speed and memory figures."""
@@ -164,12 +115,13 @@ def stop_line(output_dir: Path, total_steps: int) -> str | None:
     return f"stopped at step {last['step']} of {total_steps} with a checkpoint; run the same command to continue"
 
 
-def failure_line(where: str, error: BaseException, output_dir: Path, rank: int, saved_step: int | None) -> str:
+def failure_line(where: str, error: BaseException, output_dir: Path, rank: int, saved: Path | None) -> str:
     """One line naming what failed inside a run and where its traceback is; the line heads the log file, so that
-    `ntl-pretrain train` can repeat it after the launcher's own lines (`last_failure_line`)."""
+    `ntl-pretrain train` can repeat it after the launcher's own lines (`last_failure_line`). `saved`: the newest
+    checkpoint the run wrote whole or resumed from (never one whose save failed)."""
     log = output_dir / "logs" / f"failure-rank{rank}.log"
-    saved = "none saved yet" if saved_step is None else f"step_{saved_step}"
-    line = f"{where}: {type(error).__name__}: {first_line(error)}; traceback in {log}; checkpoints ({saved}) and " \
+    newest = "none saved yet" if saved is None else saved.name
+    line = f"{where}: {type(error).__name__}: {first_line(error)}; traceback in {log}; checkpoints ({newest}) and " \
         "metrics.jsonl are intact"  # fmt: skip
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(line + "\n\n" + "".join(traceback.format_exception(error)))
@@ -256,12 +208,14 @@ class _OngoingLine:
 def stdout_to_stderr() -> Iterator[None]:
     """For commands whose stdout is data (`eval`'s JSON, `export`'s folder): whatever is written to stdout inside goes
     to stderr. At the file-descriptor level, because DeepSpeed's logger keeps the stdout stream it found at import
-    and its checkpoint reader prints."""
+    and its checkpoint reader prints; and Python's `sys.stdout` is `sys.stderr` inside, so that a failing stderr is
+    not taken for a stdout that did not take the command's output (`errors.run_reporting`)."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

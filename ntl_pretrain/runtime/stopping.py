@@ -1,4 +1,5 @@
-"""A graceful stop for training ranks: SIGTERM, SIGINT, SIGUSR1 or SIGHUP saves a checkpoint at the next step boundary.
+"""A graceful stop for training ranks: SIGTERM, SIGINT, SIGUSR1 or SIGHUP saves a checkpoint at the next step boundary
+(SIGHUP not under `nohup`: a SIGHUP ignored when the process started stays ignored).
 
 The first signal only sets a flag. After every step the ranks agree on it (`Trainer`: one small all-reduce, so a
 signal to any rank stops them all at the same step), save a checkpoint of the step just finished, flush the
@@ -24,8 +25,15 @@ EXIT_STOPPED = 75
 """Exit code of a run stopped by a signal before train.max_steps (EX_TEMPFAIL: run the same command again)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 """SIGHUP too: a closed terminal or a dropped ssh session should save and stop, not lose the steps since the last
-checkpoint."""
+checkpoint; unless the process started with SIGHUP ignored (`caught_stop_signals`)."""
 DUPLICATE_WINDOW_S = 2.0
+
+
+def caught_stop_signals() -> list[signal.Signals]:
+    """STOP_SIGNALS, but SIGHUP where this process started with it ignored: `nohup` (or a parent that ignores it)
+    asked the run to outlive its terminal, and the launcher and ranks inherit that disposition."""
+    ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    return [signum for signum in STOP_SIGNALS if not (ignored and signum == signal.SIGHUP)]
 
 
 class StopRequest:
@@ -41,7 +49,7 @@ class StopRequest:
         return self._first_at is not None
 
     def install(self) -> None:
-        for signum in STOP_SIGNALS:
+        for signum in caught_stop_signals():
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:

@@ -19,7 +19,8 @@ that says why, which the supervisor repeats last, exiting 2.
 
 The launcher's stdout and stderr reach the console through `console_relay.py`, so a console that stops reading (a
 full pipe, `| head`, a closed terminal) drops lines instead of freezing or killing a rank; SIGHUP (the terminal went
-away) stops the run like SIGTERM.
+away) stops the run like SIGTERM, unless the supervisor started with SIGHUP ignored (`nohup`): then the launcher and
+the ranks inherit the ignored SIGHUP and the run goes on (`stopping.caught_stop_signals`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import psutil
 from ntl_pretrain.errors import EXIT_BAD_INPUT
 from ntl_pretrain.runtime import lifeline
 from ntl_pretrain.runtime.console_relay import CONSOLE_TTY_ENV, ConsoleRelay, console_is_terminal
-from ntl_pretrain.runtime.stopping import EXIT_STOPPED, STOP_SIGNALS
+from ntl_pretrain.runtime.stopping import EXIT_STOPPED, caught_stop_signals
 
 RANK_MODULE = "ntl_pretrain.train"
 SILENCE_TICK_S = 4.5  # rank 0's console says something every 4 s (logging.console_every_seconds); this is a backstop
@@ -84,6 +85,7 @@ def supervise(
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     last_line: Callable[[int], str | None] | None = None,
     silence_tick_s: float = SILENCE_TICK_S,
+    log: Path | None = None,
 ) -> int:
     """Run `command` in a session of its own until it exits; forward stop signals to its ranks. Returns 0 when the
     ranks reported that they finished, `EXIT_STOPPED` when they stopped on a signal with a checkpoint, else the
@@ -91,15 +93,17 @@ def supervise(
     own output (through the same relay, so that it cannot block either). Whenever the run has written nothing for
     `silence_tick_s`, a line says so: until rank 0's first line that it is still starting (the ranks import torch
     and build the model: 30 s and more), after it that the ranks still run. Once the ranks reported their outcome
-    and exited, the launchers' own teardown (seconds of polling and interpreter exit) is cut short."""
+    and exited, the launchers' own teardown (seconds of polling and interpreter exit) is cut short. `log`: a file
+    that each line of the supervisor's own is appended to as well (`OwnLines`), whatever the console does."""
     handle, name = tempfile.mkstemp(prefix="ntl-pretrain-outcome-")
     os.close(handle)
     outcome_file = Path(name)
     relays = ConsoleRelay(_descriptor(sys.stdout, 1), LAUNCHER_NOISE), ConsoleRelay(_descriptor(sys.stderr, 2))
     terminal = {CONSOLE_TTY_ENV: "1"} if console_is_terminal(relays[1].destination_fd) else {}
+    say = OwnLines(relays[1], log).say
     try:
         env = {**(env or os.environ), **lifeline.environment(outcome_file), **terminal}
-        code = _run(command, env, grace_seconds, relays, silence_tick_s, outcome_file)
+        code = _run(command, env, grace_seconds, relays, silence_tick_s, outcome_file, say)
         outcome = lifeline.reported_outcome(outcome_file)
         code = {lifeline.FINISHED: 0, lifeline.STOPPED: EXIT_STOPPED, lifeline.REFUSED: EXIT_BAD_INPUT}.get(
             outcome, code
@@ -108,10 +112,31 @@ def supervise(
             line = f"ntl-pretrain: {lifeline.reported_refusal(outcome_file)}"
         else:
             line = last_line(code) if last_line is not None else None
-        _close_relays(relays, line)
+        _close_relays(relays, line, say)
         return code
     finally:
         outcome_file.unlink(missing_ok=True)
+
+
+class OwnLines:
+    """The supervisor's own lines: to the console through the stderr relay (bounded, never blocking), and appended
+    to `log` with the time (`<output_dir>/logs/supervisor.log` under `ntl-pretrain train`), so that a console that
+    failed or went away (a closed ssh session, `>/dev/full`) loses none of them. A log that cannot be written
+    (a full disk) costs its lines, never the run."""
+
+    def __init__(self, relay: ConsoleRelay, log: Path | None):
+        self.relay, self.log = relay, log
+
+    def say(self, line: str) -> None:
+        self.relay.say(line)
+        if self.log is None:
+            return
+        try:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with self.log.open("a", encoding="utf-8") as file:
+                file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+        except OSError:
+            pass
 
 
 def _descriptor(stream, default: int) -> int:
@@ -122,23 +147,23 @@ def _descriptor(stream, default: int) -> int:
         return default
 
 
-def _close_relays(relays: tuple[ConsoleRelay, ConsoleRelay], line: str | None) -> None:
+def _close_relays(relays: tuple[ConsoleRelay, ConsoleRelay], line: str | None, say: Callable[[str], None]) -> None:
     """Copy what is left of the run's output, then the last line and a count of what the console did not take."""
     for relay in relays:
         relay.wait_for_child_output(RELAY_DRAIN_S)
     stdout, stderr = relays
     if line is not None:
-        stderr.say(line)
+        say(line)
     dropped = stdout.dropped_bytes + stderr.dropped_bytes
     if dropped:
-        stderr.say(f"ntl-pretrain: the console did not take {dropped:,} bytes of the run's output (metrics.jsonl "
-                   f"has every record)")  # fmt: skip
+        say(f"ntl-pretrain: the console did not take {dropped:,} bytes of the run's output (metrics.jsonl has every "
+            f"record)")  # fmt: skip
     for relay in relays:
         relay.close()
 
 
 def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[ConsoleRelay, ConsoleRelay],
-         silence_tick_s: float, outcome_file: Path) -> int:  # fmt: skip
+         silence_tick_s: float, outcome_file: Path, say: Callable[[str], None]) -> int:  # fmt: skip
     stdout, stderr = relays
     silence = SilenceLine(relays, silence_tick_s)
     launcher = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout.write_fd,
@@ -158,11 +183,11 @@ def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[Cons
             except psutil.Error:
                 pass
 
-    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    previous = {signum: signal.signal(signum, forward) for signum in caught_stop_signals()}
     try:
         while launcher.poll() is None:
             if first_signal and time.monotonic() - first_signal[0][0] > grace_seconds:
-                _name_frozen_ranks(launcher, grace_seconds, first_signal[0][1], stderr.say)
+                _name_frozen_ranks(launcher, grace_seconds, first_signal[0][1], say)
                 _signal_session(launcher.pid, signal.SIGKILL)
                 launcher.wait()
                 break
@@ -171,7 +196,7 @@ def _run(command: list[str], env: dict, grace_seconds: float, relays: tuple[Cons
                 launcher.wait()
                 break
             if (line := silence.line()) is not None:
-                stderr.say(line)
+                say(line)
             time.sleep(0.2)
         deadline = first_signal[0][0] + grace_seconds if first_signal else time.monotonic()
         _end_session(launcher.pid, deadline)

@@ -104,6 +104,9 @@ class DecisionRule:
     """The family that the correction spans."""
     correction: Literal["holm", "bonferroni"] = "holm"
     alpha: float = 0.05
+    early_stopping: str | None = None
+    """The trainer's validation metric whose lowest value marks each run's best step, where the report reads the
+    hypotheses again (study/regime.py, secondary, no verdict); None: no such read-out."""
 
     def variants(self) -> set[str]:
         return {name for h in self.hypotheses for name in (h.variant, h.baseline, *(h.against or ()))}
@@ -248,8 +251,8 @@ INTERPOLATION = "eval/addition_interpolation"
 EXACT = f"{INTERPOLATION}/exact_match"
 EXACT_2DIGIT, EXACT_3DIGIT = f"{EXACT}_2digit_token", f"{EXACT}_3digit_token"  # study/token_classes.py
 # Study v4's thresholds (min_gain = margin): the smallest margin, in steps of 0.005, at which "no useful effect" has
-# a chance of at least 0.5 at a true effect of 0 with the sd at the 80% upper bound of v3's (bench/study_v4_power.py,
-# docs/study-v4-protocol.md).
+# a chance of at least 0.5 at a true effect of 0 with the sd at the 80% upper bound of v3's
+# (docs/study-v4/study_v4_power.py, docs/study-v4-protocol.md).
 V4 = DecisionRule(
     hypotheses=(
         Hypothesis("3digit/ntl-was-answer", "3digit/ce", Effect(EXACT_2DIGIT, minus=EXACT_3DIGIT),
@@ -267,7 +270,7 @@ REGRESSION = "eval/regression_interpolation"
 LOG_ERROR = Effect(f"{REGRESSION}/log_mae", higher_is_better=False)
 NO_MORE_UNPARSEABLE = Effect(f"{REGRESSION}/unparseable", higher_is_better=False)
 # Study v5's thresholds (min_gain = margin), by study v4's rule from the regression pilot's paired sd at its 80% upper
-# bound (bench/study_v5_power.py, docs/study-v5-protocol.md). "Helps" on H1 and H2 also needs the 95% CI of the
+# bound (docs/study-v5/study_v5_power.py, docs/study-v5-protocol.md). "Helps" on H1 and H2 also needs the 95% CI of the
 # change in answers without a number above −0.01: log-error is over the answers that contain one.
 V5 = DecisionRule(
     hypotheses=(
@@ -297,7 +300,7 @@ def _v6_difference(name: str, folder: str, other: str, m: float, meaning: str) -
 
 
 # Study v6's thresholds (min_gain = margin), by study v4's rule from the pilot's pooled sd of a gain at its 80% upper
-# bound at the main length (bench/study_v6_power.py, docs/study-v6-protocol.md); variants of recipes/study/v6.
+# bound at the main length (docs/study-v6/study_v6_power.py, docs/study-v6-protocol.md); variants of recipes/study/v6.
 V6_GAIN_M, V6_DIFFERENCE_M = 0.08, 0.115
 V6 = DecisionRule(
     hypotheses=(

@@ -20,6 +20,7 @@ from ntl_pretrain.outputs import write_file, write_text
 from ntl_pretrain.plot import plot_runs
 from ntl_pretrain.study.decision import DecisionRule, decide, verdict_lines
 from ntl_pretrain.study.provenance import describe
+from ntl_pretrain.study.regime import regime_section
 from ntl_pretrain.study.runs import BASELINE, StudyRun, baseline_of
 from ntl_pretrain.study.stats import paired_gains, paired_stats
 from ntl_pretrain.study.token_classes import class_title, labels_in
@@ -448,6 +449,7 @@ def write_report(
         "",
         *(verdict_lines(rule, decide(rule, grouped)) if rule is not None else []),
         *(effects_along_training_section(rule, runs) if rule is not None else []),
+        *(regime_section(rule, runs) if rule is not None else []),
         f"## Results: mean ± std over {seeds} seeds" if seeds > 1 else "## Results: one seed",
         "",
         *results_table(grouped, metrics),

@@ -150,7 +150,7 @@ def train_reporting_failures(trainer: Trainer) -> bool:
         if any(sign in str(error) for sign in PEER_LOST):  # the cause is another rank's, which says so itself
             line = f"{where}: stopped, another rank is gone ({first_line(error)})"
         else:
-            line = failure_line(where, error, trainer.output_dir, trainer.rank, trainer.last_saved_step)
+            line = failure_line(where, error, trainer.output_dir, trainer.rank, trainer.last_checkpoint)
         print(f"ntl-pretrain: {line}", file=sys.stderr, flush=True)
         os._exit(1)  # at once: the launcher stops the other ranks, which would wait in a collective
 

@@ -47,10 +47,11 @@ from ntl_pretrain.runtime.stopping import EXIT_STOPPED, StopRequest
 from ntl_pretrain.tokenizer import load_tokenizer
 from ntl_pretrain.train import resume_guard
 from ntl_pretrain.train.engine import compile_model, engine_config, name_data_parallel_layout
-from ntl_pretrain.train.zero3_bookkeeping import streamline_zero3
+from ntl_pretrain.train.zero3_bookkeeping import streamline_zero3, with_zero3
 from ntl_pretrain.train.zero_optimizer import streamline
 
 IGNORE_INDEX = -100
+FAST_PATH_LOG = "logs/deepspeed-fast-path.txt"  # in the output folder: which DeepSpeed replacements run, and why not
 
 
 class NonFiniteLossError(RuntimeError):
@@ -97,8 +98,8 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.built.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        streamline(self.engine.optimizer)
-        streamline_zero3(self.engine)
+        # collectives: the ranks agree on the replacements (the optimizer's, then ZeRO-3's bookkeeping)
+        self.fast_path = with_zero3(streamline(self.engine.optimizer), streamline_zero3(self.engine))
         if recipe.train.compile:
             compile_model(self.engine, self.built.module.lm)
         self.head.attach(self.engine)
@@ -107,7 +108,9 @@ class Trainer:
         self.hub_listings = list_for_all_ranks([*recipe.data.sources, *recipe.data.validation], slow_work_group())
         self.loader = self._dataloader("train")
         self.step, self.tokens_seen, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0, 0
+        # The newest checkpoint this run wrote whole or resumed from: its step, and its folder (whatever it is named).
         self.last_saved_step: int | None = None
+        self.last_checkpoint: Path | None = None
         set_seed(recipe.seed + self.rank)  # dropout differs between ranks; the weights were initialised alike
         self.flops_per_token = model_flops_per_token(self.built.module.lm, recipe.data.seq_len,
                                                      self.head.parameters_outside_model())  # fmt: skip
@@ -187,7 +190,8 @@ class Trainer:
 
     def _announce_start(self) -> None:
         """The run's first line says where it starts from (the same command starts and continues a run), the
-        second its shape, a third for a mixture of experts how its routers are balanced."""
+        second its shape, a third for a mixture of experts how its routers are balanced, the last which of
+        DeepSpeed's internals the trainer replaces (train/zero_optimizer.py, train/zero3_bookkeeping.py)."""
         if self.resume_from is not None:
             where = f"resuming from {self.resume_from} (step {self.step})"
             if self.recipe.init_from is not None:
@@ -207,6 +211,7 @@ class Trainer:
         balancing = balancing_line(self.built.module.lm, self.built.module.balancing)
         if balancing is not None:
             self.console.say(balancing)
+        self.console.say(self.fast_path.line())
 
     def _stop_agreed(self) -> bool:
         """Whether any rank got a stop signal (one small all-reduce per step, so all ranks stop at the same step)."""
@@ -283,8 +288,7 @@ class Trainer:
         generate_every = self.recipe.eval.every_steps
         if generate_every and self.step % generate_every:
             self._generate()
-        self.console.summary(checkpoint.checkpoints_root(self.output_dir) / f"step_{self.last_saved_step}",
-                             self.output_dir)  # fmt: skip
+        self.console.summary(self.last_checkpoint, self.output_dir)
 
     def _wandb_settings(self) -> dict | None:
         logging = self.recipe.logging
@@ -499,8 +503,7 @@ class Trainer:
             "world_size": self.world_size,
         }
         root = checkpoint.checkpoints_root(self.output_dir)
-        self.last_saved_step = self.step
-        return checkpoint.save(
+        folder = checkpoint.save(
             self.engine,
             root,
             self.step,
@@ -509,6 +512,8 @@ class Trainer:
             self._write_export_files,
             self._write_rank_files,
         )
+        self.last_saved_step, self.last_checkpoint = self.step, folder  # only once it is whole: a failed save is none
+        return folder
 
     def _write_rank_files(self, folder: Path) -> None:
         checkpoint.write_rank_state(folder, {"data": self.loader.state_dict(), "rng": checkpoint.rng_state()})
@@ -534,6 +539,8 @@ class Trainer:
         if self.rank == 0:
             prepare_output_dir(self.recipe)
             checkpoint.set_aside(self.resume_point.skipped)
+            (self.output_dir / FAST_PATH_LOG).parent.mkdir(exist_ok=True)
+            (self.output_dir / FAST_PATH_LOG).write_text(self.fast_path.details())
         dist.barrier()  # no rank starts a save (step_<N>.tmp) while rank 0 still removes the leftover ones
         self._log_resume(resumed_at)
 
@@ -555,7 +562,7 @@ class Trainer:
         state = reshard.load(self.engine, folder)  # re-partitions weights and optimizer state for a new world size
         self.head.load(folder)
         self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, folder
         # Checkpoints written before per-rank state files hold every rank's state in the client state.
         per_rank = state.get("per_rank") or checkpoint.SavedRankStates(folder, state["world_size"])
         self.loader.load_world_state(checkpoint.Part(per_rank, "data"))
@@ -564,7 +571,7 @@ class Trainer:
         self._apply_recipe_schedule(folder)
 
     def _apply_recipe_schedule(self, folder: Path) -> None:
-        """The recipe's learning rate and schedule from the resumed step on (docs/recipes.md), logged when they
+        """The recipe's learning rate and schedule from the resumed step on (docs/training.md), logged when they
         differ from the checkpoint's, so that the run's recipe.yaml describes what it does."""
         schedulers = [self.scheduler, *([self.head.scheduler] if hasattr(self.head, "scheduler") else [])]
         resume_guard.apply_recipe_learning_rate(schedulers, self.recipe.optimizer.lr)

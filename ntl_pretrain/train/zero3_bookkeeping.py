@@ -2,10 +2,10 @@
 Python around them (issue 73; docs/benchmarks.md, "ZeRO-3 bookkeeping"; docs/compatibility.md).
 
 On the CPU toy of bench/step_overhead.py (30 layers, the recipe's defaults) a ZeRO-3 step made ~198k Python calls
-against ~20k for a plain step. Each replacement below is set only where DeepSpeed's code is the code it was written
-against (DeepSpeed `READ_FROM`, fingerprinted in `READ`; train/zero_optimizer.py does the same for the optimizers'
-per-tensor work): a DeepSpeed that changed any of it keeps its own code (slower, never wrong), the trainer says so
-on rank 0, and `tests/test_zero3_bookkeeping.py` fails until someone reads the new code.
+against ~20k for a plain step. Each replacement below is set as train/zero_optimizer.py sets its own (the same
+`streamline`, on the engine): only where every DeepSpeed function it rests on is the one read in `READ_FROM`
+(syntax trees fingerprinted in `READ`), on every rank alike, and said in the run's fast-path line where it is off;
+`tests/test_zero3_bookkeeping.py` fails until someone reads a DeepSpeed whose code changed.
 
 - `ranges_off`: every ZeRO-3 function DeepSpeed wraps in `instrument_w_nvtx` (~1,600 calls a step) asks twice
   whether torch is compiling and which accelerator it runs on, to open and close an NVTX range that only Nsight
@@ -38,14 +38,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import sys
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from ntl_pretrain.train import zero_optimizer
 from ntl_pretrain.train.zero3_functions import apply_zero3_functions_classically
-from ntl_pretrain.train.zero_optimizer import READ_FROM, ZERO_3, source_fingerprint
+from ntl_pretrain.train.zero_optimizer import ZERO_3, FastPath, Replacement, streamline
 
 NVTX = "deepspeed.utils.nvtx"
 PARTITIONING = "deepspeed.runtime.zero.partition_parameters"
@@ -53,39 +53,39 @@ COORDINATION = "deepspeed.runtime.zero.partitioned_param_coordinator"
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 COORDINATOR = f"{COORDINATION}.PartitionedParameterCoordinator"
 ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
-# sha256 (first 16 hex digits) of the source of each DeepSpeed function a replacement replaces or relies on, as read
-# in DeepSpeed READ_FROM.
+# The syntax-tree fingerprint (source_fingerprint.py) of each DeepSpeed function a replacement replaces, calls or
+# relies on, as read in DeepSpeed READ_FROM (train/zero_optimizer.py).
 READ = {
-    f"{NVTX}.instrument_w_nvtx": "c538ccdda7c8ea15",
-    f"{PARTITIONING}.print_rank_0": "bdf0d39499da2560",
-    f"{COORDINATION}.iter_params": "594f9e285a48be13",
-    f"{COORDINATION}.get_all_parameters": "859e0b924ea8fbbc",
-    f"{ZERO_3}._partition_all_parameters": "5612df89a66654a6",
-    f"{OFFLOAD}.DeepSpeedZeRoOffload.partition_all_parameters": "d916ff2d400331ea",
-    f"{COORDINATOR}.release_and_reset_all": "dba16cef435ceb5e",
-    f"{COORDINATOR}._PartitionedParameterCoordinator__release_param": "cd752be64275c3b9",
-    f"{PARTITIONING}.Init._partition": "16a49ed9fa9f94e6",
-    f"{PARTITIONING}.Init._partition_param": "0a3cc348590e1436",
-    f"{PARTITIONING}.free_param": "96cebaaa66079050",
-    f"{ZERO_3}._post_step": "d993f8fa66f06633",
-    f"{PARTITIONING}.Init._convert_to_deepspeed_param": "77281d2526a148fb",
-    f"{ENGINE}._forward_prologue": "7f3289ffc96f30e2",
-    f"{ENGINE}._forward_epilogue": "2ffc78bd3da0c8c0",
-    f"{OFFLOAD}.ensure_zero_ordered_dict": "3fc5a3249cecade4",
-    f"{ZERO_3}.reduce_ready_partitions_and_remove_grads": "864d5a8a8c5a1967",
-    f"{ZERO_3}.reduce_independent_p_g_buckets_and_remove_grads": "d62b56503afc1ebe",
-    f"{ZERO_3}._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket": "94d52f5b4af961a2",
-    f"{ZERO_3}._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads": "24d09d54e4e6c38d",
-    f"{ZERO_3}._apply_autoep_folding_tp_correction": "d56d86d56d60e8fb",
-    f"{ZERO_3}._get_param_partition_group": "5fce132964375d9d",
-    f"{ZERO_3}._get_param_partition_rank": "b88a5edec4662da7",
-    f"{ZERO_3}.partition_grads": "93119b25314ec6d3",
-    f"{COORDINATOR}.fetch_sub_module": "a5abaed0971c8fbd",
-    f"{COORDINATOR}._fetch_sub_module_impl": "5a0c0616eaa0b4a6",
-    f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_forward_function": "62abffd323b9210b",
-    f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_forward_function": "d40be41e270767a7",
-    f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_backward_function": "6ae14ac34ac66ee9",
-    f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_backward_function": "4faa3ff85e4f749e",
+    f"{NVTX}.instrument_w_nvtx": "401f29700d322ecb",
+    f"{PARTITIONING}.print_rank_0": "1d2840ec043e8b9e",
+    f"{COORDINATION}.iter_params": "7e772ab5a24b26d9",
+    f"{COORDINATION}.get_all_parameters": "2045d241a1af48b3",
+    f"{ZERO_3}._partition_all_parameters": "c8f361811463f765",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.partition_all_parameters": "e37190917268c738",
+    f"{COORDINATOR}.release_and_reset_all": "0a06898651e8c16d",
+    f"{COORDINATOR}._PartitionedParameterCoordinator__release_param": "fa26b0098b85ac15",
+    f"{PARTITIONING}.Init._partition": "504813b48ba13987",
+    f"{PARTITIONING}.Init._partition_param": "c40fe0e8d7dc8a27",
+    f"{PARTITIONING}.free_param": "2ef8a4de4d97af40",
+    f"{ZERO_3}._post_step": "b05190090457d268",
+    f"{PARTITIONING}.Init._convert_to_deepspeed_param": "db169e22c0e5767a",
+    f"{ENGINE}._forward_prologue": "7bbd47634759f35f",
+    f"{ENGINE}._forward_epilogue": "ea8ba2a4f3fc7b1f",
+    f"{OFFLOAD}.ensure_zero_ordered_dict": "145f9c119bbd2d92",
+    f"{ZERO_3}.reduce_ready_partitions_and_remove_grads": "029f402570c130f1",
+    f"{ZERO_3}.reduce_independent_p_g_buckets_and_remove_grads": "9566458f7d9d9d36",
+    f"{ZERO_3}._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket": "6854bc9f74859ab6",
+    f"{ZERO_3}._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads": "160647bf28b12cf1",
+    f"{ZERO_3}._apply_autoep_folding_tp_correction": "0af4ca695aef8ac9",
+    f"{ZERO_3}._get_param_partition_group": "e6f2547981b456c5",
+    f"{ZERO_3}._get_param_partition_rank": "680b312bbd4c405f",
+    f"{ZERO_3}.partition_grads": "824b2a56fda02e2c",
+    f"{COORDINATOR}.fetch_sub_module": "27a2320a9bf3a94a",
+    f"{COORDINATOR}._fetch_sub_module_impl": "2da3d8e18708e90a",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_forward_function": "64299e5877221c63",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_forward_function": "aa95c5251a194202",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_backward_function": "cdd15a50f290b476",
+    f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_backward_function": "7846ceae2e57951b",
 }
 RANGES_READS = (f"{NVTX}.instrument_w_nvtx",)
 DEBUG_LINES_READS = (f"{PARTITIONING}.print_rank_0",)
@@ -115,63 +115,58 @@ REPLACED: dict[str, Callable] = {}  # DeepSpeed's own function of each process-w
 PARAMETERS_KEPT = "_ntl_zero3_parameters"  # where a module keeps its parameter tuples ({recurse: (...)})
 
 
-def streamline_zero3(engine) -> list[str]:
+def streamline_zero3(engine) -> FastPath:
     """At ZeRO-3 without DeepCompile (which takes the hooks out itself): ZeRO-3's autograd Functions run classically
-    (train/zero3_functions.py) and every replacement above that applies is set; the names of those set. Those the
-    installed DeepSpeed's code keeps from being set are said on rank 0."""
-    if engine.zero_optimization_stage() != 3 or engine.is_deepcompile_enabled():
-        return []
-    apply_zero3_functions_classically(engine.module)
-    replacements = (
-        ranges_off,
-        lazy_debug_lines,
-        cached_module_parameters,
-        mark_forward_at_once,
-        release_every_parameter,
-        gather_persistent_at_once,
-        bucket_gradients_directly,
-        partition_gradients_at_once,
-        fetch_in_one_pass,
-        hooks_without_wrapping,
-    )
-    applied = [replace.__name__ for replace in replacements if replace(engine)]
-    changed = changed_reads()
-    if changed and dist.get_rank() == 0:
-        print(f"ntl-pretrain: note: ZeRO-3 runs some of DeepSpeed's own bookkeeping (slower, not wrong): this "
-              f"DeepSpeed's {', '.join(changed)} differ from {READ_FROM}'s, which the trainer's replacements were "
-              f"written against", file=sys.stderr, flush=True)  # fmt: skip
-    return applied
-
-
-def changed_reads() -> list[str]:
-    """The DeepSpeed functions in READ whose source is not the one read (DeepSpeed's own, where one is replaced)."""
+    (train/zero3_functions.py), and every replacement of `REPLACEMENTS` that all ranks can take is set (a collective:
+    every rank calls it at the same point). The fingerprints are read with DeepSpeed's own functions in place, where
+    an earlier engine of the process replaced them."""
+    if engine.zero_optimization_stage() == 3 and not engine.is_deepcompile_enabled():
+        apply_zero3_functions_classically(engine.module)
     with deepspeeds_own_process_wide():
-        return sorted(path for path, read in READ.items() if source_fingerprint(path) != read)
+        return streamline(engine, replacements=REPLACEMENTS, read=READ)
 
 
-def as_read(paths: tuple[str, ...]) -> bool:
-    return not set(paths).intersection(changed_reads())
+def with_zero3(fast_path: FastPath, zero3: FastPath) -> FastPath:
+    """The optimizers' fast path (train/zero_optimizer.py) and ZeRO-3's bookkeeping as one, for the run's line."""
+    return FastPath(fast_path.on + zero3.on, {**fast_path.unfit, **zero3.unfit}, {**fast_path.changed, **zero3.changed},
+                    {**fast_path.differing, **zero3.differing}, fast_path.versions,
+                    {**(fast_path.read or zero_optimizer.READ), **(zero3.read or {})})  # fmt: skip
+
+
+def unfit(engine) -> str | None:
+    """Why an engine's ZeRO-3 bookkeeping is not the one every replacement was written for: another stage, DeepCompile,
+    an offload of the weights or the optimizer, hpZ's secondary partition, quantized weights, ZenFlow."""
+    if engine.zero_optimization_stage() != 3:
+        return f"ZeRO stage {engine.zero_optimization_stage()}"
+    if engine.is_deepcompile_enabled():
+        return "DeepCompile, which takes ZeRO-3's hooks out"
+    offloads = {"parameter offload": engine.zero_offload_param(), "optimizer offload": engine.zero_offload_optimizer()}
+    for name, offload in offloads.items():
+        if offload is not None and offload.device != "none":
+            return name
+    if engine.zero_hpz_partition_size() > 1:
+        return "hpZ"
+    if engine.zero_quantized_weights() or engine.zero_quantized_nontrainable_weights():
+        return "quantized weights"
+    return "ZenFlow" if engine.optimizer.zenflow else None
 
 
 # ---- NVTX ranges ---------------------------------------------------------------------------------------------------
 
 
-def ranges_off(engine) -> bool:
+def ranges_off(engine) -> None:
     """DeepSpeed's NVTX ranges off (its `enable_nvtx` switch, read at every call of a wrapped function)."""
-    if not as_read(RANGES_READS):
-        return False
     from deepspeed.utils import nvtx
 
     nvtx.enable_nvtx = False
-    return True
 
 
 # ---- process-wide: debug lines, module parameters -----------------------------------------------------------------
 
 
-def lazy_debug_lines(engine) -> bool:
+def lazy_debug_lines(engine) -> None:
     """ZeRO-3's modules call `print_message_when_asked` for `print_rank_0`: the same line printed in the same cases."""
-    return as_read(DEBUG_LINES_READS) and _replace_everywhere("print_rank_0", print_message_when_asked)
+    _replace_everywhere("print_rank_0", print_message_when_asked)
 
 
 def print_message_when_asked(message, debug: bool = False, force: bool = False) -> None:
@@ -181,9 +176,9 @@ def print_message_when_asked(message, debug: bool = False, force: bool = False) 
         print(message)
 
 
-def cached_module_parameters(engine) -> bool:
+def cached_module_parameters(engine) -> None:
     """The coordinator lists a module's parameters with `parameters_kept_on` instead of `iter_params`."""
-    return as_read(PARAMETERS_READS) and _replace_everywhere("iter_params", parameters_kept_on)
+    _replace_everywhere("iter_params", parameters_kept_on)
 
 
 def parameters_kept_on(module, recurse: bool = False) -> tuple:
@@ -197,20 +192,20 @@ def parameters_kept_on(module, recurse: bool = False) -> tuple:
     return (*parameters, *(param for _, param in external)) if external else parameters
 
 
-def _replace_everywhere(name: str, replacement: Callable) -> bool:
+def _replace_everywhere(name: str, replacement: Callable) -> None:
     """DeepSpeed's function `name` replaced by `replacement` in every module of `CALLERS[name]`."""
     modules = [importlib.import_module(module) for module in CALLERS[name]]
     REPLACED.setdefault(name, vars(modules[0])[name])  # the first time: DeepSpeed's own
     for module in modules:
         if vars(module)[name] is REPLACED[name]:
             setattr(module, name, replacement)
-    return True
 
 
 @contextlib.contextmanager
 def deepspeeds_own_process_wide() -> Iterator[None]:
     """For the block, DeepSpeed's NVTX ranges and its functions that are replaced process-wide, as DeepSpeed has them
-    (to read their source; bench/step_overhead.py times DeepSpeed's own bookkeeping beside ours in one process)."""
+    (to read their code; bench/step_overhead.py times DeepSpeed's own bookkeeping beside ours in one process); what
+    is replaced inside the block stays replaced after it."""
     from deepspeed.utils import nvtx
 
     switched = nvtx.enable_nvtx
@@ -221,25 +216,20 @@ def deepspeeds_own_process_wide() -> Iterator[None]:
         setattr(module, name, REPLACED[name])
     try:
         yield
-    finally:
-        nvtx.enable_nvtx = switched
+    finally:  # what was replaced inside the block stays so
+        nvtx.enable_nvtx = switched and nvtx.enable_nvtx
         for module, name, function in kept:
-            setattr(module, name, function)
+            if vars(module)[name] is REPLACED[name]:
+                setattr(module, name, function)
 
 
 # ---- the forward's marks -------------------------------------------------------------------------------------------
 
 
-def mark_forward_at_once(engine) -> bool:
+def mark_forward_at_once(engine) -> None:
     """The engine's `_forward_prologue` and `_forward_epilogue` as DeepSpeed's, their walk over the modules over a
     list taken once (the trainer attaches no module after `deepspeed.initialize`), where none of the engine's
-    optional parts runs in them (flops profiler, random-LTD, autotuning, fp16 input casting)."""
-    if not (engine.zero_optimization_partition_weights() and as_read(FORWARD_READS)):
-        return False
-    optional = (engine.flops_profiler_enabled(), engine.random_ltd_enabled(), engine.autotuning_profile_model_info(),
-                engine.fp16_auto_cast())  # fmt: skip
-    if any(optional):
-        return False
+    optional parts runs in them (flops profiler, random-LTD, autotuning, fp16 input casting: `_forward_unfit`)."""
     from deepspeed.runtime.utils import see_memory_usage
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
 
@@ -263,30 +253,23 @@ def mark_forward_at_once(engine) -> bool:
         see_memory_usage("Engine after forward", force=engine.memory_breakdown())
 
     engine._forward_prologue, engine._forward_epilogue = forward_prologue, forward_epilogue
-    return True
+
+
+def _forward_unfit(engine) -> str | None:
+    optional = {
+        "flops profiler": engine.flops_profiler_enabled(),
+        "random-LTD": engine.random_ltd_enabled(),
+        "autotuning": engine.autotuning_profile_model_info(),
+        "fp16 input casting": engine.fp16_auto_cast(),
+    }
+    return unfit(engine) or next((name for name, on in optional.items() if on), None)  # fmt: skip
 
 
 # ---- releasing every parameter -------------------------------------------------------------------------------------
 
 
-def _partitioned_as_the_trainer_does(engine, reads: tuple[str, ...]) -> bool:
-    """A ZeRO-3 optimizer of the DeepSpeed that was read (at `reads`) with the weights partitioned as the trainer
-    partitions them: on the device, without hpZ's secondary partition, quantized weights, an offload of the weights
-    or of the optimizer."""
-    optimizer = engine.optimizer
-    if f"{type(optimizer).__module__}.{type(optimizer).__qualname__}" != ZERO_3 or not as_read(reads):
-        return False
-    offloads = [engine.zero_offload_param(), engine.zero_offload_optimizer()]
-    if any(offload is not None and offload.device != "none" for offload in offloads):
-        return False
-    quantized = engine.zero_quantized_weights() or engine.zero_quantized_nontrainable_weights()
-    return not quantized and engine.zero_hpz_partition_size() == 1
-
-
-def release_every_parameter(engine) -> bool:
+def release_every_parameter(engine) -> None:
     """ZeRO-3's optimizer (`_partition_all_parameters`, at every step) releases every parameter in one loop."""
-    if not _partitioned_as_the_trainer_does(engine, RELEASE_READS):
-        return False
     optimizer = engine.optimizer
     offload_owner = optimizer.parameter_offload
     deepspeeds_own = optimizer._partition_all_parameters
@@ -301,7 +284,6 @@ def release_every_parameter(engine) -> bool:
         _release_all(offload_owner.get_param_coordinator(), [*parameters, *external])
 
     optimizer._partition_all_parameters = partition_all_parameters
-    return True
 
 
 def _release_all(coordinator, parameters: list) -> None:
@@ -332,13 +314,12 @@ def _release_all(coordinator, parameters: list) -> None:
 # ---- gathering the persistent parameters again ---------------------------------------------------------------------
 
 
-def gather_persistent_at_once(engine) -> bool:
+def gather_persistent_at_once(engine) -> None:
     """After each step ZeRO-3's optimizer gathers its persistent parameters (`_post_step`: those under
     `stage3_param_persistence_threshold`, the norms at 135M and every weight of the CPU toy) with one collective and
     one wait per parameter (`Init._all_gather`); here with DeepSpeed's coalesced gather, the one its forward fetches
-    use: one collective for all of them, each parameter cut from it, the same bytes."""
-    if not _partitioned_as_the_trainer_does(engine, GATHER_READS):
-        return False
+    use: one collective for all of them, each parameter cut from it, the same bytes. The ranks must agree: it calls
+    other collectives."""
     optimizer = engine.optimizer
 
     def post_step(timer_names) -> None:
@@ -351,22 +332,19 @@ def gather_persistent_at_once(engine) -> bool:
         optimizer.timers.log(timer_names)
 
     optimizer._post_step = post_step
-    return True
 
 
 # ---- the gradients' way into the reduce bucket and out of it -------------------------------------------------------
 
 
-def bucket_gradients_directly(engine) -> bool:
+def bucket_gradients_directly(engine) -> None:
     """Each parameter's gradient, when its module's backward is done, goes into the reduce bucket
     (`reduce_ready_partitions_and_remove_grads` -> `reduce_independent_p_g_buckets_and_remove_grads` ->
     `__add_grad_to_ipg_bucket`: ~50 calls a parameter through three methods, a `torch.no_grad` decorator and an NVTX
     wrapper); here the same steps in one function: the bucket reduced first where it is full or holds another
     process group's gradients, then the gradient copied into the bucket's buffer and the parameter's gradient made
-    a view of it. DeepSpeed's own where ZenFlow or AutoEP's folding correction is on."""
+    a view of it. DeepSpeed's own where AutoEP's folding correction is on."""
     optimizer = engine.optimizer
-    if not _partitioned_as_the_trainer_does(engine, BUCKET_READS) or optimizer.zenflow:
-        return False
     from deepspeed.accelerator import get_accelerator
 
     deepspeeds_own = optimizer.reduce_ready_partitions_and_remove_grads
@@ -395,7 +373,6 @@ def bucket_gradients_directly(engine) -> bool:
         _add_to_bucket(optimizer, device, param, bucket, group)
 
     optimizer.reduce_ready_partitions_and_remove_grads = reduce_ready_partitions_and_remove_grads
-    return True
 
 
 class Device:
@@ -425,13 +402,11 @@ def _add_to_bucket(optimizer, device: Device, param, bucket, group) -> None:
     bucket.elements += grad.numel()
 
 
-def partition_gradients_at_once(engine) -> bool:
+def partition_gradients_at_once(engine) -> None:
     """A reduced bucket's gradient partitions go into each parameter's slice of the rank's gradient partition
     (`partition_grads`, once per bucket: ~30 calls a parameter, among them the rank looked up through the process
     group for each); here with the rank looked up once, as every parameter of a bucket is in the same group
     (`__reduce_and_partition_ipg_grads` checks it before), the same copies and additions."""
-    if not _partitioned_as_the_trainer_does(engine, PARTITION_READS):
-        return False
     optimizer = engine.optimizer
     grad_partitions_by_id = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
 
@@ -456,7 +431,6 @@ def partition_gradients_at_once(engine) -> bool:
         return buffers
 
     optimizer.partition_grads = partition_grads
-    return True
 
 
 def _accumulate(optimizer, accelerator, grad_buffer, grad_partition) -> None:
@@ -475,19 +449,15 @@ def _accumulate(optimizer, accelerator, grad_buffer, grad_partition) -> None:
 # ---- fetching a module's parameters --------------------------------------------------------------------------------
 
 
-def fetch_in_one_pass(engine) -> bool:
+def fetch_in_one_pass(engine) -> None:
     """The coordinator's `fetch_sub_module` once the trace of a step is complete (from the third step on): the same
     gathers, waits and prefetches in the same order (`_fetch_in_one_pass`), without the profiler events, debug
     lines and the three decorators around it (~185 calls a module). DeepSpeed's own while it records the trace, with
     DEBUG logging on, and where it shards leaf modules fast or prefetches from NVMe (neither is set by the trainer)."""
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import partitioned_param_coordinator
 
-    if not _partitioned_as_the_trainer_does(engine, FETCH_READS) or partitioned_param_coordinator.ENABLE_PROFILER:
-        return False
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-    if coordinator.fast_sharding_for_leaf_module or coordinator._PartitionedParameterCoordinator__prefetch_nvme:
-        return False
-    from deepspeed.accelerator import get_accelerator
 
     deepspeeds_own, device = coordinator.fetch_sub_module, Device(get_accelerator())
     logger = partitioned_param_coordinator.logger
@@ -501,7 +471,17 @@ def fetch_in_one_pass(engine) -> bool:
         _fetch_one_at_a_time(coordinator, device, current_submodule, forward)
 
     coordinator.fetch_sub_module = fetch_sub_module
-    return True
+
+
+def _fetch_unfit(engine) -> str | None:
+    from deepspeed.runtime.zero import partitioned_param_coordinator
+
+    if unfit(engine):
+        return unfit(engine)
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    if coordinator.fast_sharding_for_leaf_module or coordinator._PartitionedParameterCoordinator__prefetch_nvme:
+        return "fast leaf-module sharding or NVMe prefetch"
+    return "the coordinator's profiler" if partitioned_param_coordinator.ENABLE_PROFILER else None
 
 
 def _fetch_one_at_a_time(coordinator, device: Device, module, forward: bool) -> None:
@@ -623,15 +603,13 @@ def _prefetch(coordinator, forward: bool, missing) -> None:
 # ---- the module hooks' work ----------------------------------------------------------------------------------------
 
 
-def hooks_without_wrapping(engine) -> bool:
+def hooks_without_wrapping(engine) -> None:
     """The work ZeRO-3's module hooks call before and after each module's forward and backward
     (`pre_sub_module_forward_function` and its three siblings of `DeepSpeedZeRoOffload`: trace the module, fetch its
     parameters before, release them after), without the `torch.no_grad` decorator (entered only where gradients are
     on) and the two memory reports around each that print only when forced (they never are). DeepSpeed's own with
     ZenFlow (which transposes the weights there)."""
     offload = engine.optimizer.parameter_offload
-    if not _partitioned_as_the_trainer_does(engine, HOOK_READS) or offload.zenflow:
-        return False
     from deepspeed.runtime.zero import parameter_offload
 
     coordinator = offload.get_param_coordinator()
@@ -658,4 +636,21 @@ def hooks_without_wrapping(engine) -> bool:
     offload.post_sub_module_forward_function = without_gradients(release, True)
     offload.pre_sub_module_backward_function = without_gradients(fetch, False)
     offload.post_sub_module_backward_function = without_gradients(release, False)
-    return True
+
+
+def _replacement(install: Callable[[object], None], reads: tuple[str, ...], why_not=unfit) -> Replacement:
+    return Replacement(install, {ENGINE: reads}, why_not)
+
+
+REPLACEMENTS = (
+    _replacement(ranges_off, RANGES_READS),
+    _replacement(lazy_debug_lines, DEBUG_LINES_READS),
+    _replacement(cached_module_parameters, PARAMETERS_READS),
+    _replacement(mark_forward_at_once, FORWARD_READS, _forward_unfit),
+    _replacement(release_every_parameter, RELEASE_READS),
+    _replacement(gather_persistent_at_once, GATHER_READS),
+    _replacement(bucket_gradients_directly, BUCKET_READS),
+    _replacement(partition_gradients_at_once, PARTITION_READS),
+    _replacement(fetch_in_one_pass, FETCH_READS, _fetch_unfit),
+    _replacement(hooks_without_wrapping, HOOK_READS),
+)

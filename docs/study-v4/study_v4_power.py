@@ -1,6 +1,6 @@
 """The power tables of docs/study-v4-protocol.md, from study v3's archived runs (docs/study-v3/runs).
 
-    python bench/study_v4_power.py [--seeds 24] [--archive docs/study-v3/runs]
+    python docs/study-v4/study_v4_power.py [--seeds 24] [--archive docs/study-v3/runs]
 
 For each hypothesis of `--decide v4` (study_decision.RULES["v4"]), its per-seed effect measured on v3's 16 seeds
 by the same code the rule applies (`Effect.per_seed`, with exact match per answer token class from
@@ -36,7 +36,7 @@ from ntl_pretrain.study.power import (
 from ntl_pretrain.study.report import by_variant
 from ntl_pretrain.study.runs import plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: this script lives in docs/<study>/
 V3_SEEDS = list(range(16))
 V3_ARMS = ("3digit/ce", "3digit/ntl-was-answer")
 EFFECTS = (0.05, 0.075, 0.10, 0.15)

@@ -1,7 +1,7 @@
 """The power tables of docs/study-v5-protocol.md, from study v4's exploratory regression pilot
 (docs/study-v4-pilot/runs: `regression/ce` and `regression/ntl-was-answer`, seeds 16–21).
 
-    python bench/study_v5_power.py [--seeds 24] [--archive docs/study-v4-pilot/runs]
+    python docs/study-v5/study_v5_power.py [--seeds 24] [--archive docs/study-v4-pilot/runs]
 
 The primary metric is `eval/regression_interpolation/log_mae`, mean log10(1 + |error|) over the 1,000 held-out
 answers, lower is better. Per hypothesis of `--decide v5` (study/decision.py, RULES["v5"]), its per-seed effect's
@@ -21,17 +21,19 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-from study_v4_power import power_row, rule_margin, rule_row
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "study-v4"))  # study v4's power rule, reused
+from study_v4_power import power_row, rule_margin, rule_row  # noqa: E402
 
 from ntl_pretrain.study.decision import RULES
 from ntl_pretrain.study.power import sd_upper_bound
 from ntl_pretrain.study.report import by_variant
 from ntl_pretrain.study.runs import plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: this script lives in docs/<study>/
 PILOT_SEEDS = list(range(16, 22))
 PILOT_ARMS = ("regression/ce", "regression/ntl-was-answer")
 EFFECTS = (0.01, 0.02, 0.03, 0.05)

@@ -1,7 +1,7 @@
 """The read-out of study v6's exploratory pilot (docs/study-v6-pilot-plan.md): where CE's error stops improving, and
 the seed-to-seed sd of each planned effect there.
 
-    python bench/study_v6_pilot.py [--archive docs/study-v6-pilot]
+    python docs/study-v6-pilot/study_v6_pilot.py [--archive docs/study-v6-pilot]
 
 Reads the archived runs of the pilot's commands (`<length>-<tokenizer>/runs/<run>/`: 1x and 2x, 3digit and 1digit,
 then 4x where CE still improved from 1x to 2x) and prints Markdown, descriptive only:
@@ -24,7 +24,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: this script lives in docs/<study>/
 METRIC = "eval/regression_interpolation/log_mae"
 PLATEAU_MARGIN = 0.025
 LENGTHS = ("1x", "2x", "4x")

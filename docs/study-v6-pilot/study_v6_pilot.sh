@@ -4,14 +4,14 @@
 # then the plan's 4x runs where CE still improved from 1x to 2x (the 1-3-digit noise-free arms).
 # Resumable: a finished run is not repeated. Run it in the folder of a clean clone of the plan's commit (`python -m`
 # imports the working folder's package before PYTHONPATH) with the main checkout's docs/ as DOCS, e.g.
-#   cd $CLONE && PYTHONPATH=$PWD bash bench/study_v6_pilot.sh /work/main/docs
+#   cd $CLONE && PYTHONPATH=$PWD bash docs/study-v6-pilot/study_v6_pilot.sh /work/main/docs
 # STAGE names (1x-3digit ... 4x-3digit) run only those; JOBS (default 2) is the runs at a time.
 set -euo pipefail
 docs=${1:?usage: study_v6_pilot.sh DOCS_FOLDER [RUNS_FOLDER [STAGE...]]}
 runs=${2:-runs/study-v6-pilot}
 shift $(($# < 2 ? $# : 2))
 only=" $* "
-recipes=$(cd "$(dirname "$0")/.." && pwd)/recipes/study
+recipes=$(cd "$(dirname "$0")/../.." && pwd)/recipes/study  # this script lives in docs/study-v6-pilot/
 chunked="regression/ce regression/ntl-was-answer regression-exact/ce regression-exact/ntl-was-answer"
 single="regression-1digit/ce regression-1digit/ntl-was-answer regression-exact-1digit/ce regression-exact-1digit/ntl-was-answer"
 

@@ -1,7 +1,7 @@
 """The power tables and thresholds of docs/study-v6-protocol.md, from study v6's exploratory pilot
 (docs/study-v6-pilot/, seeds 40 and 41) at the main study's length.
 
-    python bench/study_v6_power.py --length 2x [--seeds 12] [--archive docs/study-v6-pilot]
+    python docs/study-v6/study_v6_power.py --length 2x [--seeds 12] [--archive docs/study-v6-pilot]
 
 The primary metric is `eval/regression_interpolation/log_mae`, mean log10(1 + |error|) over the 1,000 held-out
 answers, lower is better. Each hypothesis's per-seed effect is measured on the pilot's runs of `--length` by the code
@@ -24,17 +24,19 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-from study_v4_power import power_row, rule_margin, rule_row
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "study-v4"))  # study v4's power rule, reused
+from study_v4_power import power_row, rule_margin, rule_row  # noqa: E402
 
 from ntl_pretrain.study.decision import LOG_ERROR, RULES, Hypothesis
 from ntl_pretrain.study.power import sd_upper_bound
 from ntl_pretrain.study.report import by_variant
 from ntl_pretrain.study.runs import StudyRun, plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: this script lives in docs/<study>/
 PILOT_SEEDS = [40, 41]
 V5_SEEDS = list(range(40, 64))
 ALPHAS = (0.05 / 6, 0.05)
