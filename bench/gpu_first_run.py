@@ -293,7 +293,8 @@ def doctor_rows(report: Path) -> dict:
 
 
 def heads(run: Run, name: str = "heads", vocab: int | None = None) -> dict:
-    out = run.out / f"{name.replace('_', '-')}.json"
+    """bench/gpu_heads.py's report: heads.json in $OUT, another width's into logs.tgz ($OUT holds at most 8 files)."""
+    out = (run.out if vocab is None else run.logs) / f"{name.replace('_', '-')}.json"
     # the dry run's Triton rows run in Triton's interpreter (`environment`): a few rows of the smallest vocabulary,
     # and only CE's kernels compiled offline for one architecture (each kernel costs seconds on CPU)
     sizes = ["--positions", "16", "--vocab", "2200", "--hidden", "16", "--device", "cpu", "--kernel-kinds", "None",
@@ -317,8 +318,8 @@ def heads_50257(run: Run) -> dict:
 
 def kernel_sweep(run: Run) -> dict:
     """bench/gpu_heads.py --sweep: the training loss's CE-only and WAS rows at each row block and warp count, in ms,
-    and Liger's CE on the same logits."""
-    out = run.out / "kernel-sweep.json"
+    and Liger's CE on the same logits (the report into logs.tgz: $OUT holds at most 8 files)."""
+    out = run.logs / "kernel-sweep.json"
     # the dry run interprets 24 configurations' kernels: 8 positions (the fewest the labels' draw takes) halve it
     sizes = ["--positions", "8", "--vocab", str(DRY_RAGGED_VOCAB), "--hidden", "16", "--device", "cpu"] \
         if run.dry_run else []  # fmt: skip

@@ -114,6 +114,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert "logs/train-125m-profile-steps-2-2.txt" in names
     assert "logs/plain-compiled.json" in names
     assert {"logs/study-v7-gpu.md", "logs/study-v7-gpu-runs/regression-ce-seed300/study.json"} <= set(names)
+    assert {"logs/heads-50257.json", "logs/kernel-sweep.json"} <= set(names)
     assert runner().marked_processes(summary["marker"].partition("=")[2]) == []  # the probe's runs were killed
 
 
