@@ -12,9 +12,9 @@ p the softmax over the row, q over the label's class, w, g_t, alpha and beta per
 the logit transform's chain rule. The loop over the row is plain softmax, w·p_j, in whole 16-byte vectors at any
 vocabulary width (`_row_split`); the label's column, then its class members get their whole gradient after it, so
 the NTL work is the class's columns of the number rows only, and the loop keeps to what Liger-Kernel's
-cross-entropy holds in registers (no spills at any width, bf16 or fp32: tests/test_triton_resources.py). The feature f_j of a
-number column: its value v_j (mse, mae, huber, number), its distance |v_j − y| from the label's value (was), or its
-summed digit differences Σ_i |d_j[i] − d_t[i]| (digits).
+cross-entropy holds in registers (no spills at any width, bf16 or fp32: tests/test_triton_resources.py). The
+feature f_j of a number column: its value v_j (mse, mae, huber, number), its distance |v_j − y| from the label's
+value (was), or its summed digit differences Σ_i |d_j[i] − d_t[i]| (digits).
 
 Imported only when the Triton backend runs (backend.py): `@triton.jit` decides at import whether the kernels are
 compiled for the GPU or interpreted on CPU tensors (`TRITON_INTERPRET=1`).
