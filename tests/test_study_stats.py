@@ -396,3 +396,23 @@ def test_v6_asks_four_gains_and_two_differences_of_them_over_the_v6_recipes(tmp_
     raw = [paired_stats(per_seed[h.name]) for h in V6.hypotheses]
     assert [v.p_permutation_corrected for v in verdicts] == holm([stats.p_permutation for stats in raw])
     assert raw[0].n == n and min(v.p_permutation_corrected for v in verdicts) == pytest.approx(6 * 2 / 2**n)
+
+
+def test_v7_asks_v6s_four_gains_over_the_v7_recipes_and_reads_each_run_early_stopped(tmp_path: Path) -> None:
+    """docs/study-v7-protocol.md: H1–H4 are v6's gains (NTL-WAS against CE per folder, v5's guard on answers without a
+    number) over recipes/study/v7, one m for all four, Holm over the four, and each run's best validation answer-CE
+    read as well. Gains of 3 m under 1–3-digit tokens and 0 under single digits: H1 and H3 help, H2 and H4 show no
+    useful effect; the smallest corrected permutation p is 4 × 2/2^12."""
+    v7 = RULES["v7"]
+    assert v7.variants() == {f"{folder}/{arm}" for folder in V6_FOLDERS for arm in ("ce", "ntl-was-answer")}
+    plan(REPO / "recipes" / "study" / "v7", sorted(v7.variants()), [76], tmp_path)  # every variant has its recipe
+    m = v7.hypotheses[0].min_gain
+    assert m > 0 and {(h.min_gain, h.no_effect_margin) for h in v7.hypotheses} == {(m, m)}
+    assert [h.name for h in v7.hypotheses] == ["H1", "H2", "H3", "H4"] and v7.early_stopping == "val_answer_ce"
+    assert [h.guard for h in v7.hypotheses] == [Effect(UNPARSEABLE, higher_is_better=False)] * 4
+    assert [(h.variant, h.baseline) for h in v7.hypotheses] == [(h.variant, h.baseline) for h in V6.hypotheses[:4]]
+    n = 12
+    gains = {"regression": 3 * m, "regression-exact": 3 * m, "regression-1digit": 0.0, "regression-exact-1digit": 0.0}
+    verdicts = decide(v7, v6_runs(gains, n))
+    assert [v.outcome for v in verdicts] == [HELPS, NO_EFFECT, HELPS, NO_EFFECT]
+    assert min(v.p_permutation_corrected for v in verdicts) == pytest.approx(4 * 2 / 2**n)

@@ -16,9 +16,11 @@ each corrected over the rule's hypotheses (Holm or Bonferroni) at α. In order:
 RULES: `v3` (docs/study-v3-protocol.md: log-error, `3digit/ntl-was` and `3digit/ntl-was-answer` against
 `3digit/ce`, with an exact-match guard), `v3-gpu` (its GPU arm: exact match, Bonferroni), `v4`
 (docs/study-v4-protocol.md: three hypotheses, each on its own exact-match effect), `v5`
-(docs/study-v5-protocol.md: log-error under two tokenizers, and the difference of the two gains, `against`) and `v6`
+(docs/study-v5-protocol.md: log-error under two tokenizers, and the difference of the two gains, `against`), `v6`
 (docs/study-v6-protocol.md: log-error at the end of a longer training under two tokenizers with and without label
-noise, and the differences between the tokenizers and between the noise levels).
+noise, and the differences between the tokenizers and between the noise levels) and `v7` (docs/study-v7-protocol.md:
+v6's four gains where each training question is seen about once or twice, with each run's best validation step read
+too).
 """
 
 from __future__ import annotations
@@ -319,6 +321,27 @@ V6 = DecisionRule(
     ),
 )  # fmt: skip
 
+# Study v7 (docs/study-v7-protocol.md): v6's four gains, H1–H4 as v6 names them, asked again where each training
+# question is seen about 1.8 times (recipes/study/v7); m by study v4's rule at the larger 80% upper bound of the pilot's
+# and v6's sd of a gain (docs/study-v7/study_v7_power.py); each run also read at its best validation answer-CE
+# (study/regime.py, secondary).
+V7_M = 0.055
+V7 = DecisionRule(
+    hypotheses=(
+        _v6_gain("H1", "regression", V7_M,
+                 "with data seen about once, CE + NTL-WAS makes smaller errors than CE under 1–3-digit tokens (noisy)"),
+        _v6_gain("H2", "regression-1digit", V7_M,
+                 "with data seen about once, CE + NTL-WAS makes smaller errors than CE under single digits (noisy)"),
+        _v6_gain("H3", "regression-exact", V7_M,
+                 "with data seen about once, CE + NTL-WAS makes smaller errors than CE under 1–3-digit tokens without "
+                 "label noise"),
+        _v6_gain("H4", "regression-exact-1digit", V7_M,
+                 "with data seen about once, CE + NTL-WAS makes smaller errors than CE under single digits without "
+                 "label noise"),
+    ),
+    early_stopping="val_answer_ce",
+)  # fmt: skip
+
 # The protocol's rules by name (`ntl-pretrain study --decide NAME`).
 RULES = {
     "v3": same_effect_rule(
@@ -339,4 +362,5 @@ RULES = {
     "v4": V4,
     "v5": V5,
     "v6": V6,
+    "v7": V7,
 }
