@@ -199,5 +199,6 @@ def test_a_rank_without_usable_records_ends_the_whole_job_naming_the_source(tmp_
     assert done.stderr.count("data error") == 1 and len(last) <= 300, done.stderr[-3000:]  # the supervisor says it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.parquet", "run"]  # no run.lock beside the folder
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["logs", "recipe.yaml"]
-    assert [p.name for p in (tmp_path / "run" / "logs").iterdir()] == ["libraries-rank0.log"]
+    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["libraries-rank0.log", "supervisor.log"]
+    assert "rank 1: data error: source 'one'" in (tmp_path / "run" / "logs" / "supervisor.log").read_text()
     assert (tmp_path / "run" / "recipe.yaml").read_text() == "# an earlier recipe\n"

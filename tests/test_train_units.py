@@ -114,7 +114,7 @@ class TestCheckpointFolders:
         root = self.make_run(tmp_path, [10, 20])
         (root / "step_30.tmp").mkdir()
         (root / "step_30.tmp" / "weights").write_text("w")
-        checkpoint._publish(root, "step_30.tmp", "step_30")
+        checkpoint._publish(root, "step_30.tmp", "step_30", 30)
         checkpoint._prune(root, root / "step_30", keep_last=2)
         assert (root / checkpoint.LATEST).read_text() == "step_30"
         assert [p.name for p in checkpoint.published_steps(root)] == ["step_20", "step_30"]
