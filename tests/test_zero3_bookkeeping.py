@@ -17,7 +17,7 @@ from helpers.distributed import run_distributed
 from helpers.launches import TINY
 
 from ntl_pretrain.config.deepspeed import deepspeed_on_this_machine
-from ntl_pretrain.train import zero3_bookkeeping
+from ntl_pretrain.train import zero3_bookkeeping, zero3_linear
 from ntl_pretrain.train.source_fingerprint import fingerprint
 from ntl_pretrain.train.zero_optimizer import FastPath
 
@@ -45,7 +45,7 @@ def trainer(folder: Path, *overrides: str):
     run_overrides = ["data.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=4",
                      f"train.max_steps={STEPS}", "train.eval_every_steps=null", "logging.progress_bar=false",
                      f"train.output_dir={folder}", "train.resume=null", *overrides]  # fmt: skip
-    return Trainer(*load_run(TINY, run_overrides, 2))
+    return Trainer(*load_run(TINY, run_overrides, torch.distributed.get_world_size()))
 
 
 def train(folder: Path, ours: bool) -> dict:
@@ -58,7 +58,8 @@ def train(folder: Path, ours: bool) -> dict:
     deepspeeds = mock.patch("ntl_pretrain.train.trainer.streamline_zero3", lambda engine: FastPath((), {}, {}, {}, {}))
     with contextlib.nullcontext() if ours else deepspeeds:
         run = trainer(folder)
-    record = {"replaced": replaced(run.engine), "losses": []}
+    persistent = len(run.engine.optimizer.persistent_parameters)
+    record = {"replaced": replaced(run.engine), "losses": [], "persistent": persistent}
     release = PartitionedParameterCoordinator.release_and_reset_all
     with mock.patch.object(PartitionedParameterCoordinator, "release_and_reset_all", autospec=True,
                            side_effect=release) as deepspeeds_release:  # fmt: skip
@@ -90,8 +91,10 @@ def replaced(engine) -> set[str]:
         "print_rank_0": partition_parameters.print_rank_0,
         "iter_params": partitioned_param_coordinator.iter_params,
         "offload's iter_params": parameter_offload.iter_params,
+        "F.linear": torch.nn.functional.linear,
     }
-    ours = {name for name, function in process_wide.items() if function.__module__ == zero3_bookkeeping.__name__}
+    modules = {zero3_bookkeeping.__name__, zero3_linear.__name__}
+    ours = {name for name, function in process_wide.items() if function.__module__ in modules}
     return instances | ours | ({"nvtx off"} if not nvtx.enable_nvtx else set())
 
 
@@ -104,10 +107,13 @@ def same_training(folder: str) -> None:
                                 "reduce_ready_partitions_and_remove_grads", "partition_grads", "fetch_sub_module",
                                 "pre_sub_module_forward_function", "post_sub_module_forward_function",
                                 "pre_sub_module_backward_function", "post_sub_module_backward_function",
-                                "print_rank_0", "iter_params", "offload's iter_params", "nvtx off"}  # fmt: skip
+                                "print_rank_0", "iter_params", "offload's iter_params", "F.linear",
+                                "nvtx off"}  # fmt: skip
+    assert ours["persistent"] == theirs["persistent"] > 0  # gathered again after each step (made available at 1 rank)
     assert ours["losses"] == theirs["losses"]
     assert all(torch.equal(a, b) for a, b in zip(ours["weights"], theirs["weights"], strict=True))
-    assert ours["deepspeeds_releases"] == 0 and theirs["deepspeeds_releases"] >= STEPS
+    assert ours["deepspeeds_releases"] == 0  # DeepSpeed releases every parameter at each step only over 2+ ranks
+    assert theirs["deepspeeds_releases"] >= STEPS or torch.distributed.get_world_size() == 1
     assert sorted(ours["saved"]) == sorted(theirs["saved"])
     for name in ours["saved"]:
         assert_same_tensors(ours["saved"][name], theirs["saved"][name], name)
@@ -165,6 +171,19 @@ def check_everything(folder: str) -> None:
     deepcompile_takes_the_hooks(folder)
 
 
+def check_one_rank(folder: str) -> None:
+    """One rank: the persistent parameters are not gathered, only made available (`gather_persistent_at_once`)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    same_training(folder)
+
+
 @pytest.mark.slow
 def test_our_zero3_bookkeeping_trains_as_deepspeeds_and_says_when_it_is_off(tmp_path):
     run_distributed(check_everything, 2, str(tmp_path), timeout_s=600)
+
+
+@pytest.mark.slow
+def test_on_one_rank_our_zero3_bookkeeping_trains_as_deepspeeds(tmp_path):
+    run_distributed(check_one_rank, 1, str(tmp_path), timeout_s=600)

@@ -27,7 +27,7 @@ def fingerprint(path: str) -> str:
     `module.Class.function`); `UNREADABLE` when it is not there (moved, renamed) or has no source (installed as
     bytecode only)."""
     try:
-        return fingerprint_source(inspect.getsource(_unwrapped(_resolve(path))))
+        return fingerprint_source(inspect.getsource(unwrapped(_resolve(path))))
     except (ImportError, AttributeError, KeyError, OSError, TypeError, SyntaxError):
         return UNREADABLE
 
@@ -52,7 +52,7 @@ def _resolve(path: str):
     raise ImportError(path)
 
 
-def _unwrapped(function):
+def unwrapped(function):
     """The function a profiling decorator wraps (DeepSpeed's `instrument_w_nvtx` keeps it as the closure's `func`,
     without `functools.wraps`), also under a decorator that keeps it as `__wrapped__` (torch's `_disable_dynamo`, which
     DeepSpeed's `lazy_disable` puts around `instrument_w_nvtx`, copying its name)."""

@@ -29,6 +29,8 @@ against ~20k for a plain step. Each replacement below is set as train/zero_optim
   (each backward): see their docstrings. The optimizer instance only.
 - `fetch_in_one_pass` and `hooks_without_wrapping` (each module's forward and backward): see their docstrings. The
   coordinator and the parameter offload (ZeRO-3's hook owner) instances only.
+- `lean_linear` (each linear layer's forward and backward): ZeRO-3's `F.linear` without the Python around its
+  arithmetic (train/zero3_linear.py). Process-wide, where DeepSpeed's is in place.
 
 None of them changes a tensor: the weights, gradients and losses are DeepSpeed's bit for bit.
 """
@@ -44,7 +46,9 @@ import torch
 import torch.distributed as dist
 
 from ntl_pretrain.train import zero_optimizer
+from ntl_pretrain.train.source_fingerprint import unwrapped
 from ntl_pretrain.train.zero3_functions import apply_zero3_functions_classically
+from ntl_pretrain.train.zero3_linear import LINEAR, LINEAR_READS, is_deepspeeds, lean_zero3_linear
 from ntl_pretrain.train.zero_optimizer import ZERO_3, FastPath, Replacement, streamline
 
 NVTX = "deepspeed.utils.nvtx"
@@ -68,6 +72,8 @@ READ = {
     f"{PARTITIONING}.Init._partition_param": "c40fe0e8d7dc8a27",
     f"{PARTITIONING}.free_param": "2ef8a4de4d97af40",
     f"{ZERO_3}._post_step": "b05190090457d268",
+    f"{PARTITIONING}._no_gather_coalesced": "a3ceb0eab19d9b84",
+    f"{PARTITIONING}.Init.get_partition_dp_group": "f789f43a4142c2af",
     f"{PARTITIONING}.Init._convert_to_deepspeed_param": "db169e22c0e5767a",
     f"{ENGINE}._forward_prologue": "7bbd47634759f35f",
     f"{ENGINE}._forward_epilogue": "ea8ba2a4f3fc7b1f",
@@ -86,11 +92,23 @@ READ = {
     f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_forward_function": "aa95c5251a194202",
     f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_backward_function": "cdd15a50f290b476",
     f"{OFFLOAD}.DeepSpeedZeRoOffload.post_sub_module_backward_function": "7846ceae2e57951b",
+    f"{LINEAR}.LinearFunctionForZeroStage3.forward": "2d4a4ca16d55862b",
+    f"{LINEAR}.LinearFunctionForZeroStage3.setup_context": "3b553efe8bde5fc2",
+    f"{LINEAR}.LinearFunctionForZeroStage3.backward": "5f5864b136d36384",
+    f"{LINEAR}.zero3_linear_wrap": "e09afd6e4fc73a54",
+    f"{LINEAR}._is_autocast_enabled": "1cf7e7bdb2d2db5b",
+    f"{LINEAR}._get_autocast_dtype": "730622036a79135f",
+    "deepspeed.runtime.zero.utils.is_zero_param": "1d3088d7f2231566",
 }
 RANGES_READS = (f"{NVTX}.instrument_w_nvtx",)
 DEBUG_LINES_READS = (f"{PARTITIONING}.print_rank_0",)
 PARAMETERS_READS = (f"{COORDINATION}.iter_params", f"{COORDINATION}.get_all_parameters")
-GATHER_READS = (f"{ZERO_3}._post_step", f"{PARTITIONING}.Init._convert_to_deepspeed_param")
+GATHER_READS = (
+    f"{ZERO_3}._post_step",
+    f"{PARTITIONING}.Init._convert_to_deepspeed_param",
+    f"{PARTITIONING}._no_gather_coalesced",
+    f"{PARTITIONING}.Init.get_partition_dp_group",
+)
 FORWARD_READS = (f"{ENGINE}._forward_prologue", f"{ENGINE}._forward_epilogue", f"{OFFLOAD}.ensure_zero_ordered_dict")
 BUCKET_READS = tuple(f"{ZERO_3}.{name}" for name in (
     "reduce_ready_partitions_and_remove_grads", "reduce_independent_p_g_buckets_and_remove_grads",
@@ -104,12 +122,13 @@ HOOK_READS = tuple(f"{OFFLOAD}.DeepSpeedZeRoOffload.{when}_sub_module_{phase}_fu
                    for when in ("pre", "post") for phase in ("forward", "backward"))  # fmt: skip
 RELEASE_READS = tuple(path for path in READ if path not in RANGES_READS + DEBUG_LINES_READS + PARAMETERS_READS
                       + GATHER_READS + FORWARD_READS + BUCKET_READS + PARTITION_READS + FETCH_READS
-                      + HOOK_READS)  # fmt: skip
+                      + HOOK_READS + LINEAR_READS)  # fmt: skip
 # DeepSpeed's module-level functions replaced process-wide: the modules that call each by its global name (each
 # imports it with `from ... import *` or by name).
 CALLERS = {
     "print_rank_0": (PARTITIONING, COORDINATION, OFFLOAD, "deepspeed.runtime.zero.stage3"),
     "iter_params": (COORDINATION, OFFLOAD),
+    "linear": ("torch.nn.functional",),  # ZeRO-3's own in place of torch's: train/zero3_linear.py
 }
 REPLACED: dict[str, Callable] = {}  # DeepSpeed's own function of each process-wide replacement, once it is replaced
 PARAMETERS_KEPT = "_ntl_zero3_parameters"  # where a module keeps its parameter tuples ({recurse: (...)})
@@ -246,9 +265,10 @@ def mark_forward_at_once(engine) -> None:
             module._parameters._in_forward = True
 
     def forward_epilogue() -> None:
-        for module in modules:
-            if isinstance(module._parameters, ZeROOrderedDict):
-                module._parameters._in_forward = False
+        for module in modules:  # the prologue made each a ZeROOrderedDict: `isinstance` only for what replaced one
+            parameters = module._parameters
+            if parameters.__class__ is ZeROOrderedDict or isinstance(parameters, ZeROOrderedDict):
+                parameters._in_forward = False
         engine._stop_timers(engine.engine_timers.forward_timers)
         see_memory_usage("Engine after forward", force=engine.memory_breakdown())
 
@@ -276,22 +296,31 @@ def release_every_parameter(engine) -> None:
     # The module's parameters do not change after ZeRO-3 has converted them; those a hook registers later as
     # external to the module (a module that returns a parameter) are read at each call, as DeepSpeed does.
     parameters = tuple(offload_owner.module.parameters())
+    free_param = _free_param()
 
     def partition_all_parameters() -> None:
         if logging.getLogger("DeepSpeed").isEnabledFor(logging.DEBUG):  # DeepSpeed logs each release
             return deepspeeds_own()
         external = [param for _, param in offload_owner.module.ds_external_parameters()]
-        _release_all(offload_owner.get_param_coordinator(), [*parameters, *external])
+        _release_all(offload_owner.get_param_coordinator(), [*parameters, *external], free_param)
 
     optimizer._partition_all_parameters = partition_all_parameters
 
 
-def _release_all(coordinator, parameters: list) -> None:
+def _free_param() -> Callable:
+    """DeepSpeed's `free_param`; with the NVTX ranges off, without the wrapper that would only call it."""
+    from deepspeed.runtime.zero.partition_parameters import free_param
+    from deepspeed.utils import nvtx
+
+    return free_param if nvtx.enable_nvtx else unwrapped(free_param)
+
+
+def _release_all(coordinator, parameters: list, free_param: Callable) -> None:
     """`PartitionedParameterCoordinator.release_and_reset_all(module)` and its check after it, for the module's
     `parameters`: a parameter in flight is waited for, every parameter's active submodules are forgotten, every
-    available one is freed."""
+    available one is freed (by DeepSpeed's `free_param`)."""
     import torch
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     inflight = coordinator._PartitionedParameterCoordinator__inflight_param_registry.data
     available, released = ZeroParamStatus.AVAILABLE, 0
@@ -319,13 +348,22 @@ def gather_persistent_at_once(engine) -> None:
     `stage3_param_persistence_threshold`, the norms at 135M and every weight of the CPU toy) with one collective and
     one wait per parameter (`Init._all_gather`); here with DeepSpeed's coalesced gather, the one its forward fetches
     use: one collective for all of them, each parameter cut from it, the same bytes. The ranks must agree: it calls
-    other collectives."""
+    other collectives. Where every persistent parameter's partition group is this rank alone (one rank, the CPU toy
+    and a one-GPU run), that gather ends in `_no_gather_coalesced` after ~20 calls a parameter of checks and group
+    lookups (`all_gather_coalesced`); the groups are fixed when the parameters are converted, so that is asked once
+    and `_no_gather_coalesced` called directly."""
+    from deepspeed.runtime.zero.partition_parameters import _no_gather_coalesced
+
     optimizer = engine.optimizer
+    alone: list[bool] = []  # whether every persistent parameter is partitioned over one rank, asked at the first step
 
     def post_step(timer_names) -> None:
         if optimizer.persistent_parameters:
             persistent = optimizer.persistent_parameters
-            persistent[0].all_gather_coalesced(persistent).wait()
+            if not alone:
+                alone.append(all(dist.get_world_size(group=param.ds_process_group) == 1 for param in persistent))
+            gather = _no_gather_coalesced if alone[0] else persistent[0].all_gather_coalesced
+            gather(persistent).wait()
         if optimizer.swap_optimizer:
             optimizer.optimizer_swapper.log_timers()
         optimizer.invalidate_secondary_tensor()
@@ -390,16 +428,17 @@ def _add_to_bucket(optimizer, device: Device, param, bucket, group) -> None:
     if not device.orders_itself:
         optimizer.reduce_and_partition_stream.wait_stream(accelerator.current_stream())
     grad = param.grad
-    if optimizer.contiguous_gradients and bucket.elements + grad.numel() <= optimizer.reduce_bucket_size:
+    numel = grad.numel()
+    if optimizer.contiguous_gradients and bucket.elements + numel <= optimizer.reduce_bucket_size:
         with accelerator.stream(optimizer.reduce_and_partition_stream):
-            in_bucket = bucket.buffer.narrow(0, bucket.elements, grad.numel()).view_as(grad)
+            in_bucket = bucket.buffer.narrow(0, bucket.elements, numel).view_as(grad)
             in_bucket.copy_(grad, non_blocking=True)
             if not device.synchronized:
                 grad.record_stream(accelerator.current_stream())
             grad.data = in_bucket
     bucket.params.append(param)
     bucket.process_group = group
-    bucket.elements += grad.numel()
+    bucket.elements += numel
 
 
 def partition_gradients_at_once(engine) -> None:
@@ -516,19 +555,20 @@ def _fetch_one_at_a_time(coordinator, device: Device, module, forward: bool) -> 
 
 def _fetch_in_one_pass(coordinator, device: Device, module, forward: bool, is_leaf: bool) -> None:
     """`_fetch_sub_module_impl` with a complete trace: gather what is not available, wait for what is in flight, take
-    this module's parameters off the prefetch queue, prefetch the next ones up to the bucket size."""
+    this module's parameters off the prefetch queue, prefetch the next ones up to the bucket size. DeepSpeed's sets
+    of parameters are kept here by `id` (what a tensor's hash is, without a Python `Tensor.__hash__` call each)."""
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordination
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     gathered, missing = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
-    params_to_fetch = set(coordination.iter_params(module, recurse=is_leaf))
-    unavailable = [param for param in params_to_fetch if param.ds_status is missing]
+    params_to_fetch = {id(param): param for param in coordination.iter_params(module, recurse=is_leaf)}
+    unavailable = [param for param in params_to_fetch.values() if param.ds_status is missing]
     if unavailable and sum(param.partition_numel() for param in unavailable) > 0:
-        coordinator._PartitionedParameterCoordinator__all_gather_params(params_to_fetch, forward)
+        coordinator._PartitionedParameterCoordinator__all_gather_params(set(params_to_fetch.values()), forward)
     inflight = coordinator._PartitionedParameterCoordinator__inflight_param_registry.data
     active_backward = coordinator._PartitionedParameterCoordinator__active_backward_submodules
     in_checkpoint_recompute = forward and torch._C._current_graph_task_id() != -1
-    for param in params_to_fetch:
+    for param in params_to_fetch.values():
         param.ds_active_sub_modules.add(module.ds_id)
         if in_checkpoint_recompute and active_backward and not param.requires_grad:
             coordination.update_recompute_parameters(next(reversed(active_backward.values())), param)
@@ -558,21 +598,21 @@ def _wait_for(coordinator, device: Device, handle) -> None:
             ongoing.append(event)
 
 
-def _take_off_the_queue(coordinator, module, params_to_fetch: set) -> None:
-    """This module's parameters not yet fetched for this point of the trace, popped off the prefetch queue (which
-    must hold exactly them next)."""
+def _take_off_the_queue(coordinator, module, params_to_fetch: dict) -> None:
+    """This module's parameters (`params_to_fetch`, by id) not yet fetched for this point of the trace, popped off the
+    prefetch queue (which must hold exactly them next)."""
     step_id = coordinator._PartitionedParameterCoordinator__step_id
     queue = coordinator._PartitionedParameterCoordinator__param_queue
     last_fetched_for = coordinator._PartitionedParameterCoordinator__most_recent_step_id_param_fetched_for
-    not_fetched = {param for param in params_to_fetch if last_fetched_for[param] < step_id}
-    discarded = set()
+    not_fetched = {key for key, param in params_to_fetch.items() if last_fetched_for[param] < step_id}
+    discarded = {}
     while queue and len(discarded) < len(not_fetched):
         in_trace = queue.popleft()
         last_fetched_for[in_trace.param] = in_trace.step_id_last_used_at
-        discarded.add(in_trace.param)
-    if discarded != not_fetched:
-        expected = tuple(param.ds_summary(use_debug_name=True) for param in not_fetched)
-        got = tuple(param.ds_summary(use_debug_name=True) for param in discarded)
+        discarded[id(in_trace.param)] = in_trace.param
+    if discarded.keys() != not_fetched:
+        expected = tuple(params_to_fetch[key].ds_summary(use_debug_name=True) for key in not_fetched)
+        got = tuple(param.ds_summary(use_debug_name=True) for param in discarded.values())
         where = f"module id: {module.ds_id}, training: {module.training}"
         raise RuntimeError(f"tracing error at step {step_id}: \n{where}\nexpected the next {len(not_fetched)} "
                            f"parameters in the parameter fetch queue to be {expected} \nbut got \n {got}.")  # fmt: skip
@@ -587,17 +627,18 @@ def _prefetch(coordinator, forward: bool, missing) -> None:
     budget = min(limit - coordinator._PartitionedParameterCoordinator__n_available_params, bucket_size)
     queue = coordinator._PartitionedParameterCoordinator__param_queue
     last_fetched_for = coordinator._PartitionedParameterCoordinator__most_recent_step_id_param_fetched_for
-    to_prefetch, numel = set(), 0
+    to_prefetch, numel = {}, 0
     while queue and numel < budget:
         in_trace = queue.popleft()
         param = in_trace.param
-        do_prefetch = param.ds_status is missing and param not in to_prefetch
-        last_fetched_for[param] = max(last_fetched_for[param], in_trace.step_id_last_used_at)
+        do_prefetch = param.ds_status is missing and id(param) not in to_prefetch
+        if in_trace.step_id_last_used_at > last_fetched_for[param]:  # DeepSpeed's max(), stored only where it grows
+            last_fetched_for[param] = in_trace.step_id_last_used_at
         if do_prefetch:
-            to_prefetch.add(param)
+            to_prefetch[id(param)] = param
             numel += param.ds_numel
     if numel > 0:
-        coordinator._PartitionedParameterCoordinator__all_gather_params(to_prefetch, forward)
+        coordinator._PartitionedParameterCoordinator__all_gather_params(set(to_prefetch.values()), forward)
 
 
 # ---- the module hooks' work ----------------------------------------------------------------------------------------
@@ -642,6 +683,28 @@ def _replacement(install: Callable[[object], None], reads: tuple[str, ...], why_
     return Replacement(install, {ENGINE: reads}, why_not)
 
 
+# ---- the linear layer ----------------------------------------------------------------------------------------------
+
+
+def lean_linear(engine) -> None:
+    """`F.linear` is `lean_zero3_linear` (train/zero3_linear.py) where it is DeepSpeed's ZeRO-3 linear."""
+    from deepspeed.accelerator import get_accelerator
+
+    if "linear" in REPLACED or is_deepspeeds(torch.nn.functional.linear):
+        _replace_everywhere("linear", lean_zero3_linear(get_accelerator().device_name()))
+
+
+def _linear_unfit(engine) -> str | None:
+    """Whatever else the engine offloads or partitions, its linear layers gather and release their weights the same
+    way; only a ZeRO-3 engine without DeepCompile has DeepSpeed's linear in place (unless a recipe turns
+    `memory_efficient_linear` off, or quantized weights wrap it)."""
+    if engine.zero_optimization_stage() != 3 or engine.is_deepcompile_enabled():
+        return unfit(engine)
+    if "linear" not in REPLACED and not is_deepspeeds(torch.nn.functional.linear):
+        return "F.linear is not DeepSpeed's ZeRO-3 linear"
+    return None
+
+
 REPLACEMENTS = (
     _replacement(ranges_off, RANGES_READS),
     _replacement(lazy_debug_lines, DEBUG_LINES_READS),
@@ -653,4 +716,5 @@ REPLACEMENTS = (
     _replacement(partition_gradients_at_once, PARTITION_READS),
     _replacement(fetch_in_one_pass, FETCH_READS, _fetch_unfit),
     _replacement(hooks_without_wrapping, HOOK_READS),
+    _replacement(lean_linear, LINEAR_READS, _linear_unfit),
 )
