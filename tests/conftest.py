@@ -1,6 +1,7 @@
 """Fixtures several test files share. Helper modules live in tests/helpers/ (`from helpers.launches import TINY`)."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -10,6 +11,12 @@ import torch
 # before anything imports triton (transformers' model modules do), for the whole session and the ranks it spawns
 # (tests/test_loss_triton.py). The torch backend, and `auto` on CPU, never import triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# A session started under `nohup` (or any parent that ignores SIGHUP) would pass SIG_IGN on to every process the
+# tests start, and the trainer honours an inherited SIG_IGN (issue 72): the tests that hang up on a command would see
+# it go on. They run as from a terminal; the test of `nohup` itself sets SIG_IGN in the process it starts.
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session", autouse=True)
