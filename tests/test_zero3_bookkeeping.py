@@ -112,8 +112,10 @@ def same_training(folder: str) -> None:
     assert ours["persistent"] == theirs["persistent"] > 0  # gathered again after each step (made available at 1 rank)
     assert ours["losses"] == theirs["losses"]
     assert all(torch.equal(a, b) for a, b in zip(ours["weights"], theirs["weights"], strict=True))
-    assert ours["deepspeeds_releases"] == 0  # DeepSpeed releases every parameter at each step only over 2+ ranks
-    assert theirs["deepspeeds_releases"] >= STEPS or torch.distributed.get_world_size() == 1
+    # DeepSpeed's release of every parameter ran at each optimizer step (a global batch of 4 rows: the 20 calls of 2
+    # micro-batches are 20 steps on 2 ranks, 10 on 1); ours replaced it
+    assert ours["deepspeeds_releases"] == 0
+    assert theirs["deepspeeds_releases"] >= STEPS * torch.distributed.get_world_size() // 2
     assert sorted(ours["saved"]) == sorted(theirs["saved"])
     for name in ours["saved"]:
         assert_same_tensors(ours["saved"][name], theirs["saved"][name], name)
