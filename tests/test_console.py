@@ -64,9 +64,9 @@ def test_unattended_console_starts_with_the_runs_shape(unattended):
         # which of DeepSpeed's internals the trainer replaces (train/zero_optimizer.py), also in logs/
         "DeepSpeed fast path: on: foreach_gradient_norm, ranges_off, lazy_debug_lines, cached_module_parameters, "
         "mark_forward_at_once, release_every_parameter, gather_persistent_at_once, bucket_gradients_directly, "
-        "partition_gradients_at_once, fetch_in_one_pass, hooks_without_wrapping, lean_linear; not for this run: "
-        "skip_gradient_scan, reduce_into_partition, keep_weights_in_place, clear_skipped_gradients (DeepSpeed runs "
-        "DeepSpeedZeroOptimizer_Stage3)",
+        "partition_gradients_at_once, scatter_alone, fetch_in_one_pass, hooks_without_wrapping, lean_linear; not for "
+        "this run: skip_gradient_scan, reduce_into_partition, keep_weights_in_place, clear_skipped_gradients "
+        "(DeepSpeed runs DeepSpeedZeroOptimizer_Stage3)",
     ]
     assert (output_dir / "logs" / "deepspeed-fast-path.txt").read_text() == lines[4 + len(starting)] + "\n"
     assert "[INFO]" not in console and "FutureWarning" not in console and "[WARNING]" not in console, console

@@ -26,7 +26,8 @@ against ~20k for a plain step. Each replacement below is set as train/zero_optim
   `free_param` (what its path ends in when the parameter already has its partition), in one loop. The optimizer
   instance only.
 - `gather_persistent_at_once` (after each step), `bucket_gradients_directly` and `partition_gradients_at_once`
-  (each backward): see their docstrings. The optimizer instance only.
+  (each backward), and at one rank `scatter_alone` (each bucket's reduce-scatter over a group of one): see their
+  docstrings. The optimizer instance only.
 - `fetch_in_one_pass` and `hooks_without_wrapping` (each module's forward and backward): see their docstrings. The
   coordinator and the parameter offload (ZeRO-3's hook owner) instances only.
 - `lean_linear` (each linear layer's forward and backward): ZeRO-3's `F.linear` without the Python around its
@@ -57,6 +58,7 @@ COORDINATION = "deepspeed.runtime.zero.partitioned_param_coordinator"
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 COORDINATOR = f"{COORDINATION}.PartitionedParameterCoordinator"
 ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+COALESCED = "deepspeed.runtime.comm.coalesced_collectives"
 # The syntax-tree fingerprint (source_fingerprint.py) of each DeepSpeed function a replacement replaces, calls or
 # relies on, as read in DeepSpeed READ_FROM (train/zero_optimizer.py).
 READ = {
@@ -86,6 +88,9 @@ READ = {
     f"{ZERO_3}._get_param_partition_group": "e6f2547981b456c5",
     f"{ZERO_3}._get_param_partition_rank": "680b312bbd4c405f",
     f"{ZERO_3}.partition_grads": "824b2a56fda02e2c",
+    f"{ZERO_3}._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads": "a3e2adb875efc7a9",
+    f"{ZERO_3}._gradient_averaging_world_size": "fa6150f82db21ca7",
+    f"{COALESCED}.reduce_scatter_coalesced": "dd295c906b5dcc74",
     f"{COORDINATOR}.fetch_sub_module": "27a2320a9bf3a94a",
     f"{COORDINATOR}._fetch_sub_module_impl": "2da3d8e18708e90a",
     f"{OFFLOAD}.DeepSpeedZeRoOffload.pre_sub_module_forward_function": "64299e5877221c63",
@@ -117,11 +122,14 @@ BUCKET_READS = tuple(f"{ZERO_3}.{name}" for name in (
 PARTITION_READS = tuple(f"{ZERO_3}.{name}" for name in (
     "partition_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
     "_get_param_partition_rank"))  # fmt: skip
+SCATTER_READS = (*(f"{ZERO_3}.{name}" for name in ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+                                                   "_gradient_averaging_world_size")),
+                 f"{COALESCED}.reduce_scatter_coalesced")  # fmt: skip
 FETCH_READS = (f"{COORDINATOR}.fetch_sub_module", f"{COORDINATOR}._fetch_sub_module_impl")
 HOOK_READS = tuple(f"{OFFLOAD}.DeepSpeedZeRoOffload.{when}_sub_module_{phase}_function"
                    for when in ("pre", "post") for phase in ("forward", "backward"))  # fmt: skip
 RELEASE_READS = tuple(path for path in READ if path not in RANGES_READS + DEBUG_LINES_READS + PARAMETERS_READS
-                      + GATHER_READS + FORWARD_READS + BUCKET_READS + PARTITION_READS + FETCH_READS
+                      + GATHER_READS + FORWARD_READS + BUCKET_READS + PARTITION_READS + SCATTER_READS + FETCH_READS
                       + HOOK_READS + LINEAR_READS)  # fmt: skip
 # DeepSpeed's module-level functions replaced process-wide: the modules that call each by its global name (each
 # imports it with `from ... import *` or by name).
@@ -485,6 +493,38 @@ def _accumulate(optimizer, accelerator, grad_buffer, grad_partition) -> None:
         grad_buffer.copy_(on_device, non_blocking=True)
 
 
+def scatter_alone(engine) -> None:
+    """At one rank a bucket's gradients are their own partitions. `__avg_scatter_grads` reduce-scatters them over
+    the group of one all the same (`reduce_scatter_coalesced`: each gradient's chunk concatenated into a new buffer,
+    divided by the world size, 1, and handed to the collective; ~10 calls a gradient, and a `device_count()` that
+    on DeepSpeed's CPU accelerator spawns `numactl --hardware` when LOCAL_SIZE is unset), which leaves every value
+    as it was: x / 1 is x in floating point. Here each partition is its gradient, flattened, with DeepSpeed's dtype
+    changes and pre- and post-scaling around it as in its code; `partition_grads` reads them as before."""
+    optimizer = engine.optimizer
+    factor = optimizer.gradient_predivide_factor
+    scaled = optimizer.postscale_gradients and factor != 1.0  # then DeepSpeed divides before and multiplies after
+
+    def avg_scatter_grads(params_to_reduce: list, communication_data_type: torch.dtype) -> list:
+        grads = [param.grad for param in params_to_reduce]
+        if communication_data_type != optimizer.dtype:
+            grads = [grad.to(communication_data_type) for grad in grads]
+        if scaled:
+            grads = [grad.div(factor) for grad in grads]
+        partitions = [grad.view(-1) for grad in grads]  # reduced over one rank
+        if scaled:
+            partitions = [partition.mul(factor) for partition in partitions]
+        if communication_data_type != optimizer.gradient_accumulation_dtype:
+            partitions = [partition.to(optimizer.gradient_accumulation_dtype) for partition in partitions]
+        return partitions
+
+    optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads = avg_scatter_grads
+
+
+def _scatter_unfit(engine) -> str | None:
+    """More than one rank reduces for real (at one, every group it could average over, AutoEP's too, is of one)."""
+    return "more than one rank" if dist.get_world_size() > 1 else unfit(engine)
+
+
 # ---- fetching a module's parameters --------------------------------------------------------------------------------
 
 
@@ -714,6 +754,7 @@ REPLACEMENTS = (
     _replacement(gather_persistent_at_once, GATHER_READS),
     _replacement(bucket_gradients_directly, BUCKET_READS),
     _replacement(partition_gradients_at_once, PARTITION_READS),
+    _replacement(scatter_alone, SCATTER_READS, _scatter_unfit),
     _replacement(fetch_in_one_pass, FETCH_READS, _fetch_unfit),
     _replacement(hooks_without_wrapping, HOOK_READS),
     _replacement(lean_linear, LINEAR_READS, _linear_unfit),
