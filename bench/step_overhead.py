@@ -18,7 +18,9 @@ matmul of the toy's size costs ~3x an fp32 one, the same in every configuration,
   copy-back of reduced gradients, the re-pointing of every weight, train/zero_optimizer.py) and its throughput timer,
   `deepspeed-functions` ZeRO-3's autograd Functions as DeepSpeed applies them (the linear layer and each module's
   backward hooks; the trainer applies them classically: train/zero3_functions.py), `deepspeed-bookkeeping` ZeRO-3's
-  NVTX ranges, debug lines and release of every parameter at the step (train/zero3_bookkeeping.py).
+  NVTX ranges, debug lines and release of every parameter at the step (train/zero3_bookkeeping.py);
+  `without-module-hooks` takes ZeRO-3's module hooks out altogether, a bound on what cutting their bookkeeping can
+  reach (`take_out_module_hooks`: at one rank, or where every parameter is persistent).
 Every step runs plain and each of ours on the same batch, in an order rotated every step. Each of ours is checked
 against a plain twin loaded with its engine's initial weights (the timed plain step is ours' twin): their losses
 must agree step by step (printed: `max |Δ loss|`, the largest difference over the run).
@@ -30,7 +32,8 @@ optimizer step and in it the gradient norm, the optimizer's update, and at ZeRO-
 and the re-gathering of the persistent ones), timed during the same interleaved steps.
 
     python bench/step_overhead.py [--steps 30] [--precision fp32 bf16] [KEY=VALUE ...]
-        [--variant "NAME [deepspeed-norm] [deepspeed-step] [deepspeed-functions] [deepspeed-bookkeeping] KEY=VALUE ..."]
+        [--variant "NAME [deepspeed-norm] [deepspeed-step] [deepspeed-functions] [deepspeed-bookkeeping]
+                    [without-module-hooks] KEY=VALUE ..."]
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ DEEPSPEED_STEP = "deepspeed-step"
 DEEPSPEED_FUNCTIONS = "deepspeed-functions"
 DEEPSPEED_BOOKKEEPING = "deepspeed-bookkeeping"
 GIVEN_BACK = (DEEPSPEED_NORM, DEEPSPEED_STEP, DEEPSPEED_FUNCTIONS, DEEPSPEED_BOOKKEEPING)
+WITHOUT_MODULE_HOOKS = "without-module-hooks"  # a bound, not a configuration: `take_out_module_hooks`
+WORDS = (*GIVEN_BACK, WITHOUT_MODULE_HOOKS)
 STEP_REPLACEMENTS = ("check_overflow", "allreduce_and_copy_with_multiple_ranks", "_update_model_bit16_weights")
 PHASES = ("forward", "backward", "optimizer step")
 PHASE_MARK = "phase: "
@@ -282,9 +287,9 @@ def build_trainer(overrides: list[str], output_dir: str) -> Trainer:
 
 
 def parse_variant(text: str) -> tuple[str, list[str], frozenset[str]]:
-    """The variant's name, its overrides and which of DeepSpeed's own parts it gets back."""
+    """The variant's name, its overrides and which of DeepSpeed's own parts it gets back (or takes out)."""
     name, *words = shlex.split(text)
-    return name, [word for word in words if word not in GIVEN_BACK], frozenset(set(GIVEN_BACK).intersection(words))
+    return name, [word for word in words if word not in WORDS], frozenset(set(WORDS).intersection(words))
 
 
 def give_back(trainer: Trainer, given_back: frozenset[str]) -> None:
@@ -296,6 +301,26 @@ def give_back(trainer: Trainer, given_back: frozenset[str]) -> None:
         vars(optimizer).pop(name, None)
     if DEEPSPEED_STEP in given_back:
         trainer.engine.tput_timer.config.enabled = True
+
+
+def take_out_module_hooks(trainer: Trainer) -> None:
+    """ZeRO-3 without its modules' hooks (the fetch before and release after each module's forward and backward,
+    and the autograd Functions they wrap around its inputs and outputs): what the hooks cost at most, which no
+    replacement of their bookkeeping can beat. Not a way to train: right only where every parameter stays gathered
+    (persistent) or, at one rank, is gathered when first read (ZeRO-3's parameter dict does, and there the gathered
+    weight is a view of its partition: the toy's embedding); refused otherwise. The losses are checked against the
+    plain twin."""
+    engine = trainer.engine
+    stage = engine.zero_optimization_stage()
+    if stage != 3:
+        raise SystemExit(f"{WITHOUT_MODULE_HOOKS}: ZeRO-3 only, this variant is at stage {stage}")
+    partitioned = [name for name, param in engine.module.named_parameters() if not getattr(param, "ds_persist", False)]
+    if partitioned and dist.get_world_size() > 1:
+        raise SystemExit(f"{WITHOUT_MODULE_HOOKS}: {len(partitioned)} parameters are partitioned, not persistent "
+                         f"(e.g. {partitioned[0]}): without the hooks nothing would gather them")  # fmt: skip
+    offload = engine.optimizer.parameter_offload
+    for handle in [*offload.forward_hooks, *offload.backward_hooks]:
+        handle.remove()
 
 
 def aten_ops_per_step(step: Callable[[], object]) -> dict[str, float]:
@@ -350,6 +375,8 @@ def main() -> None:
                     overrides = [f"train.precision={precision}", *args.overrides, *extra]
                     trainers[name] = build_trainer(overrides, f"{scratch}/{name}")
                 give_back(trainers[name], given_back[name])
+                if WITHOUT_MODULE_HOOKS in given_back[name]:
+                    take_out_module_hooks(trainers[name])
             run_and_report(trainers, given_back, args.steps)
     dist.destroy_process_group()
 
