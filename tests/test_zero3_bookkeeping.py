@@ -48,7 +48,7 @@ def trainer(folder: Path, *overrides: str):
     return Trainer(*load_run(TINY, run_overrides, torch.distributed.get_world_size()))
 
 
-def train(folder: Path, ours: bool) -> dict:
+def train(folder: Path, ours: bool, *overrides: str) -> dict:
     """STEPS steps on fixed batches, a checkpoint at SAVE_AT; the losses, the weights after the last step, the
     checkpoint's tensors and how often DeepSpeed's own release of every parameter ran. Not `ours`: the trainer
     without `streamline_zero3` (DeepSpeed's bookkeeping and autograd Functions as DeepSpeed sets them)."""
@@ -57,7 +57,7 @@ def train(folder: Path, ours: bool) -> dict:
 
     deepspeeds = mock.patch("ntl_pretrain.train.trainer.streamline_zero3", lambda engine: FastPath((), {}, {}, {}, {}))
     with contextlib.nullcontext() if ours else deepspeeds:
-        run = trainer(folder)
+        run = trainer(folder, *overrides)
     persistent = len(run.engine.optimizer.persistent_parameters)
     record = {"replaced": replaced(run.engine), "losses": [], "persistent": persistent}
     release = PartitionedParameterCoordinator.release_and_reset_all
@@ -99,10 +99,10 @@ def replaced(engine) -> set[str]:
     return instances | ours | ({"nvtx off"} if not nvtx.enable_nvtx else set())
 
 
-def same_training(folder: str) -> None:
+def same_training(folder: str, *overrides: str) -> None:
     root = Path(folder)
-    theirs = train(root / "theirs", ours=False)  # first: the process-wide replacements are not set yet
-    ours = train(root / "ours", ours=True)
+    theirs = train(root / "theirs", False, *overrides)  # first: the process-wide replacements are not set yet
+    ours = train(root / "ours", True, *overrides)
     assert theirs["replaced"] == set()
     assert ours["replaced"] == {"_partition_all_parameters", "_post_step", "_forward_prologue", "_forward_epilogue",
                                 "reduce_ready_partitions_and_remove_grads", "partition_grads", "fetch_sub_module",
@@ -175,12 +175,14 @@ def check_everything(folder: str) -> None:
     deepcompile_takes_the_hooks(folder)
 
 
-def check_one_rank(folder: str) -> None:
-    """One rank: the persistent parameters are not gathered, only made available (`gather_persistent_at_once`)."""
+def check_one_rank(folder: str, precision: str) -> None:
+    """One rank: the persistent parameters are not gathered, only made available (`gather_persistent_at_once`), and
+    the gradients are their own partitions (`scatter_alone`): in fp32 as they are, in bf16 converted to the fp32 they
+    are reduced in (`train.reduce_dtype`'s default) as DeepSpeed converts them."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    same_training(folder)
+    same_training(folder, f"train.precision={precision}")
 
 
 @pytest.mark.slow
@@ -189,5 +191,6 @@ def test_our_zero3_bookkeeping_trains_as_deepspeeds_and_says_when_it_is_off(tmp_
 
 
 @pytest.mark.slow
-def test_on_one_rank_our_zero3_bookkeeping_trains_as_deepspeeds(tmp_path):
-    run_distributed(check_one_rank, 1, str(tmp_path), timeout_s=600)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_one_rank_our_zero3_bookkeeping_trains_as_deepspeeds(tmp_path, precision):
+    run_distributed(check_one_rank, 1, str(tmp_path), precision, timeout_s=600)
