@@ -48,3 +48,24 @@ def test_the_floors_name_what_the_code_needs():
     assert minimum["torch"] >= Version("2.5")  # torch.serialization.safe_globals (checkpoint loading)
     assert minimum["deepspeed"] >= Version("0.19")  # the ZeRO-3 internals vocab_parallel.py and reshard.py handle
     assert minimum["transformers"] >= Version("4.56")  # the dtype= keyword of from_pretrained / from_config
+
+
+def test_every_model_the_package_loads_leaves_out_hub_kernels():
+    """transformers 5.25 kernelizes what `from_pretrained` loads unless told not to (hub downloads; refused on the
+    meta device): each model load in the package passes `**WITHOUT_HUB_KERNELS`. Tokenizer and config loads take no
+    such keyword and are not counted."""
+    import ast
+
+    loads, bare = 0, []
+    for path in sorted((REPO / "ntl_pretrain").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = getattr(node, "func", None)
+            if not (isinstance(called, ast.Attribute) and called.attr == "from_pretrained"):
+                continue
+            if not (isinstance(called.value, ast.Name) and called.value.id.endswith(("ForCausalLM", "Model"))):
+                continue
+            loads += 1
+            unpacked = {getattr(keyword.value, "id", None) for keyword in node.keywords if keyword.arg is None}
+            if "WITHOUT_HUB_KERNELS" not in unpacked:
+                bare.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert loads >= 4 and not bare, f"{loads} model loads; without **WITHOUT_HUB_KERNELS: {bare}"

@@ -122,10 +122,11 @@ def _export_on_rank0(target: Target, scratch: Path, stage: Callable[[str], None]
 def _load(folder: Path):
     from transformers import AutoModelForCausalLM
 
+    from ntl_pretrain.model import WITHOUT_HUB_KERNELS
     from ntl_pretrain.tokenizer import load_tokenizer
 
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **WITHOUT_HUB_KERNELS).to(device)
     return model, load_tokenizer(str(folder))
 
 

@@ -25,6 +25,7 @@ from ntl_pretrain.checkpoint.store import HF_CONFIG, TOKENIZER, holds_checkpoint
 from ntl_pretrain.config.loading import read_yaml_file
 from ntl_pretrain.export.gguf_file import checked_gguf
 from ntl_pretrain.heads import saved_output_matrix
+from ntl_pretrain.model import WITHOUT_HUB_KERNELS
 from ntl_pretrain.outputs import write_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -94,7 +95,9 @@ def convert_gguf(gguf: str, out_dir: str | Path, dtype: str = "bfloat16",
     path = checked_gguf(gguf)
     stage("dequantising the weights to float32 (transformers' GGUF loader)")
     with prints_kept_off_the_console():  # its own tqdm bar, redrawn into a log for minutes as one line
-        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, **WITHOUT_HUB_KERNELS
+        )
         stage("reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     stage("moving the weights into a model built from its config")

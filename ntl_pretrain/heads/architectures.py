@@ -16,7 +16,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ntl_pretrain.heads.forward_rules import ForwardRule, evaluate, forward_rule
 from ntl_pretrain.loss.logit_transform import LogitTransform
 
-# Checked on transformers 5.24.0 by tests/test_architectures.py (dense and chunked heads; dense only in OUTPUT_BIAS).
+# Checked on transformers 5.25.0 by tests/test_architectures.py (dense and chunked heads; dense only in OUTPUT_BIAS).
 CHECKED = frozenset("""
 afmoe apertus apertus1p5_text arcee aria_text axk1 axk2 beam biogpt bitnet bloom codegen cohere cohere2 cohere2_moe
 ctrl cwm deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 diffllama doge dots1 dots3_note_text ernie4_5 ernie4_5_moe

@@ -26,7 +26,7 @@ from ntl_pretrain.config.recipe import Recipe, RecipeError
 from ntl_pretrain.heads import HeadOutput, OutputHead, build_head
 from ntl_pretrain.heads.architectures import trunk_path
 from ntl_pretrain.heads.router_aux import RouterBalancing, router_balancing
-from ntl_pretrain.model import flash_attention
+from ntl_pretrain.model import WITHOUT_HUB_KERNELS, flash_attention
 from ntl_pretrain.model.document_attention import transformers_takes_varlen_arguments
 from ntl_pretrain.numbers import NumberVocab
 from ntl_pretrain.reporting.metrics import flops_per_token
@@ -160,7 +160,7 @@ def build_model(
     if recipe.init_from is None or saved_config is not None:  # a resumed run loads its own weights
         lm = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
-        lm = AutoModelForCausalLM.from_pretrained(recipe.init_from, config=config, **kwargs)
+        lm = AutoModelForCausalLM.from_pretrained(recipe.init_from, config=config, **kwargs, **WITHOUT_HUB_KERNELS)
     if recipe.model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False

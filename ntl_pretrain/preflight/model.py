@@ -142,12 +142,16 @@ def _meta_load_report(folder: Path, config) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    from ntl_pretrain.model import WITHOUT_HUB_KERNELS
+
     verbosity, progress_bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()  # its load report and progress bar: the refusal below says what matters
     logging.disable_progress_bar()
     try:
         settings = {"device_map": "meta", "dtype": torch.float32, "ignore_mismatched_sizes": True}
-        _, info = AutoModelForCausalLM.from_pretrained(folder, config=config, output_loading_info=True, **settings)
+        _, info = AutoModelForCausalLM.from_pretrained(  # hub kernels (on since transformers 5.25) refuse meta
+            folder, config=config, output_loading_info=True, **settings, **WITHOUT_HUB_KERNELS
+        )
     except Exception as error:  # transformers raises RuntimeError, ValueError, KeyError ... from its loader
         raise RecipeError(f"init_from: transformers cannot load {folder}: {' '.join(str(error).split())}") from error
     finally:
